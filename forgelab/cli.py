@@ -1,0 +1,103 @@
+"""The command line: a thin shell over the same `Run` API the notebooks use.
+
+    forgelab run CONFIG.yaml [--set train.steps=20 ...]   train from a YAML config
+    forgelab demo                                          the `make demo` job
+    forgelab check CONFIG.yaml                             validate a config, spawn nothing
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+
+def _apply_overrides(data: dict, sets: list[str]) -> dict:
+    import yaml
+
+    for item in sets or []:
+        if "=" not in item:
+            raise SystemExit(f"--set {item!r}: expected dotted.key=value, e.g. train.steps=20")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def _load(path: str, sets: list[str]):
+    import yaml
+
+    from forgelab.config import ConfigError, RunConfig
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    return RunConfig.from_dict(_apply_overrides(data, sets))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="forgelab", description="RL for language models, Jupyter-first.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="train from a YAML config")
+    p_run.add_argument("config")
+    p_run.add_argument("--set", action="append", default=[], help="override a field: train.steps=20")
+    p_run.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    p_chk = sub.add_parser("check", help="validate a config without spawning anything")
+    p_chk.add_argument("config")
+    p_chk.add_argument("--set", action="append", default=[])
+    p_demo = sub.add_parser("demo", help="asynchronous GRPO on the addition task (what `make demo` runs)")
+    p_demo.add_argument("--steps", type=int, default=None)
+    p_demo.add_argument("--out", default="runs")
+    args = parser.parse_args(argv)
+
+    from forgelab.config import ConfigError
+
+    try:
+        if args.cmd == "check":
+            cfg = _load(args.config, args.set)
+            print(f"config ok: {cfg.name}: task {cfg.rollout.task}, loss {cfg.train.loss}, {cfg.train.steps} steps")
+            return 0
+        if args.cmd == "run":
+            cfg = _load(args.config, args.set)
+            return asyncio.run(_run(cfg, args.resume))
+        if args.cmd == "demo":
+            from forgelab.demo import demo
+
+            return asyncio.run(demo(steps=args.steps, out_dir=args.out))
+    except ConfigError as e:
+        print(f"forgelab: bad config: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+async def _run(cfg, resume: str | None) -> int:
+    from forgelab.progress import ConsoleReporter
+    from forgelab.run import Run
+
+    run = Run(cfg, resume_from=resume)
+    t0 = time.time()
+    reporter = ConsoleReporter(run)
+    await run.start()
+    try:
+        await run.wait()
+    finally:
+        reporter.close()
+        await run.shutdown()
+    acc = run.accuracy_history
+    print(json.dumps({
+        "name": cfg.name, "task": cfg.rollout.task, "steps": run.step, "minutes": round((time.time() - t0) / 60, 2),
+        "accuracy_before": acc[0][1] if acc else None, "accuracy_after": acc[-1][1] if acc else None,
+        "episodes": {k: v for k, v in run.episodes.items() if k in ("generated", "trained", "evicted", "dropped")},
+        "out_dir": str(run.out_dir),
+    }))
+    return 0 if run.state in ("finished", "stopped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Console progress for scripts and the CLI: a progress bar and a per-step table."""
+from __future__ import annotations
+
+import sys
+
+COLUMNS = [
+    ("step", "{:>5d}"), ("reward_mean", "{:>7.3f}"), ("heldout_accuracy", "{:>6.3f}"), ("loss", "{:>8.4f}"),
+    ("kl_ref", "{:>7.4f}"), ("entropy", "{:>6.3f}"), ("policy_age_mean", "{:>5.2f}"), ("tokens_per_s", "{:>7.0f}"),
+    ("step_time_s", "{:>6.2f}"),
+]
+HEAD = {"step": "step", "reward_mean": "reward", "heldout_accuracy": "acc", "loss": "loss", "kl_ref": "kl",
+        "entropy": "entr", "policy_age_mean": "age", "tokens_per_s": "tok/s", "step_time_s": "sec"}
+
+
+class ConsoleReporter:
+    """Listens to a Run: prints one table row per step under a tqdm progress bar."""
+
+    def __init__(self, run, every: int = 1, stream=None):
+        from tqdm import tqdm
+
+        self.run = run
+        self.every = every
+        self.stream = stream or sys.stdout
+        self.bar = tqdm(total=run.config.train.steps, desc="GRPO", unit="step", file=sys.stderr,
+                        dynamic_ncols=True, leave=True)
+        self._header = False
+        run.add_listener(self._on)
+
+    def _fmt(self, row: dict) -> str:
+        out = []
+        for col, fmt in COLUMNS:
+            v = row.get(col)
+            width = len(fmt.format(0 if "d" in fmt else 0.0))
+            if v is None or (isinstance(v, float) and v != v):
+                out.append(" " * (width - 1) + "-")
+            else:
+                out.append(fmt.format(int(v) if "d" in fmt else float(v)))
+        return " ".join(out)
+
+    def _on(self, row: dict) -> None:
+        if "event" in row:
+            ev = row["event"]
+            if ev["kind"] in ("loss_swapped", "reward_weights", "step_skipped", "paused", "replica_failed",
+                              "replica_restarted", "failed", "eval"):
+                detail = {k: v for k, v in ev.items() if k not in ("kind", "time")}
+                self.bar.write(f"  [event] {ev['kind']} {detail}", file=self.stream)
+            return
+        self.bar.update(1)
+        if row["step"] % self.every:
+            return
+        if not self._header:
+            hdr = []
+            for col, fmt in COLUMNS:
+                width = len(fmt.format(0 if "d" in fmt else 0.0))
+                hdr.append(HEAD[col].rjust(width))
+            self.bar.write(" ".join(hdr), file=self.stream)
+            self._header = True
+        self.bar.write(self._fmt(row), file=self.stream)
+
+    def close(self) -> None:
+        self.run.remove_listener(self._on)
+        self.bar.close()
