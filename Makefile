@@ -24,7 +24,7 @@ setup: $(STAMP) browser
 # "operator torchvision::nms does not exist". The import check ends the setup.
 $(STAMP): requirements.lock overrides.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv==0.13.9 torch==2.13.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps uv==0.13.9 torch==2.13.0
 	$(UV) -r requirements.lock --override overrides.txt
 	$(UV) --no-deps -e .
 	$(BIN)/python -m forgelab.check_install

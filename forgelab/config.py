@@ -79,9 +79,12 @@ class TrainConfig:
     loss: str = "grpo"
     """Loss name in forgelab.algos.LOSSES (swap it live with run.set_loss)."""
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Hyper-parameters passed to the loss (e.g. clip_eps, kl_coef)."""
-    is_cap: float | None = 2.0
-    """Truncated importance-sampling cap for off-policy samples; None disables it."""
+    """Hyper-parameters passed to the loss (e.g. eps_low, eps_high, kl_coef for grpo)."""
+    is_cap: float | None = None
+    """Truncated importance-sampling cap: multiply each token's loss by min(pi_trainer/pi_generator, is_cap).
+    For ratio-based losses (grpo, dapo, dr_grpo, gspo, cispo) the ratio to the generator's logprobs already
+    corrects for off-policy samples, so the default is None (diagnostics are still reported); set it (e.g. 2.0)
+    for `reinforce`."""
     max_policy_age: int = 1
     """Staleness bound: episodes generated more than this many versions ago are evicted. 0 = synchronous on-policy."""
     max_buffer: int = 1024

@@ -1,0 +1,471 @@
+"""Policy-gradient losses as plain functions in a registry: swapping the loss is swapping a dict value.
+
+Every loss has the signature::
+
+    fn(logprobs_B_T, *, generator_logprobs_B_T, advantages_B, mask_B_T,
+       ref_logprobs_B_T=None, is_weights_B_T=None, **hparams) -> (loss, metrics)
+
+``logprobs_B_T`` is the current policy's logprob of each target token (with
+grad); everything else is a constant (detached here, whatever the caller
+passes). Per-token tensors follow the target alignment of
+``forgelab.algos.logprobs``; ``mask_B_T`` is 1.0 exactly on trained tokens.
+Unknown hyperparameters are ignored (``**_``), so the trainer can pass one
+uniform set to whichever loss is live. ``loss`` is a scalar tensor to minimise;
+``metrics`` maps names to plain floats.
+
+The ratio is taken against the generator's sampling logprobs,
+``r = exp(logp - generator_logp)``: the behaviour policy is whatever produced
+the tokens, so off-policy lag and trainer/generator numerical mismatch are both
+inside ``r``. ``is_weights_B_T`` (e.g. from ``forgelab.algos.importance``)
+multiplies the per-token policy-gradient term only, never the KL penalty
+(as in verl's TIS), and is detached.
+
+Every loss reports ``kl_behaviour`` (mean of ``generator_logp - logp`` over
+trained tokens, an estimate of KL(behaviour || current)) and ``ratio_mean``;
+``kl_ref`` (k3 estimate of KL(current || reference)) whenever
+``ref_logprobs_B_T`` is given; ``clip_frac`` (share of trained tokens, or of
+sequences for ``gspo``, where clipping is active) for the clipped losses.
+
+Hyperparameter names: ``eps_low``/``eps_high`` clip the token ratio (grpo,
+dapo, dr_grpo); gspo's sequence-ratio clip is ``seq_eps_low``/``seq_eps_high``
+and cispo's IS-weight clip is ``is_eps_low``/``is_eps_high``, kept distinct
+because their scales differ by three orders of magnitude and a value carried
+over by a hot swap would be silently wrong.
+
+    >>> import torch
+    >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    >>> loss, metrics = LOSSES["reinforce"](logp, generator_logprobs_B_T=logp.detach(),
+    ...     advantages_B=torch.tensor([1.0]), mask_B_T=torch.ones(1, 2))
+    >>> round(loss.item(), 4), metrics["ratio_mean"]
+    (1.5, 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from forgelab.algos.logprobs import masked_mean, masked_sum
+
+__all__ = [
+    "LOSSES",
+    "LossFn",
+    "LossError",
+    "validate_loss_output",
+    "grpo",
+    "dapo",
+    "dr_grpo",
+    "gspo",
+    "cispo",
+    "reinforce",
+]
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+class LossError(ValueError):
+    """A loss function was called with bad inputs or returned something the trainer cannot use."""
+
+
+# --- shared pieces -----------------------------------------------------------
+
+
+def _prepare(name, logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T):
+    """Checks shapes and returns fp32 tensors; padding positions of log-ratios are 0 so exp stays finite."""
+    if logprobs_B_T.dim() != 2:
+        raise LossError(f"loss {name!r}: logprobs must be [B, T], got shape {tuple(logprobs_B_T.shape)}")
+    B, T = logprobs_B_T.shape
+    expected = {"generator_logprobs_B_T": generator_logprobs_B_T, "mask_B_T": mask_B_T}
+    if ref_logprobs_B_T is not None:
+        expected["ref_logprobs_B_T"] = ref_logprobs_B_T
+    if is_weights_B_T is not None:
+        expected["is_weights_B_T"] = is_weights_B_T
+    for arg, value in expected.items():
+        if tuple(value.shape) != (B, T):
+            raise LossError(
+                f"loss {name!r}: {arg} has shape {tuple(value.shape)} but logprobs_B_T has {(B, T)}; "
+                "every per-token tensor must be aligned to target positions (see forgelab.algos.batching.collate)"
+            )
+    if tuple(advantages_B.shape) != (B,):
+        raise LossError(
+            f"loss {name!r}: advantages_B has shape {tuple(advantages_B.shape)}, expected ({B},): one advantage "
+            "per sequence"
+        )
+    mask_B_T = mask_B_T.detach().float()
+    on_B_T = mask_B_T != 0
+    logp_B_T = logprobs_B_T.float()
+    log_ratio_B_T = torch.where(on_B_T, logp_B_T - generator_logprobs_B_T.detach().float(), 0.0)
+    adv_B_1 = advantages_B.detach().float()[:, None]
+    w_B_T = None if is_weights_B_T is None else is_weights_B_T.detach().float()
+    return logp_B_T, log_ratio_B_T, adv_B_1, mask_B_T, on_B_T, w_B_T
+
+
+def _k3_kl(logp_B_T, ref_logprobs_B_T, on_B_T):
+    """k3 estimator of KL(current || ref) per token: ``exp(d) - d - 1`` with ``d = ref - logp``; >= 0."""
+    d_B_T = torch.where(on_B_T, ref_logprobs_B_T.detach().float() - logp_B_T, 0.0)
+    return torch.exp(d_B_T) - d_B_T - 1.0
+
+
+def _base_metrics(logp_B_T, log_ratio_B_T, mask_B_T, on_B_T, ref_logprobs_B_T) -> dict[str, float]:
+    with torch.no_grad():
+        metrics = {
+            "kl_behaviour": masked_mean(-log_ratio_B_T, mask_B_T).item(),
+            "ratio_mean": masked_mean(torch.exp(log_ratio_B_T), mask_B_T).item(),
+        }
+        if ref_logprobs_B_T is not None:
+            metrics["kl_ref"] = masked_mean(_k3_kl(logp_B_T, ref_logprobs_B_T, on_B_T), mask_B_T).item()
+    return metrics
+
+
+def _clipped_token_objective(log_ratio_B_T, adv_B_1, eps_low, eps_high, mask_B_T):
+    """PPO surrogate ``min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` per token, and the clip fraction."""
+    ratio_B_T = torch.exp(log_ratio_B_T)
+    objective_B_T = torch.minimum(ratio_B_T * adv_B_1, ratio_B_T.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B_1)
+    with torch.no_grad():
+        # Clipping is active (zero gradient) only on the side the advantage pushes towards.
+        clipped_B_T = ((ratio_B_T > 1.0 + eps_high) & (adv_B_1 > 0)) | ((ratio_B_T < 1.0 - eps_low) & (adv_B_1 < 0))
+        clip_frac = masked_mean(clipped_B_T.float(), mask_B_T).item()
+    return objective_B_T, clip_frac
+
+
+def _weighted(x_B_T, w_B_T):
+    return x_B_T if w_B_T is None else x_B_T * w_B_T
+
+
+def _sequence_mean(per_token_B_T, mask_B_T):
+    """Mean over each sequence's trained tokens, then over the sequences that have any."""
+    per_seq_B = masked_mean(per_token_B_T, mask_B_T, dim=1)
+    n_seqs = (mask_B_T.sum(dim=1) > 0).sum()
+    return per_seq_B.sum() / n_seqs.clamp_min(1)
+
+
+# --- losses ------------------------------------------------------------------
+
+
+def grpo(
+    logprobs_B_T: torch.Tensor,
+    *,
+    generator_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    is_weights_B_T: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    kl_coef: float = 0.04,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO: PPO-clipped surrogate plus a k3 KL penalty, averaged per sequence then over sequences.
+
+    ``loss = 1/|S| sum_{i in S} 1/|o_i| sum_t [ -w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)
+    + kl_coef * k3_it ]`` with ``r = exp(logp - generator_logp)``,
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` and ``S`` the sequences with at
+    least one trained token. The KL term is skipped when ``ref_logprobs_B_T``
+    is None or ``kl_coef == 0``. Pair with ``grpo`` advantages.
+    Shao et al. 2024, DeepSeekMath, arXiv:2402.03300.
+
+    Args:
+        logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
+        generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
+        advantages_B: one advantage per sequence, ``[B]``.
+        mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
+        ref_logprobs_B_T: reference-model logprobs, ``[B, T]``, or None.
+        is_weights_B_T: per-token importance weights multiplying the clipped term, ``[B, T]``, or None.
+        eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+        kl_coef: weight of the KL penalty (beta).
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        "grpo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    objective_B_T, clip_frac = _clipped_token_objective(log_ratio, adv, eps_low, eps_high, mask)
+    per_token_B_T = -_weighted(objective_B_T, w)
+    if ref_logprobs_B_T is not None and kl_coef != 0:
+        per_token_B_T = per_token_B_T + kl_coef * _k3_kl(logp, ref_logprobs_B_T, on)
+    loss = _sequence_mean(per_token_B_T, mask)
+    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+
+
+def dapo(
+    logprobs_B_T: torch.Tensor,
+    *,
+    generator_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    is_weights_B_T: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO: clip-higher PPO surrogate with token-level normalisation and no KL.
+
+    ``loss = -1/N sum_{i,t} w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)``
+    with ``N`` the number of trained tokens in the batch, so long sequences
+    weigh in proportion to their length. A larger ``eps_high`` lets
+    low-probability tokens grow (against entropy collapse). ``ref_logprobs_B_T``
+    is used only for the ``kl_ref`` metric.
+    Yu et al. 2025, "DAPO", arXiv:2503.14476.
+
+    Args:
+        logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
+        generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
+        advantages_B: one advantage per sequence, ``[B]``.
+        mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
+        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
+        eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        "dapo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    objective_B_T, clip_frac = _clipped_token_objective(log_ratio, adv, eps_low, eps_high, mask)
+    loss = masked_mean(-_weighted(objective_B_T, w), mask)
+    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+
+
+def dr_grpo(
+    logprobs_B_T: torch.Tensor,
+    *,
+    generator_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    is_weights_B_T: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    max_tokens: int | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dr.GRPO: PPO-clipped surrogate normalised by a constant, not by sequence length; no KL.
+
+    ``loss = -1/(B * max_tokens) sum_{i,t} w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)``.
+    Dividing by each sequence's own length (GRPO) favours long wrong answers
+    and short right ones; a constant removes that bias. Pair with the
+    ``dr_grpo`` advantages (``r - mean``, no std), which remove the other
+    (difficulty) bias. ``ref_logprobs_B_T`` is used only for ``kl_ref``.
+    Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783.
+
+    Args:
+        logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
+        generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
+        advantages_B: one advantage per sequence, ``[B]``.
+        mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
+        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
+        eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+        max_tokens: the normalising constant per sequence; default ``T``. Set it
+            to the generation budget so it does not change with batch padding.
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        "dr_grpo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    B, T = logprobs_B_T.shape
+    max_tokens = T if max_tokens is None else max_tokens
+    if max_tokens <= 0:
+        raise LossError(f"loss 'dr_grpo': max_tokens must be positive, got {max_tokens}")
+    objective_B_T, clip_frac = _clipped_token_objective(log_ratio, adv, eps_low, eps_high, mask)
+    loss = masked_sum(-_weighted(objective_B_T, w), mask) / (max(B, 1) * max_tokens)
+    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+
+
+def gspo(
+    logprobs_B_T: torch.Tensor,
+    *,
+    generator_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    is_weights_B_T: torch.Tensor | None = None,
+    seq_eps_low: float = 3e-4,
+    seq_eps_high: float = 4e-4,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: one length-normalised importance ratio per sequence, clipped per sequence.
+
+    ``s_i = exp(1/|o_i| sum_t (logp_it - generator_logp_it))`` and
+    ``loss = -1/|S| sum_{i in S} w_i min(s_i A_i, clip(s_i, 1-seq_eps_low, 1+seq_eps_high) A_i)``
+    over the sequences ``S`` with at least one trained token. ``w_i`` is the
+    mean of ``is_weights_B_T`` over the sequence's trained tokens (constant
+    along a sequence when it comes from sequence-level truncated IS). The
+    clip range is tiny because ``s_i`` is a geometric mean; ``clip_frac`` is
+    the share of sequences clipped. No KL; ``ref_logprobs_B_T`` feeds ``kl_ref`` only.
+    Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+
+    Args:
+        logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
+        generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
+        advantages_B: one advantage per sequence, ``[B]``.
+        mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
+        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        is_weights_B_T: importance weights, ``[B, T]``, averaged per sequence, or None.
+        seq_eps_low, seq_eps_high: sequence-ratio clip range ``[1 - seq_eps_low, 1 + seq_eps_high]``.
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        "gspo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    has_tokens_B = mask.sum(dim=1) > 0
+    seq_ratio_B = torch.exp(masked_mean(log_ratio, mask, dim=1))
+    adv_B = adv[:, 0]
+    clipped_B = seq_ratio_B.clamp(1.0 - seq_eps_low, 1.0 + seq_eps_high)
+    objective_B = torch.minimum(seq_ratio_B * adv_B, clipped_B * adv_B)
+    if w is not None:
+        objective_B = objective_B * masked_mean(w, mask, dim=1)
+    objective_B = torch.where(has_tokens_B, objective_B, 0.0)
+    loss = -objective_B.sum() / has_tokens_B.sum().clamp_min(1)
+    with torch.no_grad():
+        active_B = ((seq_ratio_B > 1.0 + seq_eps_high) & (adv_B > 0)) | ((seq_ratio_B < 1.0 - seq_eps_low) & (adv_B < 0))
+        n_seqs = max(int(has_tokens_B.sum()), 1)
+        metrics = _base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T)
+        metrics["seq_ratio_mean"] = (seq_ratio_B * has_tokens_B).sum().item() / n_seqs
+        metrics["clip_frac"] = (active_B & has_tokens_B).sum().item() / n_seqs
+    return loss, metrics
+
+
+def cispo(
+    logprobs_B_T: torch.Tensor,
+    *,
+    generator_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    is_weights_B_T: torch.Tensor | None = None,
+    is_eps_low: float = 1.0,
+    is_eps_high: float = 2.0,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio; every token keeps its gradient.
+
+    ``loss = -1/N sum_{i,t} sg(clip(r_it, 1-is_eps_low, 1+is_eps_high)) w_it A_i logp_it``
+    with ``N`` the number of trained tokens. Unlike PPO clipping, which zeroes
+    the gradient of clipped tokens (often the rare "fork" tokens), CISPO only
+    caps their weight. The default ``is_eps_low = 1`` puts the lower bound at
+    0, i.e. no lower bound, as in the paper; the default cap is
+    ``1 + is_eps_high = 3``. The loss value is on the scale of ``A * logp``;
+    only its gradient is meaningful. No KL; ``ref_logprobs_B_T`` feeds ``kl_ref`` only.
+    MiniMax 2025, "MiniMax-M1", arXiv:2506.13585.
+
+    Args:
+        logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
+        generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
+        advantages_B: one advantage per sequence, ``[B]``.
+        mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
+        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        is_weights_B_T: extra per-token importance weights, ``[B, T]``, or None.
+        is_eps_low, is_eps_high: IS-weight clip range ``[1 - is_eps_low, 1 + is_eps_high]``.
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        "cispo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    with torch.no_grad():
+        ratio_B_T = torch.exp(log_ratio)
+        is_weight_B_T = ratio_B_T.clamp(1.0 - is_eps_low, 1.0 + is_eps_high)
+        clipped_B_T = (ratio_B_T > 1.0 + is_eps_high) | (ratio_B_T < 1.0 - is_eps_low)
+        clip_frac = masked_mean(clipped_B_T.float(), mask).item()
+    logp_on_B_T = torch.where(on, logp, 0.0)
+    loss = masked_mean(-_weighted(is_weight_B_T * adv * logp_on_B_T, w), mask)
+    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+
+
+def reinforce(
+    logprobs_B_T: torch.Tensor,
+    *,
+    generator_logprobs_B_T: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    ref_logprobs_B_T: torch.Tensor | None = None,
+    is_weights_B_T: torch.Tensor | None = None,
+    **_,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE with a given advantage: ``loss = -1/N sum_{i,t} w_it A_i logp_it``, token-level mean.
+
+    No ratio, no clipping: strictly on-policy unless ``is_weights_B_T`` corrects
+    for the generator (e.g. truncated IS). ``generator_logprobs_B_T`` feeds
+    the ``ratio_mean``/``kl_behaviour`` metrics only.
+    Williams 1992, "Simple statistical gradient-following algorithms".
+
+    Args:
+        logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
+        generator_logprobs_B_T: behaviour-policy sampling logprobs (metrics only), ``[B, T]``.
+        advantages_B: one advantage per sequence, ``[B]``.
+        mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
+        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        "reinforce", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    logp_on_B_T = torch.where(on, logp, 0.0)
+    loss = masked_mean(-_weighted(adv * logp_on_B_T, w), mask)
+    return loss, _base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T)
+
+
+LOSSES: dict[str, LossFn] = {
+    "grpo": grpo,
+    "dapo": dapo,
+    "dr_grpo": dr_grpo,
+    "gspo": gspo,
+    "cispo": cispo,
+    "reinforce": reinforce,
+}
+"""Losses by name. A user's own function with the same signature is a first-class entry."""
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        shown = value.item() if value.numel() == 1 else f"{value.numel()} elements"
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, value={shown})"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:120] + '...' if len(text) > 120 else text}"
+
+
+def validate_loss_output(out, name: str, *, require_grad: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """Check a loss function's return value; return it as ``(loss, metrics)`` or raise ``LossError``.
+
+    Used by the trainer after every call and by the hot-swap dry run before a
+    new loss goes live. Requires ``(scalar finite floating tensor, dict[str, real number])``;
+    with ``require_grad`` the loss must also be attached to the autograd graph.
+
+    >>> import torch
+    >>> validate_loss_output((torch.tensor(0.5), {"kl_behaviour": 0.0}), "mine")[0].item()
+    0.5
+    >>> validate_loss_output(torch.tensor([0.5, 1.0]), "mine")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    LossError: loss 'mine' returned Tensor(shape=(2,), ...), expected a tuple (loss, metrics); ...
+    """
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise LossError(
+            f"loss {name!r} returned {_describe(out)}, expected a tuple (loss, metrics); "
+            'return `loss, {"name": float, ...}`'
+        )
+    loss, metrics = out
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"loss {name!r} returned loss={_describe(loss)}, expected a torch.Tensor scalar")
+    if loss.numel() != 1 or loss.dim() > 1:
+        raise LossError(
+            f"loss {name!r} returned loss={_describe(loss)}, expected a scalar; reduce it "
+            "(e.g. forgelab.algos.masked_mean(per_token, mask_B_T))"
+        )
+    if not loss.is_floating_point():
+        raise LossError(f"loss {name!r} returned loss={_describe(loss)}, expected a floating-point tensor")
+    if not torch.isfinite(loss).all():
+        raise LossError(
+            f"loss {name!r} returned a non-finite loss {_describe(loss)}; check for exp() overflow on padding "
+            "positions (mask before exponentiating), division by a zero token count, or log(0)"
+        )
+    if require_grad and not loss.requires_grad:
+        raise LossError(
+            f"loss {name!r} returned a loss with no gradient {_describe(loss)}; it must be computed from "
+            "logprobs_B_T without .detach()/.item()/torch.no_grad()"
+        )
+    if not isinstance(metrics, dict):
+        raise LossError(f"loss {name!r} returned metrics={_describe(metrics)}, expected a dict[str, float]")
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise LossError(f"loss {name!r} returned a metric key {key!r}; metric names must be str")
+        if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LossError(
+                f"loss {name!r} returned metric {key!r}={_describe(value)}, expected a plain float; "
+                "use .item() on tensors"
+            )
+    return loss.reshape(()), {k: float(v) for k, v in metrics.items()}

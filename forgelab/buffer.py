@@ -1,0 +1,323 @@
+"""A replay buffer that bounds off-policy lag and accounts for every episode it ever saw.
+
+Life of an episode (``status``)::
+
+    add ──> buffered ──sample──> in_flight ──mark_trained──> trained
+               │                    ├──mark_dropped(reason)──> dropped
+               │                    └──requeue──> buffered
+               ├──(too old at sample time)──> evicted   (reason "stale")
+               └──(buffer over max_size)───> dropped   (reason "buffer_full")
+    drop(episodes, reason) / record_generated(n, reason): generated and dropped
+    before ever reaching the buffer (reward errors, zero-variance groups, ...)
+
+An episode generated with weights ``policy_version`` is *stale* once
+``current_version - policy_version > max_policy_age``; ``max_policy_age = 0``
+is on-policy training. The accounting identity
+
+    generated == trained + evicted + dropped + buffered + in_flight
+
+holds after every call (``check_accounting`` asserts it), and no episode is
+ever trained twice (``mark_trained`` raises ``EpisodeAlreadyTrained``).
+
+The buffer is not locked: call it from one thread (the controller's event loop).
+
+    >>> from forgelab.types import Episode
+    >>> def ep(i, group, version):
+    ...     return Episode(id=i, group_id=group, prompt_ids=[1], completion_ids=[2],
+    ...                    generator_logprobs=[-1.0], policy_version=version)
+    >>> buf = ReplayBuffer(batch_size=2, max_policy_age=1)
+    >>> _ = buf.add([ep(0, 0, 0), ep(1, 0, 0)]); _ = buf.add([ep(2, 1, 1), ep(3, 1, 1)])
+    >>> batch = buf.sample(current_version=2)  # group 0 is 2 versions old: evicted
+    >>> [e.id for e in batch]
+    [2, 3]
+    >>> buf.mark_trained(batch)
+    >>> {k: buf.counts()[k] for k in ("generated", "trained", "evicted", "buffered")}
+    {'generated': 4, 'trained': 2, 'evicted': 2, 'buffered': 0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from forgelab.types import Episode
+
+__all__ = ["ReplayBuffer", "EpisodeAlreadyTrained", "STATUSES"]
+
+STATUSES = ("buffered", "in_flight", "trained", "evicted", "dropped")
+
+
+class EpisodeAlreadyTrained(RuntimeError):
+    """An episode was marked trained a second time: a bug in whoever sampled it."""
+
+
+class ReplayBuffer:
+    """FIFO buffer of episodes with policy-age eviction, a size bound and full accounting.
+
+    Args:
+        batch_size: episodes per ``sample``.
+        max_policy_age: how many policy versions behind the trainer an episode
+            may be when sampled (0 = strictly on-policy).
+        max_size: most episodes held in the buffer (in-flight ones excluded);
+            None for unbounded. When an ``add`` exceeds it the oldest are
+            dropped with reason ``"buffer_full"``.
+    """
+
+    def __init__(self, batch_size: int, max_policy_age: int, max_size: int | None = None):
+        if batch_size < 1:
+            raise ValueError(f"ReplayBuffer: batch_size must be >= 1, got {batch_size}")
+        if max_policy_age < 0:
+            raise ValueError(f"ReplayBuffer: max_policy_age must be >= 0 (0 = on-policy), got {max_policy_age}")
+        if max_size is not None and max_size < batch_size:
+            raise ValueError(
+                f"ReplayBuffer: max_size={max_size} is smaller than batch_size={batch_size}, so no batch "
+                "could ever be sampled; raise max_size or use None for unbounded"
+            )
+        self.batch_size = batch_size
+        self.max_policy_age = max_policy_age
+        self.max_size = max_size
+        self._buffered: dict[int, Episode] = {}  # insertion order is age order: oldest first
+        self._in_flight: dict[int, Episode] = {}
+        self._closed: dict[int, str] = {}  # id -> "trained" | "evicted" | "dropped"
+        self._generated = 0
+        self._trained = 0
+        self._evicted = 0
+        self._dropped = 0
+        self._dropped_reasons: Counter[str] = Counter()
+
+    # --- status ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._buffered)
+
+    def status(self, episode_id: int) -> str | None:
+        """``"buffered"``, ``"in_flight"``, ``"trained"``, ``"evicted"``, ``"dropped"``, or None if never seen."""
+        if episode_id in self._buffered:
+            return "buffered"
+        if episode_id in self._in_flight:
+            return "in_flight"
+        return self._closed.get(episode_id)
+
+    def buffered(self) -> list[Episode]:
+        """The buffered episodes, oldest first (a copy of the list; the episodes are shared)."""
+        return list(self._buffered.values())
+
+    def in_flight(self) -> list[Episode]:
+        """The sampled episodes not yet marked, oldest first."""
+        return list(self._in_flight.values())
+
+    def counts(self) -> dict:
+        """Counters: ``generated``, ``trained``, ``evicted``, ``dropped``, ``buffered``, ``in_flight``, ``dropped_reasons``."""
+        return {
+            "generated": self._generated,
+            "trained": self._trained,
+            "evicted": self._evicted,
+            "dropped": self._dropped,
+            "buffered": len(self._buffered),
+            "in_flight": len(self._in_flight),
+            "dropped_reasons": dict(self._dropped_reasons),
+        }
+
+    def check_accounting(self) -> dict:
+        """Raise ``AssertionError`` unless ``generated == trained + evicted + dropped + buffered + in_flight``."""
+        c = self.counts()
+        accounted = c["trained"] + c["evicted"] + c["dropped"] + c["buffered"] + c["in_flight"]
+        if c["generated"] != accounted or sum(c["dropped_reasons"].values()) != c["dropped"]:
+            raise AssertionError(
+                f"replay buffer accounting is broken: generated={c['generated']} but trained + evicted + dropped "
+                f"+ buffered + in_flight = {accounted} ({c}); an episode was added or removed outside the "
+                "buffer's methods"
+            )
+        return c
+
+    # --- in -------------------------------------------------------------------
+
+    def _require_new(self, episodes: Sequence[Episode]) -> None:
+        ids = [ep.id for ep in episodes]
+        repeated = [i for i, n in Counter(ids).items() if n > 1]
+        if repeated:
+            raise ValueError(f"ReplayBuffer: episode ids {repeated[:10]} appear twice in one call; ids must be unique")
+        for i in ids:
+            seen = self.status(i)
+            if seen is not None:
+                raise ValueError(
+                    f"ReplayBuffer: episode id {i} was already seen (status {seen!r}); every episode needs a "
+                    "fresh unique id"
+                )
+
+    def _close_dropped(self, episode_id: int, reason: str) -> None:
+        self._closed[episode_id] = "dropped"
+        self._dropped += 1
+        self._dropped_reasons[reason] += 1
+
+    def add(self, episodes: Iterable[Episode]) -> list[Episode]:
+        """Add freshly generated episodes (whole groups); return any dropped because the buffer is full."""
+        episodes = list(episodes)
+        self._require_new(episodes)
+        self._generated += len(episodes)
+        for ep in episodes:
+            self._buffered[ep.id] = ep
+        return self._enforce_max_size()
+
+    def _enforce_max_size(self) -> list[Episode]:
+        overflow: list[Episode] = []
+        if self.max_size is None:
+            return overflow
+        while len(self._buffered) > self.max_size:
+            oldest_id = next(iter(self._buffered))
+            overflow.append(self._buffered.pop(oldest_id))
+            self._close_dropped(oldest_id, "buffer_full")
+        return overflow
+
+    def drop(self, episodes: Iterable[Episode], reason: str) -> None:
+        """Drop episodes with ``reason``: new ones (never added; counted as generated too), buffered or in-flight ones.
+
+        Use it for episodes rejected before the buffer, e.g. ``"reward_error:<name>"``.
+        """
+        episodes = list(episodes)
+        repeated = [i for i, n in Counter(ep.id for ep in episodes).items() if n > 1]
+        if repeated:
+            raise ValueError(f"ReplayBuffer.drop: episode ids {repeated[:10]} appear twice in one call")
+        for ep in episodes:
+            if ep.id in self._closed:
+                raise ValueError(
+                    f"ReplayBuffer.drop: episode {ep.id} is already {self._closed[ep.id]}; it cannot be dropped"
+                )
+        for ep in episodes:
+            if ep.id in self._buffered:
+                del self._buffered[ep.id]
+            elif ep.id in self._in_flight:
+                del self._in_flight[ep.id]
+            else:
+                self._generated += 1
+            self._close_dropped(ep.id, reason)
+
+    def record_generated(self, n: int, reason: str) -> None:
+        """Count ``n`` episodes that were generated and dropped with ``reason`` without an ``Episode`` object."""
+        if n < 0:
+            raise ValueError(f"ReplayBuffer.record_generated: n must be >= 0, got {n}")
+        self._generated += n
+        self._dropped += n
+        self._dropped_reasons[reason] += n
+
+    # --- out ------------------------------------------------------------------
+
+    def evict_stale(self, current_version: int) -> list[Episode]:
+        """Evict (reason ``"stale"``) every buffered episode more than ``max_policy_age`` versions old; return them."""
+        stale = [
+            ep for ep in self._buffered.values() if current_version - ep.policy_version > self.max_policy_age
+        ]
+        for ep in stale:
+            del self._buffered[ep.id]
+            self._closed[ep.id] = "evicted"
+        self._evicted += len(stale)
+        return stale
+
+    def sample(self, current_version: int) -> list[Episode] | None:
+        """Evict stale episodes, then take ``batch_size`` episodes, or return None if there are not enough.
+
+        Oldest first, whole groups preferred: groups that fit in what is left of
+        the batch are taken whole, in age order; only then is the batch filled
+        with the oldest remaining episodes (splitting a group). The returned
+        episodes are in flight until ``mark_trained``, ``mark_dropped`` or ``requeue``.
+        """
+        self.evict_stale(current_version)
+        if len(self._buffered) < self.batch_size:
+            return None
+        groups: dict[object, list[int]] = {}
+        for ep in self._buffered.values():
+            groups.setdefault(ep.group_id, []).append(ep.id)
+        chosen: set[int] = set()
+        for ids in groups.values():
+            if len(chosen) + len(ids) <= self.batch_size:
+                chosen.update(ids)
+            if len(chosen) == self.batch_size:
+                break
+        for i in self._buffered:
+            if len(chosen) == self.batch_size:
+                break
+            chosen.add(i)
+        batch = [ep for i, ep in self._buffered.items() if i in chosen]
+        for ep in batch:
+            del self._buffered[ep.id]
+            self._in_flight[ep.id] = ep
+        return batch
+
+    def _take_in_flight(self, episodes: Iterable[Episode], what: str) -> list[Episode]:
+        episodes = list(episodes)
+        for ep in episodes:
+            if ep.id in self._in_flight:
+                continue
+            if self._closed.get(ep.id) == "trained":
+                raise EpisodeAlreadyTrained(
+                    f"ReplayBuffer.{what}: episode {ep.id} was already trained on; an episode is never trained "
+                    "twice (did two steps share a batch?)"
+                )
+            raise ValueError(
+                f"ReplayBuffer.{what}: episode {ep.id} is not in flight (status {self.status(ep.id)!r}); only "
+                "episodes returned by sample() can be marked"
+            )
+        repeated = [i for i, n in Counter(ep.id for ep in episodes).items() if n > 1]
+        if repeated:
+            raise EpisodeAlreadyTrained(f"ReplayBuffer.{what}: episode ids {repeated[:10]} appear twice in one call")
+        for ep in episodes:
+            del self._in_flight[ep.id]
+        return episodes
+
+    def mark_trained(self, episodes: Iterable[Episode]) -> None:
+        """Record that the trainer stepped on these in-flight episodes."""
+        for ep in self._take_in_flight(episodes, "mark_trained"):
+            self._closed[ep.id] = "trained"
+            self._trained += 1
+
+    def mark_dropped(self, episodes: Iterable[Episode], reason: str) -> None:
+        """Record that these in-flight episodes will not be trained on (e.g. the step was skipped)."""
+        for ep in self._take_in_flight(episodes, "mark_dropped"):
+            self._close_dropped(ep.id, reason)
+
+    def requeue(self, episodes: Iterable[Episode]) -> list[Episode]:
+        """Put in-flight episodes back at the front of the buffer (e.g. the trainer failed transiently).
+
+        They keep their age and may be evicted at the next ``sample``; returns
+        any dropped for ``max_size``.
+        """
+        back = {ep.id: ep for ep in self._take_in_flight(episodes, "requeue")}
+        self._buffered = {**back, **self._buffered}
+        return self._enforce_max_size()
+
+    # --- checkpointing ----------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Counters, episode statuses and the episodes still held, as plain Python (picklable, JSON-able).
+
+        In-flight episodes are saved as buffered: the step that took them has
+        not been recorded, so after a restore they can be sampled again.
+        """
+        return {
+            "format": 1,
+            "generated": self._generated,
+            "trained": self._trained,
+            "evicted": self._evicted,
+            "dropped": self._dropped,
+            "dropped_reasons": dict(self._dropped_reasons),
+            "closed": [[i, s] for i, s in self._closed.items()],
+            "episodes": [dataclasses.asdict(ep) for ep in [*self._in_flight.values(), *self._buffered.values()]],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from ``state_dict()``; ``batch_size``, ``max_policy_age`` and ``max_size`` stay as constructed."""
+        if state.get("format") != 1:
+            raise ValueError(f"ReplayBuffer.load_state_dict: unknown format {state.get('format')!r}, expected 1")
+        self._generated = int(state["generated"])
+        self._trained = int(state["trained"])
+        self._evicted = int(state["evicted"])
+        self._dropped = int(state["dropped"])
+        self._dropped_reasons = Counter({k: int(v) for k, v in state["dropped_reasons"].items()})
+        self._closed = {int(i): s for i, s in state["closed"]}
+        self._in_flight = {}
+        self._buffered = {}
+        for d in state["episodes"]:
+            ep = Episode(**d)
+            self._buffered[ep.id] = ep
+        self.check_accounting()

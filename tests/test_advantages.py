@@ -1,0 +1,66 @@
+"""Group advantages against plain-Python loops."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from forgelab.algos.advantages import ADVANTAGES, group_mean_centered, group_zscore, leave_one_out
+
+
+def _random_rewards(P=4, G=5, seed=0):
+    rng = random.Random(seed)
+    rows = [[rng.choice([0.0, 1.0, 0.5, -1.0]) + rng.random() * 0.1 for _ in range(G)] for _ in range(P)]
+    rows.append([1.0] * G)  # zero-variance group
+    return rows
+
+
+def test_group_zscore_matches_loop_population_std():
+    rows = _random_rewards()
+    got = group_zscore(torch.tensor(rows), eps=1e-6)
+    for p, row in enumerate(rows):
+        mean = sum(row) / len(row)
+        std = math.sqrt(sum((r - mean) ** 2 for r in row) / len(row))  # divide by G, not G-1
+        for g, r in enumerate(row):
+            assert got[p, g].item() == pytest.approx((r - mean) / (std + 1e-6), abs=1e-4)
+    assert torch.equal(got[-1], torch.zeros(5))
+
+
+def test_group_zscore_single_sample_group_is_zero_not_nan():
+    assert group_zscore(torch.tensor([[3.0], [1.0]])).tolist() == [[0.0], [0.0]]
+
+
+def test_group_mean_centered_matches_loop():
+    rows = _random_rewards(seed=1)
+    got = group_mean_centered(torch.tensor(rows))
+    for p, row in enumerate(rows):
+        mean = sum(row) / len(row)
+        for g, r in enumerate(row):
+            assert got[p, g].item() == pytest.approx(r - mean, abs=1e-6)
+
+
+def test_leave_one_out_matches_loop():
+    rows = _random_rewards(seed=2)
+    got = leave_one_out(torch.tensor(rows))
+    for p, row in enumerate(rows):
+        for g, r in enumerate(row):
+            others = [x for j, x in enumerate(row) if j != g]
+            assert got[p, g].item() == pytest.approx(r - sum(others) / len(others), abs=1e-6)
+
+
+def test_leave_one_out_needs_two_samples():
+    with pytest.raises(ValueError, match="G=1"):
+        leave_one_out(torch.tensor([[1.0]]))
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_bad_inputs_are_explained(name):
+    with pytest.raises(ValueError, match=r"\[P, G\]"):
+        ADVANTAGES[name](torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="NaN"):
+        ADVANTAGES[name](torch.tensor([[1.0, float("nan")]]))
+
+
+def test_registry_names():
+    assert ADVANTAGES == {"grpo": group_zscore, "dr_grpo": group_mean_centered, "rloo": leave_one_out}

@@ -1,0 +1,327 @@
+"""Every loss's value and gradient against a loop-based reference with hand-derived gradients.
+
+The references below use Python floats only: the loss is written out token by
+token and d loss / d logp is derived by hand (e.g. the PPO surrogate's
+gradient is ``r A`` where the unclipped branch is active and 0 where the clip
+is), so autograd in the code under test is checked, not reused.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from forgelab.algos.losses import LOSSES, LossError, validate_loss_output
+
+B, T = 5, 6
+
+
+def _batch(seed=0, *, noise=0.4, ref=True, is_weights=True):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g) * 3
+    gen = logp + torch.randn(B, T, generator=g) * noise
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 1, 1, 1],
+            [0, 0, 1, 1, 1, 0],  # prompt then completion then padding
+            [0, 0, 0, 0, 0, 0],  # all masked
+            [0, 1, 0, 1, 1, 0],  # multi-turn: environment token in between
+            [0, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.float32,
+    )
+    # Garbage on untrained positions must not leak into value or gradient.
+    gen = torch.where(mask > 0, gen, torch.tensor(-1e4))
+    batch = {
+        "logp": logp,
+        "generator_logprobs_B_T": gen,
+        "advantages_B": torch.tensor([1.3, -0.7, 2.0, 0.4, -1.1]),
+        "mask_B_T": mask,
+        "ref_logprobs_B_T": (logp + torch.randn(B, T, generator=g) * 0.3) if ref else None,
+        "is_weights_B_T": (torch.rand(B, T, generator=g) * 2) if is_weights else None,
+    }
+    return batch
+
+
+def _lists(batch):
+    L = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    w = L["is_weights_B_T"] or [[1.0] * T for _ in range(B)]
+    return L["logp"], L["generator_logprobs_B_T"], L["advantages_B"], L["mask_B_T"], L["ref_logprobs_B_T"], w
+
+
+def _surrogate(r, a, eps_low, eps_high):
+    """(value of min(rA, clip(r)A), its derivative w.r.t. logp)."""
+    clipped = min(max(r, 1 - eps_low), 1 + eps_high)
+    unclipped_value, clipped_value = r * a, clipped * a
+    if clipped_value < unclipped_value:
+        return clipped_value, 0.0  # clip active: no gradient through the ratio
+    return unclipped_value, r * a  # d(r a)/d logp = r a
+
+
+def ref_grpo(batch, eps_low=0.2, eps_high=0.2, kl_coef=0.04):
+    lp, g, A, m, ref, w = _lists(batch)
+    rows = [b for b in range(B) if sum(m[b]) > 0]
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for b in rows:
+        n = sum(m[b])
+        for t in range(T):
+            if not m[b][t]:
+                continue
+            r = math.exp(lp[b][t] - g[b][t])
+            o, do = _surrogate(r, A[b], eps_low, eps_high)
+            term, dterm = -w[b][t] * o, -w[b][t] * do
+            if ref is not None:
+                d = ref[b][t] - lp[b][t]
+                term += kl_coef * (math.exp(d) - d - 1)
+                dterm += kl_coef * (1 - math.exp(d))
+            loss += term / n / len(rows)
+            grad[b][t] = dterm / n / len(rows)
+    return loss, grad
+
+
+def _token_level(batch, eps_low, eps_high, denom):
+    lp, g, A, m, _, w = _lists(batch)
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            if m[b][t]:
+                o, do = _surrogate(math.exp(lp[b][t] - g[b][t]), A[b], eps_low, eps_high)
+                loss += -w[b][t] * o / denom
+                grad[b][t] = -w[b][t] * do / denom
+    return loss, grad
+
+
+def ref_dapo(batch, eps_low=0.2, eps_high=0.28):
+    n_tokens = sum(sum(row) for row in batch["mask_B_T"].tolist())
+    return _token_level(batch, eps_low, eps_high, n_tokens)
+
+
+def ref_dr_grpo(batch, eps_low=0.2, eps_high=0.2, max_tokens=None):
+    return _token_level(batch, eps_low, eps_high, B * (max_tokens or T))
+
+
+def ref_gspo(batch, seq_eps_low=3e-4, seq_eps_high=4e-4):
+    lp, g, A, m, _, w = _lists(batch)
+    rows = [b for b in range(B) if sum(m[b]) > 0]
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for b in rows:
+        on = [t for t in range(T) if m[b][t]]
+        s = math.exp(sum(lp[b][t] - g[b][t] for t in on) / len(on))
+        w_seq = sum(w[b][t] for t in on) / len(on)
+        o, do = _surrogate(s, A[b], seq_eps_low, seq_eps_high)  # do = s A (or 0) = d o / d log s
+        loss += -w_seq * o / len(rows)
+        for t in on:
+            grad[b][t] = -w_seq * do / len(on) / len(rows)
+    return loss, grad
+
+
+def ref_cispo(batch, is_eps_low=1.0, is_eps_high=2.0):
+    lp, g, A, m, _, w = _lists(batch)
+    n_tokens = sum(sum(row) for row in m)
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            if m[b][t]:
+                c = min(max(math.exp(lp[b][t] - g[b][t]), 1 - is_eps_low), 1 + is_eps_high)
+                loss += -c * w[b][t] * A[b] * lp[b][t] / n_tokens
+                grad[b][t] = -c * w[b][t] * A[b] / n_tokens
+    return loss, grad
+
+
+def ref_reinforce(batch):
+    lp, _, A, m, _, w = _lists(batch)
+    n_tokens = sum(sum(row) for row in m)
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            if m[b][t]:
+                loss += -w[b][t] * A[b] * lp[b][t] / n_tokens
+                grad[b][t] = -w[b][t] * A[b] / n_tokens
+    return loss, grad
+
+
+REFERENCES = {
+    "grpo": ref_grpo,
+    "dapo": ref_dapo,
+    "dr_grpo": ref_dr_grpo,
+    "gspo": ref_gspo,
+    "cispo": ref_cispo,
+    "reinforce": ref_reinforce,
+}
+
+
+def _call(name, batch, **hparams):
+    logp = batch["logp"].clone().requires_grad_(True)
+    kwargs = {k: v for k, v in batch.items() if k != "logp"}
+    loss, metrics = LOSSES[name](logp, **kwargs, **hparams)
+    loss.backward()
+    return loss, metrics, logp.grad
+
+
+def test_every_loss_has_a_reference():
+    assert set(LOSSES) == set(REFERENCES)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("ref,is_weights", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("noise", [0.4, 1e-4])  # large noise: many clipped tokens; tiny: almost none (gspo)
+def test_loss_value_and_gradient_match_loop_reference(name, ref, is_weights, noise):
+    batch = _batch(seed=3, noise=noise, ref=ref, is_weights=is_weights)
+    loss, metrics, grad = _call(name, batch)
+    want_loss, want_grad = REFERENCES[name](batch)
+    assert loss.dim() == 0
+    assert loss.item() == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    for b in range(B):
+        for t in range(T):
+            assert grad[b, t].item() == pytest.approx(want_grad[b][t], rel=1e-4, abs=1e-6), (b, t)
+    validate_loss_output((loss, metrics), name)
+
+
+@pytest.mark.parametrize(
+    "name,hparams",
+    [
+        ("grpo", {"eps_low": 0.1, "eps_high": 0.3, "kl_coef": 0.5}),
+        ("dapo", {"eps_low": 0.05, "eps_high": 0.5}),
+        ("dr_grpo", {"max_tokens": 32, "eps_low": 0.3}),
+        ("gspo", {"seq_eps_low": 0.05, "seq_eps_high": 0.1}),
+        ("cispo", {"is_eps_low": 0.2, "is_eps_high": 0.5}),
+    ],
+)
+def test_hyperparameters_are_honoured(name, hparams):
+    batch = _batch(seed=4)
+    loss, _, grad = _call(name, batch, **hparams)
+    want_loss, want_grad = REFERENCES[name](batch, **hparams)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor(want_grad), rtol=1e-4, atol=1e-6)
+
+
+def _clip_frac_loop(batch, eps_low, eps_high):
+    lp, g, A, m, _, _ = _lists(batch)
+    active = n = 0
+    for b in range(B):
+        for t in range(T):
+            if m[b][t]:
+                r = math.exp(lp[b][t] - g[b][t])
+                n += 1
+                active += (r > 1 + eps_high and A[b] > 0) or (r < 1 - eps_low and A[b] < 0)
+    return active / n
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_metrics_match_loops(name):
+    batch = _batch(seed=5)
+    _, metrics, _ = _call(name, batch)
+    lp, g, A, m, ref, _ = _lists(batch)
+    on = [(b, t) for b in range(B) for t in range(T) if m[b][t]]
+    assert metrics["kl_behaviour"] == pytest.approx(sum(g[b][t] - lp[b][t] for b, t in on) / len(on), rel=1e-4)
+    assert metrics["ratio_mean"] == pytest.approx(sum(math.exp(lp[b][t] - g[b][t]) for b, t in on) / len(on), rel=1e-4)
+    k3 = [math.exp(ref[b][t] - lp[b][t]) - (ref[b][t] - lp[b][t]) - 1 for b, t in on]
+    assert metrics["kl_ref"] == pytest.approx(sum(k3) / len(k3), rel=1e-4)
+    assert all(type(v) is float for v in metrics.values())
+    if name in ("grpo", "dr_grpo"):
+        assert metrics["clip_frac"] == pytest.approx(_clip_frac_loop(batch, 0.2, 0.2))
+    if name == "dapo":
+        assert metrics["clip_frac"] == pytest.approx(_clip_frac_loop(batch, 0.2, 0.28))
+    if name in ("grpo", "dapo", "dr_grpo"):
+        assert 0 < metrics["clip_frac"] < 1  # the fixture really exercises clipping
+
+
+def test_no_ref_means_no_kl_ref_metric():
+    _, metrics, _ = _call("grpo", _batch(seed=6, ref=False))
+    assert "kl_ref" not in metrics and "kl_behaviour" in metrics
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_all_masked_batch_gives_zero_finite_loss_and_grad(name):
+    batch = _batch(seed=7)
+    batch["mask_B_T"] = torch.zeros(B, T)
+    loss, metrics, grad = _call(name, batch)
+    assert loss.item() == 0.0
+    assert torch.equal(grad, torch.zeros(B, T))
+    validate_loss_output((loss, metrics), name)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_unknown_hparams_are_ignored_and_output_is_valid(name):
+    batch = _batch(seed=8)
+    logp = batch.pop("logp").requires_grad_(True)
+    out = LOSSES[name](logp, **batch, kl_coef=0.1, max_tokens=12, some_future_knob="x")
+    loss, metrics = validate_loss_output(out, name, require_grad=True)
+    assert math.isfinite(loss.item()) and isinstance(metrics, dict)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_on_policy_gradient_equals_reinforce_direction(name):
+    """With generator == current policy and no weights, every token's gradient is -A_i times a positive scale."""
+    batch = _batch(seed=9, ref=False, is_weights=False)
+    batch["generator_logprobs_B_T"] = batch["logp"].clone()
+    _, _, grad = _call(name, batch)
+    A = batch["advantages_B"]
+    m = batch["mask_B_T"]
+    for b in range(B):
+        for t in range(T):
+            if m[b, t]:
+                assert grad[b, t].item() * -A[b].item() > 0
+
+
+def test_shape_errors_name_the_loss_and_the_argument():
+    batch = _batch(seed=10)
+    logp = batch.pop("logp")
+    batch["mask_B_T"] = batch["mask_B_T"][:, :-1]
+    with pytest.raises(LossError, match=r"'dapo'.*mask_B_T"):
+        LOSSES["dapo"](logp, **batch)
+    batch = _batch(seed=10)
+    logp = batch.pop("logp")
+    batch["advantages_B"] = batch["advantages_B"][:, None]
+    with pytest.raises(LossError, match=r"advantages_B"):
+        LOSSES["grpo"](logp, **batch)
+
+
+@pytest.mark.parametrize(
+    "out,pattern",
+    [
+        (torch.tensor(1.0), "expected a tuple"),
+        ((torch.tensor([1.0, 2.0]), {}), "expected a scalar"),
+        ((1.0, {}), "torch.Tensor"),
+        ((torch.tensor(float("nan")), {}), "non-finite"),
+        ((torch.tensor(float("inf")), {}), "non-finite"),
+        ((torch.tensor(1), {}), "floating-point"),
+        ((torch.tensor(1.0), [("kl", 0.0)]), "dict"),
+        ((torch.tensor(1.0), {"kl": torch.tensor(0.0)}), r"\.item\(\)"),
+        ((torch.tensor(1.0), {3: 0.0}), "must be str"),
+    ],
+)
+def test_validate_loss_output_rejects_with_a_useful_message(out, pattern):
+    with pytest.raises(LossError, match=pattern) as info:
+        validate_loss_output(out, "my_loss")
+    assert "my_loss" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_validate_loss_output_require_grad():
+    with pytest.raises(LossError, match="no gradient"):
+        validate_loss_output((torch.tensor(1.0), {}), "my_loss", require_grad=True)
+    loss, metrics = validate_loss_output((torch.tensor([2.0], requires_grad=True) * 1, {"n": 3}), "my_loss", require_grad=True)
+    assert loss.dim() == 0 and metrics == {"n": 3.0} and type(metrics["n"]) is float
+
+
+def test_user_loss_is_a_first_class_registry_entry():
+    def mine(logprobs_B_T, *, advantages_B, mask_B_T, **_):
+        return -(advantages_B[:, None] * logprobs_B_T * mask_B_T).sum() / mask_B_T.sum(), {"custom": 1.0}
+
+    registry = dict(LOSSES, mine=mine)
+    batch = _batch(seed=11)
+    logp = batch.pop("logp").requires_grad_(True)
+    loss, _ = validate_loss_output(registry["mine"](logp, **batch), "mine", require_grad=True)
+    assert loss.item() == pytest.approx(ref_reinforce({**batch, "logp": logp.detach(), "is_weights_B_T": None})[0], rel=1e-5)
+
+
+def test_random_seeds_smoke():
+    rng = random.Random(0)
+    for _ in range(3):
+        seed = rng.randrange(10_000)
+        for name in LOSSES:
+            batch = _batch(seed=seed)
+            loss, _, _ = _call(name, batch)
+            assert loss.item() == pytest.approx(REFERENCES[name](batch)[0], rel=1e-4, abs=1e-6)
