@@ -1,0 +1,78 @@
+"""A bad config fails before any process starts, naming the field."""
+import json
+
+import pytest
+
+from forgelab.config import ConfigError, RunConfig
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(d)
+
+
+def cfg(model_dir, **sections):
+    data = {"model": {"path": model_dir}}
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    return data
+
+
+def test_defaults_validate(model_dir):
+    c = RunConfig.from_dict(cfg(model_dir))
+    assert c.train.loss == "grpo" and c.rollout.task == "addition"
+
+
+@pytest.mark.parametrize(
+    "sections, field",
+    [
+        ({"train": {"loss": "ppo2"}}, "train.loss"),
+        ({"train": {"batch_size": -4}}, "train.batch_size"),
+        ({"train": {"batch_size": 60}}, "train.batch_size"),  # not a multiple of group_size 8
+        ({"rollout": {"group_size": 1}}, "rollout.group_size"),
+        ({"rollout": {"task": "sudoku"}}, "rollout.task"),
+        ({"rollout": {"rewards": {"nope": 1.0}}}, "rollout.rewards"),
+        ({"rollout": {"temperature": float("nan")}}, "rollout.temperature"),
+        ({"train": {"lr": 0}}, "train.lr"),
+        ({"train": {"max_policy_age": -1}}, "train.max_policy_age"),
+        ({"placement": {"generator_replicas": 0}}, "placement.generator_replicas"),
+        ({"placement": {"with_gpus": True}}, "placement.with_gpus"),  # no GPU on this host
+        ({"placement": {"generator_replicas": 40, "threads": 4}}, "placement"),
+        ({"train": {"stepz": 3}}, "train.stepz"),
+        ({"train": {"steps": "many"}}, "train.steps"),
+    ],
+)
+def test_bad_field_is_named(model_dir, sections, field):
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict(cfg(model_dir, **sections))
+    assert str(e.value).startswith(field), str(e.value)
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.path: .*no config\.json"):
+        RunConfig.from_dict({"model": {"path": str(tmp_path / "absent")}})
+
+
+def test_yaml_errors(tmp_path, model_dir):
+    p = tmp_path / "c.yaml"
+    p.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        RunConfig.from_yaml(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        RunConfig.from_yaml(tmp_path / "nope.yaml")
+    p.write_text(f"model: {{path: {model_dir}}}\ntrain: {{steps: 7, loss: dapo}}\n")
+    c = RunConfig.from_yaml(p)
+    assert (c.train.steps, c.train.loss) == (7, "dapo")
+
+
+def test_cli_check_reports_bad_config(tmp_path, model_dir, capsys):
+    from forgelab.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: {{path: {model_dir}}}\ntrain: {{loss: nope}}\n")
+    assert main(["check", str(p)]) == 2
+    assert "train.loss" in capsys.readouterr().err
+    assert main(["check", str(p), "--set", "train.loss=dapo"]) == 0

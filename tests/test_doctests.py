@@ -1,0 +1,17 @@
+"""The examples in the pure modules' docstrings are executed (they are documentation)."""
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "forgelab.rewards", "forgelab.buffer", "forgelab.tasks", "forgelab.algos.logprobs",
+    "forgelab.algos.advantages", "forgelab.algos.losses", "forgelab.algos.importance", "forgelab.algos.batching",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    mod = importlib.import_module(name)
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} doctest(s) failed in {name}"
