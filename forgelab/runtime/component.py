@@ -117,14 +117,67 @@ def _user_sys_path() -> list[str]:
     return out
 
 
-def _host_mesh(placement: Placement):
+_MONARCH_ADMIN_DEFAULT = "[::]:1729"
+
+
+def _loopback_admin() -> None:
+    """Keep Monarch's mesh-admin HTTP server on loopback unless configured.
+
+    Local channels are unix sockets (nothing listens on TCP), but the admin
+    server that `job.enable_admin()` starts defaults to `[::]:1729`: every
+    interface, unauthenticated, with py-spy introspection. Set
+    FORGELAB_MESH_ADMIN_ADDR (or configure `mesh_admin_addr` yourself) to expose it.
+    """
+    from monarch.config import configure, get_global_config
+
+    wanted = os.environ.get("FORGELAB_MESH_ADMIN_ADDR")
+    if wanted:
+        configure(mesh_admin_addr=wanted)
+    elif get_global_config().get("mesh_admin_addr") == _MONARCH_ADMIN_DEFAULT:
+        configure(mesh_admin_addr="127.0.0.1:1729")
+
+
+def _host_mesh(placement: Placement, first_host: int = 0):
+    """The host mesh to spawn on: this host, or `placement.hosts` hosts of a job mesh.
+
+    With a job, hosts `first_host .. first_host + hosts - 1` of the named mesh
+    are used (wrapping to 0 when they run past its end), so a service can put
+    its replicas on different hosts.
+    """
     if placement.job is None:
         from monarch.actor import this_host
 
         return this_host()
+    from forgelab.runtime.placement import job_mesh_names
+
+    names = job_mesh_names(placement.job)
+    name = placement.mesh or (names[0] if names else None)
+    if name is None:
+        raise ValueError(f"placement job {placement.job!r} declares no host mesh; pass mesh=...")
     state = placement.job.state(cached_path=None)
-    name = placement.mesh or next(iter(placement.job._meshes))  # ProcessJob keeps its meshes
-    return getattr(state, name)
+    try:
+        host = getattr(state, name)
+    except AttributeError:
+        raise ValueError(
+            f"placement asks for mesh={name!r} but the job has only {names}; "
+            "pass one of those names as mesh=..."
+        ) from None
+    have = host.sizes.get("hosts", len(host))
+    if placement.hosts > have:
+        raise ValueError(
+            f"placement asks for hosts={placement.hosts} but job mesh {name!r} has {have} host(s); "
+            "lower hosts or give the job more"
+        )
+    if placement.hosts < have:
+        start = first_host % have
+        if start + placement.hosts > have:
+            start = 0
+        host = host.slice(hosts=slice(start, start + placement.hosts))
+    return host
+
+
+class ComponentStartError(RuntimeError):
+    """A component's process died (or its actor aborted) before `setup()` finished."""
 
 
 class ActorHandle:
@@ -175,16 +228,28 @@ class ActorHandle:
         return f"<ActorHandle {self.name} procs={self.placement.procs} hosts={self.placement.hosts}>"
 
 
-async def spawn(cls: type, placement: Placement, args: tuple, kwargs: dict, name: str | None = None) -> ActorHandle:
-    """Spawn `cls` on a new proc mesh described by `placement` and run `setup()`."""
+async def spawn(
+    cls: type,
+    placement: Placement,
+    args: tuple,
+    kwargs: dict,
+    name: str | None = None,
+    first_host: int = 0,
+) -> ActorHandle:
+    """Spawn `cls` on a new proc mesh described by `placement` and run `setup()`.
+
+    `first_host` picks where in a job's host mesh the hosts start (services
+    spread replicas with it); it is ignored without a job.
+    """
     placement.validate(cls.__name__)
     supervision.install()
+    _loopback_admin()
     from monarch.actor import default_bootstrap_cmd
 
     env = placement.process_env()
     inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join([p for p in [inherited, *_user_sys_path()] if p])
-    host = _host_mesh(placement)
+    host = _host_mesh(placement, first_host)
     per_host: dict[str, int] = {"procs": placement.procs}
     if placement.with_gpus:
         per_host = {"gpus": placement.procs}
@@ -198,11 +263,18 @@ async def spawn(cls: type, placement: Placement, args: tuple, kwargs: dict, name
     try:
         actor = procs.spawn(actor_name, cls, *args, **kwargs)
         await actor.setup.call()
-    except BaseException:
+    except BaseException as err:
         try:
             await asyncio.wait_for(procs.stop(), timeout=30)
         except BaseException:
             pass
+        if type(err).__name__ == "SupervisionError":
+            raise ComponentStartError(
+                f"{cls.__name__} ({actor_name}): a process died or the actor aborted before setup() "
+                f"finished. If the cause below says ModuleNotFoundError, the child cannot import "
+                f"{cls.__module__!r}: put that module's folder on sys.path before spawning (it is "
+                f"passed on as PYTHONPATH) or in options(env={{'PYTHONPATH': ...}})."
+            ) from err
         raise
     return ActorHandle(cls, placement, actor_name, procs, actor)
 

@@ -1,0 +1,132 @@
+"""Placement on many hosts: `monarch.job` jobs built from a plain config dict.
+
+A component runs on this host unless its placement names a job. A job
+(`monarch.job`) provides *host meshes*; `Component.options(hosts=, job=,
+mesh=)` spawns on `hosts` hosts of the job mesh called `mesh`, `procs`
+processes on each. A service puts replica `i` on hosts `i*hosts ...` of the
+mesh (wrapping around), so two single-host replicas on a two-host mesh land
+on different hosts.
+
+    from monarch.job import ProcessJob
+    job = ProcessJob({"gen": 2})          # two local "hosts" (subprocesses)
+    svc = await Generator.options(hosts=1, num_replicas=2, job=job, mesh="gen").as_service(cfg)
+    ...
+    await svc.shutdown(); job.kill()      # the job's owner kills its hosts
+
+`job_from_config` builds the job from a dict (a YAML file's `job:` section).
+The constructor arguments are monarch 0.6's; anything not listed below is
+passed through unchanged to the constructor:
+
+    # local stand-in for N hosts: one subprocess per host, unix sockets only
+    {"kind": "process", "meshes": {"gen": 2, "trainer": 1}}
+
+    # this host under a name (lets a config switch between local and remote)
+    {"kind": "local", "meshes": ["gen", "trainer"]}
+
+    # SLURM: sbatch starts one worker per node; meshes map name -> node count
+    {"kind": "slurm", "meshes": {"gen": 2, "trainer": 4},
+     "partition": "gpu", "gpus_per_node": 8, "time_limit": "04:00:00",
+     "python_exe": "/shared/forgelab/.venv/bin/python", "monarch_port": 22222,
+     "slurm_args": ["--account=rl"], "exclusive": True, "job_start_timeout": 900}
+
+    # SSH: start a worker on each named host (meshes map name -> host list)
+    {"kind": "ssh", "meshes": {"gen": ["node1", "node2"], "trainer": ["node3"]},
+     "python_exe": "/opt/forgelab/.venv/bin/python", "ssh_args": ["-i", "~/.ssh/rl"],
+     "monarch_port": 22222, "transport": "tcp"}
+
+    # Kubernetes (needs the `kubernetes` package): meshes map name -> add_mesh
+    # arguments; "image" (+ "resources") provisions pods through the
+    # MonarchMesh operator, otherwise pods are found by label selector.
+    {"kind": "kubernetes", "namespace": "rl", "timeout": 900,
+     "kubeconfig": "~/.kube/config",
+     "meshes": {"gen": {"num_replicas": 2, "image": "ghcr.io/meta-pytorch/monarch:latest",
+                        "resources": {"nvidia.com/gpu": 8}}}}
+
+Side effect to know: constructing a SlurmJob, SSHJob or KubernetesJob
+switches this process's Monarch transport to TCP (`configure(default_transport=
+TcpWithHostname)` / `enable_transport("tcp")`): channels then listen on the
+host's address, reachable from the network, as multi-host needs. Local runs
+(no job, LocalJob, ProcessJob) keep the default unix-socket transport and
+listen on no TCP port.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+JOB_KINDS = ("process", "local", "slurm", "ssh", "kubernetes")
+
+
+def job_mesh_names(job: Any) -> list[str]:
+    """Names of the host meshes a `monarch.job` job declares, in order."""
+    meshes = getattr(job, "_meshes", None)
+    if meshes is not None:
+        return list(meshes)
+    hosts = getattr(job, "_host_names", None)  # LocalJob
+    return list(hosts) if hosts is not None else []
+
+
+def _construct(kind: str, factory: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        return factory(**kwargs)
+    except TypeError as err:
+        accepted = ", ".join(inspect.signature(factory).parameters)
+        raise ValueError(
+            f"job config kind={kind!r}: {err}; {factory.__name__} accepts: {accepted}"
+        ) from err
+
+
+def job_from_config(config: dict[str, Any]) -> Any:
+    """Build a `monarch.job` job from a dict (see the module docstring for examples).
+
+    `kind` is one of "process", "local", "slurm", "ssh", "kubernetes"; `meshes`
+    describes the host meshes; the other keys are the job constructor's
+    keyword arguments.
+    """
+    cfg = dict(config)
+    kind = cfg.pop("kind", None)
+    if kind not in JOB_KINDS:
+        raise ValueError(f"job config: kind must be one of {list(JOB_KINDS)}, got {kind!r}")
+    meshes = cfg.pop("meshes", None)
+    if not meshes:
+        raise ValueError(f"job config kind={kind!r}: 'meshes' is required (e.g. {{'gen': 2}})")
+
+    if kind == "process":
+        from monarch.job import ProcessJob
+
+        return _construct(kind, ProcessJob, {"meshes": dict(meshes), **cfg})
+    if kind == "local":
+        from monarch.job import LocalJob
+
+        return _construct(kind, LocalJob, {"hosts": tuple(meshes), **cfg})
+    if kind == "slurm":
+        from monarch.job import SlurmJob
+
+        return _construct(kind, SlurmJob, {"meshes": dict(meshes), **cfg})
+    if kind == "ssh":
+        from monarch._src.job.job import SSHJob
+
+        job = _construct(kind, SSHJob, cfg)
+        for name, hosts in meshes.items():
+            job.add_mesh(name, list(hosts))
+        return job
+
+    try:
+        from monarch._src.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
+    except ImportError as err:
+        raise ValueError(
+            "job config kind='kubernetes' needs the `kubernetes` package (pip install kubernetes)"
+        ) from err
+    kubeconfig = cfg.pop("kubeconfig", None)
+    if isinstance(kubeconfig, str):
+        cfg["kubeconfig"] = KubeConfig.from_path(os.path.expanduser(kubeconfig))
+    job = _construct(kind, KubernetesJob, cfg)
+    for name, spec in meshes.items():
+        spec = dict(spec)
+        image = spec.pop("image", None)
+        resources = spec.pop("resources", None)
+        if image is not None:
+            spec["image_spec"] = ImageSpec(image, resources=resources)
+        job.add_mesh(name, **spec)
+    return job

@@ -1,0 +1,281 @@
+"""Runtime: services over real Monarch process meshes (no mocks).
+
+One 2-replica service is shared by the routing tests and then by the kill
+tests (which leave it healthy again); tests that need their own placement
+spawn their own. The last test shuts everything down and checks that no child
+process of this test process is left.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import psutil
+import pytest
+from monarch.actor import ActorError
+
+from forgelab.runtime import (
+    NoHealthyReplicaError,
+    Placement,
+    ReplicaFailedError,
+    Service,
+    job_from_config,
+)
+from runtime_actors import Echo
+
+integration = pytest.mark.integration
+pytestmark = pytest.mark.timeout(300)
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def svc(loop):
+    service = loop.run_until_complete(Echo.options(num_replicas=2).as_service("shared"))
+    yield service
+    loop.run_until_complete(service.shutdown())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def _until_in_flight(svc: Service, index: int, n: int) -> None:
+    while svc.status()[index].in_flight < n:
+        await asyncio.sleep(0)
+
+
+# ----------------------------------------------------------------- routing
+@integration
+def test_route_spreads_load_across_replicas(svc, loop):
+    async def body():
+        pids = await asyncio.gather(*(svc.route("hold", 0.3) for _ in range(8)))
+        return pids
+
+    pids = loop.run_until_complete(body())
+    replica_pids = {s.pid for s in svc.status()}
+    assert len(replica_pids) == 2
+    assert set(pids) == replica_pids
+    assert sorted(pids.count(p) for p in replica_pids) == [4, 4]  # least-loaded: even split
+
+
+@integration
+def test_sticky_session_sticks_under_load(svc, loop):
+    async def body():
+        session = svc.session("conversation-1")
+        assert svc.session("conversation-1") is session
+        first = await session.route("pid")
+        # Load the pinned replica so plain routing would prefer the other one.
+        load = [asyncio.ensure_future(svc.route("hold", 0.5)) for _ in range(4)]
+        seen = [await session.route("pid") for _ in range(6)]
+        await asyncio.gather(*load)
+        session.close()
+        return first, seen, session.replica
+
+    first, seen, index = loop.run_until_complete(body())
+    assert seen == [first] * 6
+    assert svc.status()[index].pid == first
+
+
+@integration
+def test_fanout_reaches_every_replica(svc, loop):
+    pids = loop.run_until_complete(svc.fanout("pid"))
+    assert sorted(pids) == sorted(s.pid for s in svc.status())
+
+
+@integration
+def test_endpoint_that_raises_keeps_replica_up(svc, loop):
+    before = svc.status()
+    with pytest.raises(ActorError) as info:
+        loop.run_until_complete(svc.route("boom", "hello"))
+    text = str(info.value)
+    assert "ValueError: boom: hello" in text
+    assert "runtime_actors.py" in text  # the remote traceback
+    after = svc.status()
+    assert [(s.pid, s.healthy, s.restarts) for s in after] == [(s.pid, True, s.restarts) for s in before]
+    assert loop.run_until_complete(svc.route("ping")) == 1
+
+
+@integration
+def test_status_carries_component_fields(svc, loop):
+    svc.set_replica_info(0, weight_version=3)
+    loop.run_until_complete(svc.refresh_info())
+    status = svc.replicas
+    assert status[0].info == {"weight_version": 3, "tag": "shared", "calls": 0}
+    assert status[1].info["tag"] == "shared"
+    assert all(s.healthy and s.in_flight == 0 and len(s.pids) == 1 for s in status)
+
+
+# ------------------------------------------------------------------ faults
+@integration
+def test_kill_replica_retries_idempotent_and_respawns(svc, loop):
+    respawned = []
+
+    async def on_respawn(handle):
+        # The fresh replica answers through its handle before it serves.
+        respawned.append((handle.replica_index, await handle.pid.call_one()))
+
+    async def body():
+        svc.on_respawn = on_respawn
+        victim = svc.status()[0].pid
+        in_flight = [asyncio.ensure_future(svc.route("hold", 1.0)) for _ in range(4)]
+        await _until_in_flight(svc, 0, 2)
+        os.kill(victim, 9)
+        held = await asyncio.gather(*in_flight)  # two of these ran on the victim
+        after = [await svc.route("pid") for _ in range(6)]
+        await svc.wait_healthy(timeout=180)
+        return victim, held, after
+
+    victim, held, after = loop.run_until_complete(body())
+    svc.on_respawn = None
+    assert victim not in held and victim not in after
+    status = svc.status()
+    assert status[0].healthy and status[0].restarts == 1
+    assert status[0].pid != victim and _alive(status[0].pid) and not _alive(victim)
+    assert respawned == [(0, status[0].pid)]
+    kinds = [(e.kind, e.replica) for e in svc.events]
+    assert kinds[-2:] == [("replica_failed", 0), ("replica_restarted", 0)]
+    assert loop.run_until_complete(svc.fanout("ping")) == [1, 1]  # controller alive, both serve
+
+
+@integration
+def test_kill_during_non_idempotent_call_gives_clear_error(svc, loop):
+    async def body():
+        await svc.wait_healthy(timeout=180)
+        session = svc.session("victim")
+        victim = await session.route("pid")
+        index = session.replica
+        call = asyncio.ensure_future(session.route("slow", 120))
+        await _until_in_flight(svc, index, 1)
+        os.kill(victim, 9)
+        with pytest.raises(ReplicaFailedError) as info:
+            await asyncio.wait_for(call, 120)
+        repinned = await session.route("pid")
+        await svc.wait_healthy(timeout=180)
+        return victim, index, str(info.value), repinned
+
+    victim, index, message, repinned = loop.run_until_complete(body())
+    assert f"service 'echo': replica {index} (pids [{victim}])" in message
+    assert "'slow'" in message and "Echo.IDEMPOTENT" in message
+    assert repinned != victim
+    assert svc.status()[index].restarts == 1
+
+
+@integration
+def test_no_healthy_replica_error_names_service(loop):
+    async def body():
+        gate = asyncio.Event()
+        ran = []
+
+        async def on_respawn(handle):
+            ran.append(handle.replica_index)
+            await gate.wait()  # hold the respawn so the service stays empty
+
+        solo = await Service.start(
+            Echo, Placement(num_replicas=1), ("solo",), {}, name="solo", on_respawn=on_respawn
+        )
+        try:
+            failed = asyncio.Event()
+            solo.add_listener(lambda e: e.kind == "replica_failed" and failed.set())
+            victim = solo.status()[0].pid
+            os.kill(victim, 9)
+            await asyncio.wait_for(failed.wait(), 120)
+            with pytest.raises(NoHealthyReplicaError) as info:
+                await solo.route("ping")
+            gate.set()
+            await solo.wait_healthy(timeout=180)
+            return str(info.value), await solo.route("ping"), solo.status()[0], ran
+
+        finally:
+            await solo.shutdown()
+
+    message, answer, status, ran = loop.run_until_complete(body())
+    assert "service 'solo' has no healthy replica for 'ping'" in message
+    assert "#0 respawning" in message and "wait_healthy" in message
+    assert answer == 1 and status.restarts == 1 and ran == [0]
+
+
+# --------------------------------------------------------------- placement
+def test_job_from_config_builds_process_job_and_rejects_unknown_kind():
+    from monarch.job import ProcessJob
+
+    job = job_from_config({"kind": "process", "meshes": {"gen": 2, "trainer": 1}})
+    assert isinstance(job, ProcessJob) and job._meshes == {"gen": 2, "trainer": 1}
+    with pytest.raises(ValueError, match="kind must be one of"):
+        job_from_config({"kind": "mainframe", "meshes": {"gen": 1}})
+    with pytest.raises(ValueError, match="ProcessJob accepts"):
+        job_from_config({"kind": "process", "meshes": {"gen": 1}, "gpus": 8})
+
+
+def _our_processes() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+@integration
+def test_process_job_two_hosts_and_loopback_only(loop):
+    from monarch.job import ProcessJob
+
+    job = ProcessJob({"gen": 2})
+
+    async def body():
+        actor = await Echo.options(hosts=2, job=job, mesh="gen").as_actor("two-hosts")
+        spread = await Echo.options(num_replicas=2, job=job, mesh="gen").as_service("spread")
+        try:
+            hosts_of = lambda ps: [psutil.Process(p).ppid() for p in ps]  # noqa: E731
+            placed = hosts_of(await actor.pids()), hosts_of([s.pid for s in spread.status()])
+            assert await spread.route("ping") == 1
+            sockets = {}
+            for proc in _our_processes():
+                try:
+                    sockets[proc.pid] = (proc.net_connections(kind="inet"), proc.net_connections(kind="unix"))
+                except psutil.NoSuchProcess:
+                    pass
+            return placed, sockets
+        finally:
+            await asyncio.gather(spread.shutdown(), actor.shutdown())
+
+    try:
+        (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
+        workers = {p.pid for p in psutil.Process().children() if "run_worker_loop_forever" in " ".join(p.cmdline())}
+    finally:
+        job.kill()
+    assert len(workers) == 2
+    # hosts=2: one process under each host worker; the two replicas on different hosts.
+    assert sorted(actor_hosts) == sorted(workers)
+    assert sorted(replica_hosts) == sorted(workers)
+    # Every listening socket of this process tree is loopback or unix.
+    inet = [(pid, c) for pid, (conns, _) in sockets.items() for c in conns]
+    exposed = [(pid, c.laddr) for pid, c in inet if c.laddr and c.laddr.ip not in LOOPBACK and
+               (c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM)]
+    assert exposed == [], f"sockets reachable from the network: {exposed}"
+    assert sum(len(unix) for _, unix in sockets.values()) >= 4  # the channels really are unix sockets
+    # Monarch's opt-in admin HTTP server would default to [::]:1729; spawn pins it to loopback.
+    from monarch.config import get_global_config
+
+    assert get_global_config()["mesh_admin_addr"] == "127.0.0.1:1729"
+
+
+# ---------------------------------------------------------------- shutdown
+@integration
+def test_shutdown_leaves_no_child_processes(svc, loop):
+    children = psutil.Process().children(recursive=True)
+    assert len(children) >= 2  # the shared service's replicas
+    loop.run_until_complete(svc.shutdown())
+    loop.run_until_complete(svc.shutdown())  # idempotent
+    gone, alive = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=30)
+    assert alive == []
+    assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
+    with pytest.raises(NoHealthyReplicaError, match="was shut down"):
+        loop.run_until_complete(svc.route("ping"))
