@@ -30,7 +30,6 @@ import concurrent.futures
 import json
 import logging
 import math
-import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -57,12 +56,6 @@ class LossSwapRefused(ValueError):
 
 class RewardChangeRefused(ValueError):
     """A reward failed validation on recent rollouts; the old rewards stay."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
@@ -196,7 +189,7 @@ class Run:
     # ------------------------------------------------------------------ spawning
     async def _spawn(self) -> None:
         from forgelab.generator import Generator, GeneratorConfig, SamplingConfig
-        from forgelab.trainer import ReferenceModel, Trainer, TrainerConfig
+        from forgelab.trainer import ReferenceConfig, ReferenceModel, Trainer, TrainerConfig
 
         cfg = self.config
         p = cfg.placement
@@ -209,7 +202,7 @@ class Run:
             model_dir=cfg.model.path, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps,
             total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio, weight_decay=cfg.train.weight_decay,
             max_grad_norm=cfg.train.max_grad_norm, loss=cfg.train.loss, loss_kwargs=dict(cfg.train.loss_kwargs),
-            is_cap=cfg.train.is_cap, seed=cfg.train.seed, master_port=_free_port(),
+            is_cap=cfg.train.is_cap, seed=cfg.train.seed,
         )
         common = dict(threads=p.threads, with_gpus=p.with_gpus)
         jobs = [
@@ -217,7 +210,7 @@ class Run:
             Trainer.options(procs=p.trainer_procs, **common).as_actor(tcfg),
         ]
         if p.reference:
-            jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(cfg.model.path))
+            jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(ReferenceConfig(model_dir=cfg.model.path)))
         t0 = time.time()
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -244,10 +237,9 @@ class Run:
             await self.trainer.call("push_weights", self.version, [handle.actor])
 
     def _on_service_event(self, event: Any) -> None:
-        if isinstance(event, dict):
-            self._event(event.get("kind", "service"), **{k: v for k, v in event.items() if k != "kind"})
-        else:
-            self._event(str(getattr(event, "kind", event)), detail=str(event))
+        # ServiceEvent(kind="replica_failed"|"replica_restarted", replica, time, detail)
+        self._event(str(getattr(event, "kind", "service")), replica=getattr(event, "replica", None),
+                    detail=str(getattr(event, "detail", event)))
 
     # ------------------------------------------------------------------ main loop
     async def _run_main(self) -> None:
@@ -511,9 +503,9 @@ class Run:
 
     async def push_weights(self) -> dict:
         """Trainer -> every healthy generator replica, as version `self.version`."""
-        handles = [h.actor for h in self.generators.healthy_handles()]
-        timing = (await self.trainer.call("push_weights", self.version, handles))[0]
-        for i in range(len(self.generators.replicas)):
+        live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
+        timing = (await self.trainer.call("push_weights", self.version, [h.actor for _, h in live]))[0]
+        for i, _ in live:
             self.generators.set_replica_info(i, version=self.version)
         return timing or {}
 
@@ -541,7 +533,7 @@ class Run:
         row["tokens_per_s"] = tokens / dt if dt > 0 else float("nan")
         row["step_time_s"] = t_step
         row["train_time_s"] = t_train
-        row["weight_sync_ms"] = float(sync.get("total_ms", sync.get("ms", float("nan")))) if isinstance(sync, dict) else float("nan")
+        row["weight_sync_ms"] = float(sync.get("gather_ms", 0.0)) + float(sync.get("send_ms", 0.0))
         for k in ("generated", "trained", "evicted", "dropped", "buffered"):
             row[f"episodes_{k}"] = counts[k]
         return row

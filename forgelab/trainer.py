@@ -1,0 +1,369 @@
+"""Trainer and reference model: torchtitan models in Monarch actors, FSDP2 across the trainer's processes.
+
+    trainer = await Trainer.options(procs=2).as_actor(TrainerConfig(model_dir=..., lr=1e-5))
+    metrics = (await trainer.call("train_step", batch))[0]   # every rank gets the global batch
+    await trainer.call("set_loss", my_loss, {"eps_high": 0.28})  # live from the next step
+    await trainer.call("push_weights", version, [gen.actor for gen in healthy])
+    ref = await ReferenceModel.options(procs=1).as_actor(ReferenceConfig(model_dir=...))
+    ref_logprobs_B_T = await ref.call_one("logprobs", batch["tokens_B_L"])
+
+**One global loss, whatever its normalisation.** Every rank receives the
+whole batch (``forgelab.algos.batching.collate``) and runs the model on its
+contiguous block of rows. The ranks then all-gather the (detached) token
+logprobs and *every rank evaluates the loss on the global batch*, on a leaf
+tensor ``lp_B_T`` standing in for the logprobs. Backward through the loss alone
+gives ``dL/dlp_B_T``; each rank back-propagates its own rows' slice of that
+gradient through its model forward, and FSDP2 *sums* (not averages) the
+parameter gradients over ranks. By the chain rule the summed gradient is
+exactly ``dL/dtheta`` of the global-batch loss. So token-level means
+(dapo, cispo), per-sequence means (grpo), constant normalisers (dr_grpo),
+sequence ratios (gspo) and any user loss get the same value and gradient on 1
+or N processes, without the loss knowing about ranks; no "average of per-rank
+averages" bias. The cost is one all-gather of ``B x T`` floats. Gradient
+accumulation (``micro_batch_size``) reuses the decomposition: a no-grad forward
+pass for the logprobs, the loss, then forward+backward per micro-batch with
+its slice of ``dL/dlp`` (one extra forward pass per step).
+
+**Fault rule.** A loss that raises, is not a finite scalar, or yields
+non-finite gradients skips the step: gradients are zeroed, the optimizer and
+the LR schedule do not step, and the metrics are
+``{"skipped": 1, "skip_reason": ...}``. The ranks all-reduce the decision, so
+they stay in lock step and FSDP never waits on a rank that bailed out.
+
+**Loss hot swap.** ``set_loss`` stores the new loss; ``train_step`` picks it
+up at its start, so a step never mixes two losses. Monarch pickles arguments
+with cloudpickle, which sends functions defined in ``__main__`` (a notebook
+cell, a script) by value: passing the function itself works. ``pack_loss`` is
+there for callers that want the bytes explicitly (e.g. to store them).
+
+The state and the step itself (no actors) live in ``forgelab.trainer_core``.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from monarch.actor import endpoint
+
+from forgelab.runtime.component import ActorHandle, Component, Configured, Placement
+from forgelab.trainer_core import (
+    PackedLoss,
+    TrainerState,
+    WarmupCosine,
+    check_tokens,
+    pack_loss,
+    resolve_device,
+    resolve_loss,
+)
+
+__all__ = [
+    "TrainerConfig",
+    "Trainer",
+    "ReferenceConfig",
+    "ReferenceModel",
+    "PackedLoss",
+    "pack_loss",
+    "WarmupCosine",
+    "free_port",
+    "resolve_loss",
+]
+
+# --- configuration ------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Everything a `Trainer` needs; placement (procs, hosts, GPUs) is the caller's `options(...)`."""
+
+    model_dir: str
+    """HF model directory (config.json, safetensors, tokenizer) to start from."""
+    lr: float = 1e-5
+    """Peak AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Linear warmup from ``lr / warmup_steps`` to ``lr`` over this many steps."""
+    total_steps: int | None = None
+    """With a value: cosine decay from ``lr`` to ``min_lr_ratio * lr`` at this step; None: constant after warmup."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of ``lr`` (cosine schedule only)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None: no clipping (the norm is still reported)."""
+    loss: str | Callable = "grpo"
+    """A name in ``forgelab.algos.losses.LOSSES`` or a loss function (see that module for the signature)."""
+    loss_kwargs: dict = field(default_factory=dict)
+    """Hyperparameters passed to the loss (unknown ones are ignored by the built-in losses)."""
+    is_cap: float | None = None
+    """Truncated importance-sampling cap ``C`` (weights ``min(pi_trainer/pi_gen, C)``); None: off."""
+    is_level: str = "token"
+    """Truncated IS granularity: ``"token"``, ``"sequence"`` or ``"geometric"``."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward on each rank (gradient accumulation); None: all local rows at once."""
+    seed: int = 0
+    """Seeds torch, python and numpy on every rank."""
+    device: str = "auto"
+    """``"auto"`` (CUDA when visible, else CPU), ``"cpu"`` or ``"cuda"``."""
+    pg_timeout_s: float = 60.0
+    """Process-group timeout: a collective waiting on a dead or absent peer fails after this."""
+    master_port: int | None = None
+    """TCP port of the process-group rendezvous (rank 0's host); None: `Trainer.options(...).as_actor` picks a free one."""
+    master_addr: str = "127.0.0.1"
+    """Address of rank 0 for the rendezvous (change it for multi-host meshes)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"TrainerConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.model_dir, str) or not self.model_dir:
+            bad("model_dir", "must be a HF model directory path")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            bad("lr", "must be a positive finite number")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            bad("betas", "must be two numbers in [0, 1)")
+        if not self.eps > 0:
+            bad("eps", "must be positive")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            bad("warmup_steps", "must be an int >= 0")
+        if self.total_steps is not None and (not isinstance(self.total_steps, int) or self.total_steps <= self.warmup_steps):
+            bad("total_steps", f"must be None or an int > warmup_steps ({self.warmup_steps})")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            bad("min_lr_ratio", "must be in [0, 1]")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            bad("max_grad_norm", "must be positive or None")
+        if isinstance(self.loss, str):
+            from forgelab.algos.losses import LOSSES
+
+            if self.loss not in LOSSES:
+                bad("loss", f"is not a registered loss; choose one of {sorted(LOSSES)} or pass a function")
+        elif not callable(self.loss) and not isinstance(self.loss, PackedLoss):
+            bad("loss", "must be a loss name or a callable")
+        if not isinstance(self.loss_kwargs, dict):
+            bad("loss_kwargs", "must be a dict")
+        if self.is_cap is not None and not self.is_cap > 0:
+            bad("is_cap", "must be positive or None (off)")
+        if self.is_level not in ("token", "sequence", "geometric"):
+            bad("is_level", "must be 'token', 'sequence' or 'geometric'")
+        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
+            bad("micro_batch_size", "must be None or a positive int")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad("device", "must be 'auto', 'cpu' or 'cuda'")
+        if not self.pg_timeout_s > 0:
+            bad("pg_timeout_s", "must be positive (seconds)")
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            bad("master_port", "must be None or a TCP port number")
+
+
+@dataclass(kw_only=True)
+class ReferenceConfig:
+    """A frozen reference policy (for KL penalties)."""
+
+    model_dir: str
+    """HF model directory, usually the trainer's starting point."""
+    device: str = "auto"
+    """``"auto"``, ``"cpu"`` or ``"cuda"``."""
+    micro_batch_size: int | None = None
+    """Rows per forward pass; None: the whole request at once."""
+
+    def validate(self) -> None:
+        if not isinstance(self.model_dir, str) or not self.model_dir:
+            raise ValueError(f"ReferenceConfig.model_dir={self.model_dir!r}: must be a HF model directory path")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"ReferenceConfig.device={self.device!r}: must be 'auto', 'cpu' or 'cuda'")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"ReferenceConfig.micro_batch_size={self.micro_batch_size!r}: must be None or >= 1")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mesh_rank_world() -> tuple[int, int]:
+    from monarch.actor import current_rank, current_size
+
+    world = 1
+    for n in current_size().values():
+        world *= n
+    return current_rank().rank, world
+
+
+def _with_port(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def fill(v):
+        if not isinstance(v, TrainerConfig):
+            return v
+        v.validate()  # fail here, before spawning processes
+        return replace(v, master_port=free_port()) if v.master_port is None else v
+
+    return tuple(fill(a) for a in args), {k: fill(v) for k, v in kwargs.items()}
+
+
+class _TrainerConfigured(Configured):
+    """`Configured` that gives each spawned trainer mesh its own free rendezvous port."""
+
+    def options(self, **kwargs: Any) -> "_TrainerConfigured":
+        return _TrainerConfigured(self.cls, replace(self.placement, **kwargs))
+
+    async def as_actor(self, *args: Any, **kwargs: Any) -> ActorHandle:
+        args, kwargs = _with_port(args, kwargs)
+        return await super().as_actor(*args, **kwargs)
+
+
+# --- the actors -------------------------------------------------------------------
+
+
+class Trainer(Component):
+    """Policy trainer: torchtitan model, FSDP2 over the mesh's processes, AdamW, swappable loss.
+
+    Call every endpoint on all ranks (``handle.call(...)``): they run collectives.
+    Results are identical on every rank except where noted (rank 0 carries tensors).
+    """
+
+    def __init__(self, config: TrainerConfig):
+        config.validate()
+        self.config = config
+
+    @classmethod
+    def options(cls, **kwargs: Any) -> _TrainerConfigured:
+        return _TrainerConfigured(cls, Placement(**kwargs))
+
+    @classmethod
+    async def as_actor(cls, *args: Any, **kwargs: Any) -> ActorHandle:
+        return await cls.options().as_actor(*args, **kwargs)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    @endpoint
+    async def setup(self) -> None:
+        self.state = TrainerState.create(self.config, *_mesh_rank_world())
+
+    @endpoint
+    async def info(self) -> dict[str, Any]:
+        """Rank, world size, device, step, policy version, current loss name, parameter count."""
+        return self.state.info()
+
+    # -- training --------------------------------------------------------------
+
+    @endpoint
+    async def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """One optimizer step on the global ``batch`` (this rank trains its block of rows); returns metrics."""
+        return self.state.train_step(batch)
+
+    @endpoint
+    async def set_loss(self, fn_or_name: str | Callable | PackedLoss, loss_kwargs: dict | None = None) -> str:
+        """Make ``fn_or_name`` (with ``loss_kwargs``, default none) the loss from the next ``train_step``; returns its name."""
+        return self.state.set_loss(fn_or_name, loss_kwargs)
+
+    @endpoint
+    async def dry_run_loss(
+        self, fn_or_name: str | Callable | PackedLoss, batch: dict[str, Any], loss_kwargs: dict | None = None
+    ) -> dict[str, Any]:
+        """Forward + loss + backward on ``batch`` with nothing changed after; ``{"ok", "reason", "loss", "metrics"}``."""
+        return self.state.dry_run_loss(fn_or_name, batch, loss_kwargs)
+
+    @endpoint
+    async def logprobs(self, tokens_B_L: torch.Tensor) -> torch.Tensor:
+        """Current policy's ``logprobs_B_T`` (fp32, no grad), the full batch on every rank."""
+        return self.state.logprobs(tokens_B_L)
+
+    # -- weights ---------------------------------------------------------------
+
+    @endpoint
+    async def get_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF-named weights (CPU) on rank 0; other ranks return ``{}`` after taking part in the gather."""
+        sd = self.state.hf_state_dict()
+        return sd if self.state.rank == 0 else {}
+
+    @endpoint
+    async def push_weights(self, version: int, generators: list[Any]) -> dict[str, Any]:
+        """Gather the HF weights and send them to each generator mesh's ``update_weights(version, weights)``.
+
+        ``generators`` are Monarch actor meshes (``ActorHandle.actor``) of healthy
+        generator replicas; rank 0 sends to all of them concurrently. Returns
+        ``{"version", "gather_ms", "send_ms", "bytes", "sent", "failed": {index: error}}``.
+        """
+        t0 = time.perf_counter()
+        sd = self.state.hf_state_dict()
+        gather_ms = (time.perf_counter() - t0) * 1e3
+        nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        out: dict[str, Any] = {"version": int(version), "gather_ms": gather_ms, "send_ms": 0.0, "bytes": nbytes,
+                               "sent": 0, "failed": {}}
+        if self.state.rank == 0 and generators:
+            meshes = [getattr(g, "actor", g) for g in generators]
+            t1 = time.perf_counter()
+            results = await asyncio.gather(
+                *(m.update_weights.call(int(version), sd) for m in meshes), return_exceptions=True
+            )
+            out["send_ms"] = (time.perf_counter() - t1) * 1e3
+            for i, r in enumerate(results):
+                if isinstance(r, BaseException):
+                    out["failed"][i] = f"{type(r).__name__}: {str(r)[:500]}"
+                else:
+                    out["sent"] += 1
+        self.state.policy_version = int(version)
+        return out
+
+    @endpoint
+    async def export_hf(self, path: str) -> str:
+        """Write the current weights as a HF directory (rank 0 writes; every rank gathers)."""
+        return self.state.export_hf(path)
+
+    # -- checkpoints -----------------------------------------------------------
+
+    @endpoint
+    async def save(self, path: str) -> str:
+        """DCP checkpoint of model + optimizer, plus schedule, step, policy version, loss and RNG states."""
+        return self.state.save(path)
+
+    @endpoint
+    async def load(self, path: str) -> dict[str, Any]:
+        """Restore a `save` checkpoint (any world size for model/optimizer); returns ``info()``."""
+        return self.state.load(path)
+
+    @endpoint
+    async def fingerprint(self) -> dict[str, Any]:
+        """SHA-256 of this rank's parameters and optimizer state, and the schedule/step: for bit-exact checks."""
+        return self.state.fingerprint()
+
+
+class ReferenceModel(Component):
+    """Frozen policy for reference logprobs: eval mode, no grad, float32; each process holds the whole model."""
+
+    IDEMPOTENT = frozenset({"logprobs"})
+
+    def __init__(self, config: ReferenceConfig):
+        config.validate()
+        self.config = config
+
+    @endpoint
+    async def setup(self) -> None:
+        from forgelab.titan import build_from_hf
+
+        self.device = resolve_device(self.config.device)
+        model, self.ckpt = build_from_hf(self.config.model_dir, device=self.device)
+        self.model = model.eval().requires_grad_(False)
+
+    @endpoint
+    async def logprobs(self, tokens_B_L: torch.Tensor) -> torch.Tensor:
+        """``logprobs_B_T`` (fp32, CPU) of each next token of ``tokens_B_L`` under the frozen weights."""
+        from forgelab.titan import model_logprobs
+
+        tokens_B_L = check_tokens(tokens_B_L)
+        rows = self.config.micro_batch_size or tokens_B_L.shape[0]
+        with torch.no_grad():
+            parts = [model_logprobs(self.model, chunk.to(self.device)) for chunk in tokens_B_L.split(rows)]
+        return torch.cat(parts).float().cpu()

@@ -1,0 +1,116 @@
+"""forgelab.titan: HF checkpoints <-> torchtitan models, checked against transformers (in-process, no actors)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from forgelab.titan import (
+    build_from_hf,
+    export_hf,
+    load_hf_state_dict,
+    model_logprobs,
+    read_hf_config,
+    titan_config_from_hf,
+)
+from trainer_actors import tiny_model_dir
+
+TOL = 1e-5
+
+
+def _hf_logits(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = str(tmp_path_factory.mktemp("qwen3"))
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=101, max_position_embeddings=128,
+                      rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():  # non-trivial q/k norms, so a missed mapping shows
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    return out
+
+
+def _tokens(vocab: int, B: int = 3, L: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+def test_llama_logits_match_hf(llama_dir):
+    model, ckpt = build_from_hf(llama_dir)
+    tokens = _tokens(ckpt.hf_config["vocab_size"])
+    with torch.no_grad():
+        logits = model(tokens)
+    assert ckpt.family == "llama3"
+    assert (logits - _hf_logits(llama_dir, tokens)).abs().max() <= TOL
+
+
+def test_qwen3_mapping_and_logits_match_hf(qwen3_dir):
+    hf_cfg = read_hf_config(qwen3_dir)
+    family, cfg = titan_config_from_hf(hf_cfg)
+    layer = cfg.layers[0]
+    assert family == "qwen3" and cfg.dim == 64 and cfg.vocab_size == 101 and cfg.enable_weight_tying
+    assert layer.feed_forward.w1.out_features == 96  # exactly intermediate_size, no rounding
+    assert layer.attention.head_dim == 32 and layer.attention.n_kv_heads == 2
+    assert layer.attention.rope.theta == 1e6 and layer.attention.rope.max_seq_len == 128
+    assert layer.attention_norm.eps == layer.attention.qk_norm.eps == 1e-6
+    model, _ = build_from_hf(qwen3_dir)
+    tokens = _tokens(101)
+    with torch.no_grad():
+        logits = model(tokens)
+    assert (logits - _hf_logits(qwen3_dir, tokens)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_export_round_trip(which, llama_dir, qwen3_dir, tmp_path):
+    src = llama_dir if which == "llama" else qwen3_dir
+    model, ckpt = build_from_hf(src)
+    with torch.no_grad():  # move the weights so the export is not just a copy of the source
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = export_hf(model, ckpt, str(tmp_path / "out"))
+    tokens = _tokens(ckpt.hf_config["vocab_size"], seed=1)
+    with torch.no_grad():
+        titan_logits = model(tokens)
+    assert (_hf_logits(out, tokens) - titan_logits).abs().max() <= TOL
+    exported, source = load_hf_state_dict(out), load_hf_state_dict(src)
+    assert exported.keys() == source.keys()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.exists(os.path.join(src, name)):
+            assert os.path.exists(os.path.join(out, name))
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["model_type"] == ckpt.hf_config["model_type"]
+
+
+def test_model_logprobs_is_the_shifted_gather(llama_dir):
+    model, ckpt = build_from_hf(llama_dir)
+    tokens = _tokens(ckpt.hf_config["vocab_size"], B=2, L=9)
+    with torch.no_grad():
+        lp = model_logprobs(model, tokens)
+        ref = torch.log_softmax(_hf_logits(llama_dir, tokens[:, :-1]), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert lp.shape == (2, 8) and lp.dtype == torch.float32
+    assert (lp - ref).abs().max() <= TOL
+
+
+def test_unsupported_config_is_named():
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        titan_config_from_hf({"model_type": "gpt2"})
