@@ -194,6 +194,7 @@ class ActorHandle:
         self.procs = procs
         self.actor = actor
         self.alive = True
+        self.failed = False  # set when one of its processes died
 
     def __getattr__(self, item: str) -> Any:
         if item.startswith("_"):
@@ -219,8 +220,9 @@ class ActorHandle:
         if not self.alive:
             return
         self.alive = False
+        # A mesh with a dead process never acknowledges stop(): don't wait long for it.
         try:
-            await asyncio.wait_for(self.procs.stop(), timeout=30)
+            await asyncio.wait_for(self.procs.stop(), timeout=3 if self.failed else 30)
         except Exception:
             pass
 

@@ -397,6 +397,8 @@ class Service:
         if self._closed or rep.handle is not handle or rep.state != "healthy":
             return
         rep.state, rep.last_error = "respawning", detail
+        if handle is not None:
+            handle.failed = True
         self._refresh_healthy()
         log.warning("service %s: replica %d failed: %s", self.name, rep.index, detail)
         self._record("replica_failed", rep.index, detail)
