@@ -1,0 +1,293 @@
+"""Build the shipped tiny model: a 3.2 M-parameter Llama, briefly SFT'd on the toy tasks.
+
+    python -m forgelab.recipes.tiny_model [--out DIR] [--steps N] [--seed S]
+
+What it does, on CPU with at most 2 threads (a few minutes):
+
+1. builds the character tokenizer (``forgelab.tokenizer``);
+2. builds ``LlamaForCausalLM`` (4 layers, hidden 256, 4 heads, 2 KV heads,
+   untied embeddings, float32) with ``torch.manual_seed(seed)``;
+3. supervised pretraining with AdamW on chat-templated (prompt, answer) pairs
+   from the TRAIN split of every task in ``forgelab.tasks.TASKS``; the loss
+   covers only the answer tokens and the end-of-turn token;
+4. saves model (safetensors), tokenizer and generation config (eos = ``<|end|>``)
+   to ``--out``, measures greedy accuracy on each task's TEST split with
+   ``forgelab.evaluate.greedy_accuracy_hf``, and writes ``model_card.json`` and
+   ``README.md`` there.
+
+The step count is chosen so the model is deliberately weak -- well-formed
+answers, often right on addition, rarely on multistep -- leaving room for RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from forgelab.evaluate import format_prompt, greedy_accuracy_hf
+from forgelab.tasks import TASKS, Problem
+from forgelab.tokenizer import build_tokenizer, save_tokenizer
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
+IGNORE = -100
+
+
+@dataclass(kw_only=True)
+class TinyRecipe:
+    """Hyper-parameters of the tiny model's SFT run (the defaults make the shipped model)."""
+
+    out: str = DEFAULT_OUT
+    """Output directory."""
+    steps: int = 300
+    """Optimizer steps."""
+    seed: int = 0
+    """Seeds the weights, the training-batch order and the task data."""
+    batch_size: int = 128
+    """Sequences per step."""
+    lr: float = 1e-3
+    """AdamW learning rate (linear warmup, then constant)."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    n_train: dict[str, int] = field(default_factory=lambda: {"addition": 8_000, "multistep": 4_000})
+    """Train problems per task (their ratio is the mixing ratio; addition is the RL target)."""
+    n_test: int = 500
+    """Held-out test problems per task for the model card."""
+    threads: int = 2
+    """``torch.set_num_threads`` (at most 2 on the shared machine)."""
+    save_every: int = 0
+    """If > 0, also save an evaluated snapshot to ``out/step<k>`` every this many steps (for tuning)."""
+
+
+def model_config(tokenizer):
+    """The tiny Llama's ``LlamaConfig`` (untied embeddings: vLLM's weight reload mishandles tied ones)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        initializer_range=0.02,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def encode_sft(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids_N_T, labels_N_T)``, right-padded; labels are IGNORE except answer + end token."""
+    rows, labels = [], []
+    for p in problems:
+        prompt_ids = tokenizer.encode(format_prompt(tokenizer, p.prompt), add_special_tokens=False)
+        answer_ids = tokenizer.encode(p.target, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        labels.append([IGNORE] * len(prompt_ids) + answer_ids)
+    T = max(map(len, rows))
+    ids_N_T = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=torch.long)
+    labels_N_T = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for i, (r, l) in enumerate(zip(rows, labels)):
+        ids_N_T[i, : len(r)] = torch.tensor(r)
+        labels_N_T[i, : len(l)] = torch.tensor(l)
+    return ids_N_T, labels_N_T
+
+
+def sft_loss(model, ids_B_T: torch.Tensor, labels_B_T: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled (answer) positions.
+
+    No attention mask is needed: padding is on the right, so under the causal mask
+    no real token attends to a pad token, and pad positions carry no label.
+    """
+    logits_B_T_V = model(input_ids=ids_B_T).logits
+    return torch.nn.functional.cross_entropy(
+        logits_B_T_V[:, :-1].flatten(0, 1), labels_B_T[:, 1:].flatten(), ignore_index=IGNORE
+    )
+
+
+def lr_at(step: int, r: TinyRecipe) -> float:
+    """Linear warmup, then constant: a run of k steps is exactly the first k steps of a longer
+    run, so snapshots of one long run (``--save-every``) show what each ``--steps`` gives."""
+    return r.lr * min(1.0, (step + 1) / r.warmup_steps)
+
+
+def evaluate_all(model, tokenizer, n: int, seed: int) -> dict[str, float]:
+    """Greedy accuracy on the first ``n`` test problems of every task."""
+    return {
+        name: greedy_accuracy_hf(model, tokenizer, task.make("test", n, seed))
+        for name, task in TASKS.items()
+    }
+
+
+def save_with_card(model, tokenizer, r: TinyRecipe, out: str, *, steps: int, losses: list[float],
+                   train_s: float) -> dict:
+    """Save model + tokenizer + generation config to ``out``, evaluate, write the model card."""
+    from transformers import GenerationConfig
+
+    model.eval()
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    os.chmod(os.path.join(out, "model.safetensors"), 0o644)  # written 0600; it ships in git
+    save_tokenizer(tokenizer, out)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out)
+    accuracy = evaluate_all(model, tokenizer, r.n_test, r.seed)
+    model.train()
+    defaults = TinyRecipe()
+    flags = [f"--steps {steps}", f"--seed {r.seed}"]
+    flags += [f"--{k.replace('_', '-')} {getattr(r, k)}" for k in ("lr", "batch_size", "threads")
+              if getattr(r, k) != getattr(defaults, k)]
+    card = {
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "architecture": "LlamaForCausalLM: 4 layers, hidden 256, 4 heads, 2 KV heads, "
+        "intermediate 768, untied embeddings, rope_theta 10000, float32",
+        "vocab_size": len(tokenizer),
+        "recipe": {k: v for k, v in asdict(r).items() if k not in ("out", "save_every")} | {"steps": steps},
+        "command": "python -m forgelab.recipes.tiny_model " + " ".join(flags),
+        "train_problems": r.n_train,
+        "train_steps": steps,
+        "train_seconds": round(train_s, 1),
+        "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+        "eval": {
+            "function": "forgelab.evaluate.greedy_accuracy_hf",
+            "split": "test",
+            "n_per_task": r.n_test,
+            "seed": r.seed,
+            "max_new_tokens": 8,
+            "accuracy": {k: round(v, 4) for k, v in accuracy.items()},
+        },
+        "torch_version": torch.__version__,
+    }
+    with open(os.path.join(out, "model_card.json"), "w") as f:
+        json.dump(card, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(render_readme(card))
+    return card
+
+
+def train(r: TinyRecipe) -> dict:
+    """Run the recipe; returns the model card dict (also written to ``r.out``)."""
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(min(r.threads, 2))
+    tokenizer = build_tokenizer()
+    train_problems = [p for name, n in r.n_train.items() for p in TASKS[name].make("train", n, r.seed)]
+    ids_N_T, labels_N_T = encode_sft(tokenizer, train_problems)
+
+    torch.manual_seed(r.seed)
+    model = LlamaForCausalLM(model_config(tokenizer)).float()
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params: {n_params:,}  train sequences: {len(ids_N_T):,} x {ids_N_T.shape[1]} tokens")
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=r.lr, betas=(0.9, 0.95), weight_decay=r.weight_decay
+    )
+    gen = torch.Generator().manual_seed(r.seed)
+    order = torch.randperm(len(ids_N_T), generator=gen)
+    cursor, losses = 0, []
+    t_train = time.perf_counter()
+    for step in range(r.steps):
+        if cursor + r.batch_size > len(order):
+            order, cursor = torch.randperm(len(ids_N_T), generator=gen), 0
+        idx = order[cursor : cursor + r.batch_size]
+        cursor += r.batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, r)
+        loss = sft_loss(model, ids_N_T[idx], labels_N_T[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % 50 == 0 or step == 0:
+            print(f"step {step + 1:5d}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}  "
+                  f"{time.perf_counter() - t_train:.0f}s", flush=True)
+        if r.save_every and (step + 1) % r.save_every == 0 and step + 1 < r.steps:
+            t = time.perf_counter()
+            snap = save_with_card(model, tokenizer, r, os.path.join(r.out, f"step{step + 1}"),
+                                  steps=step + 1, losses=losses, train_s=t - t_train)
+            print(f"  snapshot @{step + 1}: {snap['eval']['accuracy']}", flush=True)
+            t_train += time.perf_counter() - t  # keep train_seconds free of eval time
+    train_s = time.perf_counter() - t_train
+    card = save_with_card(model, tokenizer, r, r.out, steps=r.steps, losses=losses, train_s=train_s)
+    print(json.dumps({k: card[k] for k in ("n_params", "final_loss", "train_seconds", "eval")}))
+    return card
+
+
+def render_readme(card: dict) -> str:
+    """The model card, in Markdown, from the machine-readable card dict."""
+    ev = card["eval"]
+    acc_rows = "\n".join(f"| {k} | {100 * v:.1f} % |" for k, v in ev["accuracy"].items())
+    return f"""# tiny-llama (forgelab)
+
+A deliberately weak {card['n_params'] / 1e6:.2f} M-parameter character-level Llama,
+the base model for forgelab's RL tutorials. Built by `forgelab/recipes/tiny_model.py`.
+
+- **Architecture**: {card['architecture']}; vocabulary {card['vocab_size']}
+  (one token per character + special tokens, `forgelab/tokenizer.py`).
+- **Parameters**: {card['n_params']:,}.
+- **Chat format**: `<|bos|><|user|>12+345=<|end|><|assistant|>357<|end|>`;
+  `<|end|>` is the eos token and ends every turn.
+- **Data**: chat-templated (prompt, answer) pairs from the train split of the
+  tasks (`forgelab/tasks.py`) {', '.join(f'{k}: {v:,} problems' for k, v in card['train_problems'].items())},
+  seed {card['recipe']['seed']}, shuffled together;
+  loss on the answer tokens and the end token only.
+- **Training**: AdamW, lr {card['recipe']['lr']}, batch {card['recipe']['batch_size']},
+  {card['train_steps']} steps ({card['train_seconds']} s, {card['recipe']['threads']} CPU thread(s){'; ' + card['train_seconds_note'] if 'train_seconds_note' in card else ''}),
+  final loss (mean of the last 50 steps) {card['final_loss']}.
+- **Seed**: {card['recipe']['seed']} (weights, batch order, data).
+- **Reproduce**: `{card['command']}`
+
+## Base greedy accuracy (held-out test split)
+
+`{ev['function']}` on the first {ev['n_per_task']} test problems per task
+(`Task.make("test", {ev['n_per_task']}, seed={ev['seed']})`), greedy,
+max_new_tokens={ev['max_new_tokens']}, exact-answer reward:
+
+| task | accuracy |
+|---|---|
+{acc_rows}
+
+Machine-readable: `model_card.json`.
+"""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    defaults = TinyRecipe()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=defaults.out)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--threads", type=int, default=defaults.threads)
+    p.add_argument("--save-every", type=int, default=0)
+    a = p.parse_args(argv)
+    return train(TinyRecipe(out=a.out, steps=a.steps, seed=a.seed, lr=a.lr,
+                            batch_size=a.batch_size, threads=a.threads,
+                            save_every=a.save_every))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
