@@ -82,7 +82,7 @@ class Run:
         self.rewards = RewardComposer({name: (REWARDS[name], w) for name, w in cfg.rollout.rewards.items()})
         self.loss_name: str = cfg.train.loss
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
-        train = load_problems(cfg.rollout.task, "train", 20000, cfg.train.seed)
+        train = load_problems(cfg.rollout.task, "train", 4000, cfg.train.seed)
         self.stream = ProblemStream(train, seed=cfg.train.seed)
         self.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, cfg.train.seed)
         self._task_reward = get_task(cfg.rollout.task).reward if cfg.rollout.task in TASKS else REWARDS["exact_answer"]
@@ -113,6 +113,9 @@ class Run:
         self._stopping = False
         self._reward_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="forgelab-reward")
         self._inflight_rollout = 0
+        self._admitted = 0  # episodes whose generation was started
+        self._pushed_version = 0  # version the generators serve (last completed push)
+        self._training_in_flight = False
         self.accuracy_history: list[tuple[int, float]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -170,8 +173,9 @@ class Run:
                 await asyncio.wait_for(asyncio.shield(self._main), timeout=300)
             except Exception:
                 pass
-        if self.state not in ("failed",):
+        if self.state not in ("failed", "finished", "stopped", "created"):
             self.state = "stopped"
+            self._event("stopped")
 
     async def shutdown(self) -> None:
         """Stop training and free every process."""
@@ -256,6 +260,7 @@ class Run:
                     if self.tracker and self.tracker.rows:
                         self.tracker.rows[-1]["heldout_accuracy"] = acc
                 self.state = "stopped" if self._stopping else "finished"
+                self._event(self.state, message=self.message)
         except asyncio.CancelledError:
             self.state = "stopped"
             raise
@@ -286,9 +291,19 @@ class Run:
         await self._unpaused.wait()
         return not self._stopping
 
-    def _rollout_budget(self) -> int:
+    def _may_admit(self, n: int) -> bool:
+        """Staleness control at the source: admit n more episodes only if they can be trained in time.
+
+        Episodes started while the generators serve version v can be used up to
+        step v + max_policy_age, so at most (v + max_policy_age + 1) * batch_size
+        episodes may ever have been started (minus those that left without being
+        trained: evicted or dropped, whose slots are given back). With
+        max_policy_age = 0 this is synchronous on-policy RL.
+        """
         t = self.config.train
-        return t.batch_size * (t.max_policy_age + 1)
+        c = self.buffer.counts()
+        live = self._admitted - c["evicted"] - c["dropped"]
+        return live + n <= (self._pushed_version + t.max_policy_age + 1) * t.batch_size
 
     async def _rollout_worker(self, wid: int) -> None:
         r = self.config.rollout
@@ -298,17 +313,18 @@ class Run:
                 return
             async with self._buffer_changed:
                 # Back-pressure: generate no more than the trainer can use before the episodes go stale.
-                await self._buffer_changed.wait_for(
-                    lambda: self._stopping or len(self.buffer) + self._inflight_rollout + per_call <= max(self._rollout_budget(), per_call)
-                )
+                await self._buffer_changed.wait_for(lambda: self._stopping or self._may_admit(per_call))
                 if self._stopping:
                     return
                 self._inflight_rollout += per_call
+                self._admitted += per_call
             try:
                 await self._one_rollout()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                # nothing of this rollout reached the buffer: give its slots back
+                self._admitted -= per_call
                 self._event("rollout_error", message=f"{type(e).__name__}: {e}")
                 log.warning("forgelab: rollout failed: %s", e)
                 await asyncio.sleep(0.5)
@@ -464,7 +480,11 @@ class Run:
         t0 = time.time()
         batch = collate(batch_eps, self.pad_id)
         self._last_batch = batch
-        results = await self.trainer.call("train_step", batch)
+        self._training_in_flight = True
+        try:
+            results = await self.trainer.call("train_step", batch)
+        finally:
+            self._training_in_flight = False
         m = dict(results[0])
         if m.get("skipped"):
             reason = str(m.get("skip_reason", "skipped"))
@@ -507,6 +527,9 @@ class Run:
         timing = (await self.trainer.call("push_weights", self.version, [h.actor for _, h in live]))[0]
         for i, _ in live:
             self.generators.set_replica_info(i, version=self.version)
+        async with self._buffer_changed:
+            self._pushed_version = self.version
+            self._buffer_changed.notify_all()
         return timing or {}
 
     def _metrics_row(self, eps: list[Episode], m: dict, t_train: float, sync: dict, t_step: float) -> dict:
@@ -529,7 +552,8 @@ class Run:
         for k, v in m.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 row[k if k not in row else f"train/{k}"] = float(v)
-        row["loss_name"] = self.loss_name if isinstance(self.loss_name, str) else getattr(self.loss_name, "__name__", "custom")
+        # the loss the trainer actually used for this step (a swap applies at a step boundary)
+        row["loss_name"] = str(m.get("loss_name") or self.loss_name)
         row["tokens_per_s"] = tokens / dt if dt > 0 else float("nan")
         row["step_time_s"] = t_step
         row["train_time_s"] = t_train
@@ -543,9 +567,10 @@ class Run:
         """Held-out greedy accuracy (exact answer) with the generator's current weights."""
         probs = self.heldout[: n or len(self.heldout)]
         ids = [self._prompt_ids(p.prompt) for p in probs]
-        groups = await self.generators.route(
-            "generate", ids, n=1, sampling={"temperature": 0.0, "max_tokens": self.config.rollout.max_tokens}
-        )
+        from forgelab.generator import SamplingConfig
+
+        greedy = SamplingConfig(temperature=0.0, max_tokens=self.config.rollout.max_tokens)
+        groups = await self.generators.route("generate", ids, n=1, sampling=greedy)
         correct = 0
         for p, g in zip(probs, groups):
             try:
@@ -588,11 +613,13 @@ class Run:
                 name = loss if isinstance(loss, str) else getattr(loss, "__name__", "loss")
                 self._event("loss_refused", loss=name, reason=report.get("reason"))
                 raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.get('reason')}; the old loss keeps training")
+        # A train_step already running finishes with the old loss (the trainer swaps between steps).
+        applies_at = self.step + (2 if self._training_in_flight else 1)
         await self.trainer.call("set_loss", packed, loss_kwargs)
         name = loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
         self.loss_name = name
-        self._event("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=self.step + 1)
-        return {"loss": name, "applies_at_step": self.step + 1}
+        self._event("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at)
+        return {"loss": name, "applies_at_step": applies_at}
 
     async def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Trainer state (DCP) + controller state (step, version, data position, counters, rewards)."""

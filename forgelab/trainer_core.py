@@ -413,7 +413,7 @@ class TrainerState:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step": self.step, "skipped": 0,
-                "step_time_s": time.perf_counter() - t0}
+                "step_time_s": time.perf_counter() - t0, "loss_name": self.loss_name}
 
     def dry_run_loss(self, spec: Any, batch: Any, loss_kwargs: dict | None) -> dict[str, Any]:
         name, fn = resolve_loss(spec)

@@ -1,0 +1,28 @@
+"""The live lab: Jupyter widgets over a running `forgelab.run.Run`.
+
+Widgets are views: they read `run.metrics`, `run.rollouts`, `run.events` and
+`run.status()`, and act only through the run's public methods (`pause`,
+`set_loss`, `set_reward_weights`, `add_reward`, ...). Nothing here imports
+Monarch or talks to an actor.
+
+    lab = run.dashboard()                 # or forgelab.lab.dashboard(run)
+    lab                                   # last expression of a cell: displays the widgets
+    MetricsPanel(run)                     # any panel alone
+    lab.rewards.register("brevity", brevity, 0.1)
+    lab.loss.register(my_loss); lab.loss.apply(my_loss)
+
+Outside a notebook every panel's repr() is a plain-text summary.
+"""
+from forgelab.lab._base import Panel, Throttle, in_notebook
+from forgelab.lab.controls import Controls, ServicesPanel
+from forgelab.lab.dashboard import Dashboard, dashboard
+from forgelab.lab.inspector import RolloutInspector
+from forgelab.lab.loss_panel import LossPanel
+from forgelab.lab.metrics import MetricsPanel
+from forgelab.lab.rewards_panel import RewardPanel
+from forgelab.lab.summary import text_summary
+
+__all__ = [
+    "dashboard", "Dashboard", "MetricsPanel", "RolloutInspector", "RewardPanel", "LossPanel", "Controls",
+    "ServicesPanel", "Panel", "Throttle", "in_notebook", "text_summary",
+]

@@ -1,0 +1,247 @@
+"""The rollout inspector: filter and sort recent episodes, pick one, read its completion token by token.
+
+Reads `run.rollouts` (a DataFrame of recent episodes) on refresh; the table
+shows at most `max_rows` episodes after filtering and sorting. The selected
+episode's tokens are rendered by `forgelab.lab.tokens`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from forgelab.lab._base import Panel, esc
+from forgelab.lab.summary import state_line
+from forgelab.lab.tokens import COLOUR_BY, spans_html, table_html, token_rows
+
+SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length")
+CORRECTNESS = ("all", "only right", "only wrong")
+
+
+def _short(x: Any, n: int) -> str:
+    s = "" if x is None or (isinstance(x, float) and math.isnan(x)) else str(x)
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _num(x: Any) -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return esc(x)
+    return "" if math.isnan(v) else f"{v:.3g}"
+
+
+class RolloutInspector(Panel):
+    """A filterable, sortable table of recent episodes and a token-level view of the selected one.
+
+    Filters: `text` (substring of prompt or completion, case-insensitive), `correctness`
+    ("only right": the `reward/exact_answer` part (else the reward) is > 0.5), `reward_range`, `task`.
+    Colour the tokens by `colour_by`: "logprob" (generator), "advantage" or "kl" (k3 vs the reference).
+    """
+
+    min_interval_s = 2.0
+
+    def __init__(self, run: Any, *, max_rows: int = 25, min_interval_s: float | None = None):
+        super().__init__(run, min_interval_s=min_interval_s)
+        self.max_rows = max_rows
+        self.df = None
+        """The filtered, sorted episodes currently listed (pandas DataFrame)."""
+        self._syncing = False
+        self._seen = (-1, -1)
+
+    # ------------------------------------------------------------------ widget
+    def _build(self):
+        import ipywidgets as W
+
+        lay = W.Layout
+        self.text = W.Text(placeholder="filter prompt / completion", layout=lay(width="220px"))
+        self.correctness = W.Dropdown(options=CORRECTNESS, value="all", layout=lay(width="115px"))
+        self.task = W.Dropdown(options=["all tasks"], value="all tasks", layout=lay(width="140px"))
+        self.reward_range = W.FloatRangeSlider(value=(-1e9, 1e9), min=-1e9, max=1e9, step=0.01, description="reward",
+                                               readout_format=".2f", continuous_update=False,
+                                               layout=lay(width="300px"), style={"description_width": "50px"})
+        self.sort_by = W.Dropdown(options=SORT_COLUMNS, value="id", description="sort", layout=lay(width="170px"),
+                                  style={"description_width": "32px"})
+        self.ascending = W.ToggleButton(value=False, description="ascending", icon="sort-amount-asc",
+                                        layout=lay(width="105px"))
+        self.table = W.HTML(layout=lay(width="100%", max_height="330px", overflow="auto"))
+        self.select = W.Dropdown(options=[], description="episode", layout=lay(width="460px"),
+                                 style={"description_width": "55px"})
+        self.colour_by = W.ToggleButtons(options=COLOUR_BY, value="logprob", style={"button_width": "92px"})
+        self.header = W.HTML()
+        self.tokens = W.HTML(layout=lay(width="62%"))
+        self.side = W.HTML(layout=lay(width="38%"))
+        for w in (self.text, self.correctness, self.task, self.reward_range, self.sort_by, self.ascending):
+            w.observe(self._on_filter, names="value")
+        self.select.observe(lambda _: self._show_selected(), names="value")
+        self.colour_by.observe(lambda _: self._show_selected(), names="value")
+        filters = W.HBox([self.text, self.correctness, self.task, self.reward_range, self.sort_by, self.ascending],
+                         layout=lay(flex_flow="row wrap", align_items="center"))
+        picker = W.HBox([self.select, W.Label("colour by"), self.colour_by], layout=lay(align_items="center"))
+        return W.VBox([filters, self.table, picker, self.header, W.HBox([self.tokens, self.side])])
+
+    def _wants(self, msg: dict) -> bool:
+        return "event" not in msg  # new episodes arrive with steps
+
+    def _on_filter(self, _change) -> None:
+        if not self._syncing:
+            self._apply(self._all())
+
+    # ------------------------------------------------------------------ data
+    def _all(self):
+        return self.run.rollouts
+
+    def refresh(self) -> None:
+        if self._widget is None:
+            return
+        df = self._all()
+        key = (len(df), int(df["id"].iloc[-1]) if len(df) and "id" in df.columns else -1)
+        if key == self._seen and self.df is not None:
+            return
+        self._seen = key
+        self._syncing = True
+        try:
+            if len(df) and "task" in df.columns:
+                tasks = ["all tasks"] + sorted(str(t) for t in df["task"].dropna().unique())
+                if list(self.task.options) != tasks:
+                    keep = self.task.value if self.task.value in tasks else "all tasks"
+                    self.task.options, self.task.value = tasks, keep
+            if len(df) and "reward" in df.columns:
+                lo, hi = float(df["reward"].min()), float(df["reward"].max())
+                hi = hi if hi > lo else lo + 1.0
+                untouched = self.reward_range.value == (self.reward_range.min, self.reward_range.max)
+                self.reward_range.min, self.reward_range.max = -1e9, 1e9  # widen first: min must stay <= max
+                self.reward_range.min, self.reward_range.max = lo, hi
+                if untouched:
+                    self.reward_range.value = (lo, hi)
+        finally:
+            self._syncing = False
+        self._apply(df)
+
+    def filtered(self, df=None):
+        """Apply the current filters and sort to `df` (default: `run.rollouts`)."""
+        df = self._all() if df is None else df
+        if len(df) == 0:
+            return df
+        keep = df.index == df.index
+        q = self.text.value.strip().lower()
+        if q:
+            keep &= (df["prompt"].astype(str).str.lower().str.contains(q, regex=False)
+                     | df["completion"].astype(str).str.lower().str.contains(q, regex=False))
+        if self.correctness.value != "all":
+            col = "reward/exact_answer" if "reward/exact_answer" in df.columns else "reward"
+            right = df[col].fillna(0.0).astype(float) > 0.5
+            keep &= right if self.correctness.value == "only right" else ~right
+        if self.task.value != "all tasks" and "task" in df.columns:
+            keep &= df["task"].astype(str) == self.task.value
+        lo, hi = self.reward_range.value
+        keep &= (df["reward"].astype(float) >= lo - 1e-9) & (df["reward"].astype(float) <= hi + 1e-9)
+        out = df[keep].copy()
+        out["length"] = out["completion_ids"].map(lambda x: len(x) if isinstance(x, (list, tuple)) else 0)
+        return out.sort_values(self.sort_by.value, ascending=self.ascending.value, kind="stable")
+
+    def _apply(self, df) -> None:
+        self.df = self.filtered(df)
+        self.table.value = self._table_html(self.df)
+        shown = self.df.head(self.max_rows)
+        options = [(f"#{int(r.id)}  r={_num(r.reward)}  {_short(r.completion, 40)}", int(r.id)) for r in shown.itertuples()]
+        prev = self.select.value
+        self._syncing = True
+        try:
+            self.select.options = options
+            ids = [v for _, v in options]
+            self.select.value = prev if prev in ids else (ids[0] if ids else None)
+        finally:
+            self._syncing = False
+        self._show_selected()
+
+    def _table_html(self, df) -> str:
+        from forgelab.lab.tokens import _CSS
+
+        n = len(df)
+        if n == 0:
+            return "<i>no episodes match (or none generated yet)</i>"
+        parts = [c for c in df.columns if c.startswith("reward/")]
+        cols = ["id", "task", "prompt", "completion", "target", "reward", *parts, "advantage", "policy_version", "status"]
+        cols = [c for c in cols if c in df.columns]
+        heads = {"policy_version": "version", "advantage": "adv"}
+        head = "".join(f"<th>{esc(heads.get(c, c.split('/', 1)[-1]))}</th>" for c in cols)
+        sel = self.select.value if self._widget is not None else None
+        rows = []
+        for r in df.head(self.max_rows).to_dict("records"):
+            cells = []
+            for c in cols:
+                v = r.get(c)
+                if c in ("prompt", "completion"):
+                    cells.append(f"<td class='fl-mono' title='{esc(v)}'>{esc(_short(v, 60 if c == 'completion' else 48))}</td>")
+                elif isinstance(v, float):
+                    cells.append(f"<td>{_num(v)}</td>")
+                else:
+                    cells.append(f"<td>{esc(_short(v, 24))}</td>")
+            style = " style='background:#eef5ff'" if r.get("id") == sel else ""
+            rows.append(f"<tr class='fl-ep'{style}>{''.join(cells)}</tr>")
+        more = f"<div style='color:#777;font-size:11px'>showing {min(n, self.max_rows)} of {n} matching episodes</div>"
+        return f"{_CSS}<table class='fl-table fl-rollouts'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
+
+    # ------------------------------------------------------------------ selection
+    def episode(self, episode_id: int | None = None) -> dict | None:
+        """The episode (a dict) with this id, default the selected one."""
+        eid = self.select.value if episode_id is None else episode_id
+        if eid is None or self.df is None:
+            return None
+        src = self.df if eid in set(self.df["id"]) else self._all()
+        hit = src[src["id"] == eid]
+        return None if len(hit) == 0 else hit.iloc[0].to_dict()
+
+    def show(self, episode_id: int) -> None:
+        """Select an episode by id (clearing filters if it is filtered out)."""
+        _ = self.widget
+        if episode_id not in [v for _, v in self.select.options]:
+            self._syncing = True
+            self.text.value, self.correctness.value, self.task.value = "", "all", "all tasks"
+            self.reward_range.value = (self.reward_range.min, self.reward_range.max)
+            self._syncing = False
+            df = self._all()
+            self.df = self.filtered(df)
+            ep = df[df["id"] == episode_id]
+            if len(ep) == 0:
+                raise KeyError(f"episode {episode_id} is not among the {len(df)} recent rollouts")
+            row = ep.iloc[0]
+            self._syncing = True
+            self.select.options = list(self.select.options) + [(f"#{episode_id}  r={_num(row.reward)}", int(episode_id))]
+            self._syncing = False
+        self.select.value = int(episode_id)
+        self._show_selected()
+
+    def _show_selected(self) -> None:
+        if self._syncing:
+            return
+        ep = self.episode()
+        if ep is None:
+            self.header.value, self.tokens.value, self.side.value = "", "", ""
+            return
+        rows = token_rows(ep, getattr(self.run, "tokenizer", None))
+        parts = " · ".join(f"{k.split('/', 1)[1]} {_num(v)}" for k, v in ep.items() if k.startswith("reward/"))
+        env = sum(not r["trained"] for r in rows)
+        self.header.value = (
+            f"<div style='margin-top:6px'><b>episode #{ep['id']}</b> (group {ep.get('group_id')}, task {esc(ep.get('task'))}, "
+            f"policy version {ep.get('policy_version')}, {esc(ep.get('finish_reason'))}, {esc(ep.get('status'))}) · "
+            f"reward <b>{_num(ep.get('reward'))}</b> ({esc(parts)}) · advantage <b>{_num(ep.get('advantage'))}</b> · "
+            f"{len(rows)} tokens{f' ({env} from the environment)' if env else ''}<br>"
+            f"<span class='fl-mono' style='color:#555'>prompt: {esc(_short(ep.get('prompt'), 200))} · target: "
+            f"{esc(ep.get('target'))}</span></div>"
+        )
+        self.tokens.value = spans_html(rows, self.colour_by.value)
+        self.side.value = table_html(rows)
+
+    def summary(self) -> str:
+        try:
+            df = self._all()
+        except Exception:
+            df = None
+        n = 0 if df is None else len(df)
+        lines = ["RolloutInspector: " + state_line(self.run), f"{n} recent episodes"]
+        if n:
+            for r in df.tail(5).to_dict("records"):
+                lines.append(f"  #{r.get('id')} reward {_num(r.get('reward'))} adv {_num(r.get('advantage'))} "
+                             f"v{r.get('policy_version')}: {_short(r.get('prompt'), 40)!r} -> {_short(r.get('completion'), 40)!r}")
+        return "\n".join(lines)

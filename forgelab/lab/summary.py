@@ -1,0 +1,132 @@
+"""Plain-text views of a run: what the lab shows when there is no notebook frontend.
+
+Every function here reads the run through its public API and never raises:
+a missing piece (no services yet, no metrics yet) is reported as such.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from forgelab.lab._base import field
+
+#: Metric columns shown in the one-line "last metrics" summary, in order.
+SUMMARY_METRICS = ("reward_mean", "heldout_accuracy", "loss", "kl_ref", "entropy", "clip_frac", "policy_age_mean",
+                   "tokens_per_s", "step_time_s")
+
+#: Event kinds worth a line in summaries and a marker on plots.
+MARKED_EVENTS = ("loss_swapped", "loss_refused", "reward_weights", "reward_added", "replica_restarted",
+                 "replica_failed", "step_skipped", "paused", "resumed", "checkpoint", "failed")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _safe(fn, default):
+    try:
+        return fn()
+    except Exception:
+        return default
+
+
+def event_label(ev: dict) -> str:
+    """A short label for an event: 'loss→dapo', 'weights', '+reward brevity', 'restart gen0', 'skipped'."""
+    kind = ev.get("kind", "?")
+    if kind == "loss_swapped":
+        return f"loss→{ev.get('loss')}"
+    if kind == "loss_refused":
+        return f"refused {ev.get('loss')}"
+    if kind == "reward_weights":
+        old, new = ev.get("old") or {}, ev.get("new") or {}
+        changed = [k for k in new if old.get(k) != new.get(k)]
+        return "w " + ",".join(f"{k}={new[k]:g}" for k in changed[:2]) if changed else "weights"
+    if kind == "reward_added":
+        return f"+reward {ev.get('name')}"
+    if kind in ("replica_restarted", "replica_failed"):
+        who = ev.get("service", ev.get("name", ""))
+        idx = ev.get("index", ev.get("replica", ""))
+        return f"{'restart' if kind == 'replica_restarted' else 'failed'} {who}{idx}".strip()
+    if kind == "step_skipped":
+        return "skipped"
+    return kind
+
+
+def state_line(run: Any) -> str:
+    st = _safe(run.status, {}) or {}
+    name = _safe(lambda: run.config.name, "run")
+    line = (f"Run {name}: {st.get('state', getattr(run, 'state', '?'))}  step {st.get('step', '?')}/{st.get('steps', '?')}"
+            f"  version {st.get('version', '?')}  loss {_loss_name(st.get('loss', getattr(run, 'loss_name', '?')))}")
+    if st.get("message"):
+        line += f"\n  message: {st['message']}"
+    return line
+
+
+def _loss_name(loss: Any) -> str:
+    return loss if isinstance(loss, str) else getattr(loss, "__name__", str(loss))
+
+
+def rewards_line(run: Any) -> str:
+    w = _safe(lambda: run.rewards.weights, {})
+    return "rewards: " + (", ".join(f"{k}={v:g}" for k, v in w.items()) or "(none)")
+
+
+def metrics_line(run: Any) -> str:
+    df = _safe(lambda: run.metrics, None)
+    if df is None or len(df) == 0:
+        return "last metrics: (no steps yet)"
+    last = df.iloc[-1]
+    parts = [f"{c} {_fmt(float(last[c]))}" for c in SUMMARY_METRICS if c in df.columns and last[c] == last[c]]
+    return f"last metrics (step {int(last['step']) if 'step' in df.columns else len(df)}): " + ", ".join(parts)
+
+
+def events_lines(run: Any, n: int = 6) -> list[str]:
+    evs = [e for e in list(_safe(lambda: run.events, []) or []) if e.get("kind") in MARKED_EVENTS or e.get("kind") == "eval"]
+    if not evs:
+        return ["recent events: (none)"]
+    out = ["recent events:"]
+    for ev in evs[-n:]:
+        extra = ev.get("reason") or ev.get("message") or ev.get("path") or ""
+        out.append(f"  step {ev.get('step', '?'):>4}  {event_label(ev)}" + (f"  ({str(extra)[:100]})" if extra else ""))
+    return out
+
+
+def services_rows(run: Any) -> list[dict]:
+    """One dict per replica: service, index, healthy, in_flight, restarts, version, pid, last_error."""
+    st = _safe(run.status, {}) or {}
+    rows = []
+    for service, replicas in (st.get("services") or {}).items():
+        for i, r in enumerate(replicas or []):
+            info = field(r, "info", None) or {}
+            pid = field(r, "pid", None)
+            if pid is None:
+                pids = field(r, "pids", None)
+                pid = ",".join(str(p) for p in pids) if pids else ""
+            rows.append({
+                "service": service, "index": field(r, "index", i), "healthy": bool(field(r, "healthy", False)),
+                "in_flight": field(r, "in_flight", 0), "restarts": field(r, "restarts", 0),
+                "version": info.get("version", "") if isinstance(info, dict) else "",
+                "pid": pid, "last_error": field(r, "last_error", None) or "",
+            })
+    return rows
+
+
+def services_lines(run: Any) -> list[str]:
+    rows = services_rows(run)
+    if not rows:
+        return ["services: (none running)"]
+    out = ["services:"]
+    for r in rows:
+        err = f"  last error: {str(r['last_error'])[:80]}" if r["last_error"] else ""
+        out.append(f"  {r['service']}[{r['index']}] {'healthy' if r['healthy'] else 'DOWN'}  in_flight {r['in_flight']}"
+                   f"  restarts {r['restarts']}  version {r['version']}{err}")
+    return out
+
+
+def text_summary(run: Any) -> str:
+    """State, rewards, last metrics, recent events and services, as plain text."""
+    return "\n".join([state_line(run), rewards_line(run), metrics_line(run), *events_lines(run), *services_lines(run)])

@@ -1,0 +1,157 @@
+"""One episode's completion, token by token, as coloured HTML spans plus a side table of the exact values.
+
+Per token `i` of the completion:
+
+- `logprob`: the generator's sampling logprob (natural log) of the token;
+- `ref_logprob`: the reference model's logprob of the same token;
+- `kl_k3`: the k3 estimate of KL(generator || reference) at this token,
+  `exp(d) - d - 1` with `d = ref_logprob - logprob` (>= 0, unbiased; the same
+  estimator the losses report as `kl_ref`, here against the sampling policy);
+- `advantage`: the episode's advantage on trained tokens, 0 on environment tokens.
+
+Environment tokens (`loss_mask == 0` in a multi-turn episode) are greyed and
+every switch between model and environment text is marked as a turn boundary.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from forgelab.lab._base import esc
+
+#: Quantities the spans can be coloured by.
+COLOUR_BY = ("logprob", "advantage", "kl")
+
+
+def k3(logprob: float, ref_logprob: float) -> float:
+    """k3 estimate of KL(p || ref) from one sample of p: exp(d) - d - 1, d = ref_logprob - logprob."""
+    d = ref_logprob - logprob
+    return math.exp(d) - d - 1.0
+
+
+def token_rows(ep: dict, tokenizer: Any = None) -> list[dict]:
+    """Per-token values of one episode (a row of `run.rollouts` as a dict)."""
+    ids = list(ep.get("completion_ids") or [])
+    lps = list(ep.get("generator_logprobs") or [])
+    refs = ep.get("ref_logprobs")
+    refs = list(refs) if refs is not None and not _isnan(refs) else None
+    mask = ep.get("loss_mask")
+    mask = list(mask) if mask is not None and not _isnan(mask) else None
+    adv = float(ep.get("advantage") or 0.0)
+    rows = []
+    for i, tid in enumerate(ids):
+        lp = float(lps[i]) if i < len(lps) else float("nan")
+        ref = float(refs[i]) if refs is not None and i < len(refs) else float("nan")
+        trained = mask is None or (i < len(mask) and bool(mask[i]))
+        rows.append({
+            "i": i, "id": int(tid), "text": _token_text(tokenizer, int(tid)), "trained": trained,
+            "logprob": lp, "ref_logprob": ref,
+            "kl": k3(lp, ref) if not (math.isnan(lp) or math.isnan(ref)) else float("nan"),
+            "advantage": adv if trained else 0.0,
+        })
+    return rows
+
+
+def _isnan(x: Any) -> bool:
+    return isinstance(x, float) and math.isnan(x)  # pandas fills a missing list cell with NaN
+
+
+def _token_text(tokenizer: Any, tid: int) -> str:
+    if tokenizer is None:
+        return f"<{tid}>"
+    try:
+        return tokenizer.decode([tid])
+    except Exception:
+        try:
+            return str(tokenizer.convert_ids_to_tokens([tid])[0])
+        except Exception:
+            return f"<{tid}>"
+
+
+def _shown(text: str) -> str:
+    """Token text for display: whitespace made visible, HTML escaped."""
+    if text == "":
+        return "∅"
+    return esc(text).replace("\n", "↵").replace("\t", "⇥").replace(" ", "&nbsp;")
+
+
+def title(row: dict) -> str:
+    """The hover text of one token span: its exact values."""
+    head = f"#{row['i']} id {row['id']} {row['text']!r}"
+    if not row["trained"]:
+        return f"{head} | environment token (loss_mask 0, not trained)"
+    return (f"{head} | logprob {row['logprob']:.4f} | ref_logprob {row['ref_logprob']:.4f} | "
+            f"kl_k3 {row['kl']:.4f} | advantage {row['advantage']:.4f}")
+
+
+def colour(value: float, by: str, scale: float) -> str:
+    """Background colour of a span. logprob: red (unlikely) to green (certain); advantage: red < 0 < green;
+    kl: white to orange by kl / scale."""
+    if value is None or math.isnan(value):
+        return "#eeeeee"
+    if by == "logprob":
+        p = math.exp(min(0.0, value))
+        return f"hsl({int(120 * p)}, 70%, {int(82 - 8 * p)}%)"
+    if by == "advantage":
+        a = max(-1.0, min(1.0, value / scale)) if scale > 0 else 0.0
+        return f"hsl({120 if a >= 0 else 0}, 65%, {int(97 - 30 * abs(a))}%)"
+    k = max(0.0, min(1.0, value / scale)) if scale > 0 else 0.0
+    return f"hsl(30, 90%, {int(97 - 40 * k)}%)"
+
+
+def _scale(rows: list[dict], by: str) -> float:
+    vals = [abs(r[by]) for r in rows if r["trained"] and not math.isnan(r[by])]
+    return max(vals) if vals else 0.0
+
+
+def spans_html(rows: Sequence[dict], by: str = "logprob") -> str:
+    """One `<span class="fl-tok">` per completion token (title = exact values); turn boundaries between them."""
+    if by not in COLOUR_BY:
+        raise ValueError(f"colour by {by!r}: choose one of {COLOUR_BY}")
+    scale = _scale(list(rows), by)
+    out, prev = [], None
+    for r in rows:
+        if prev is not None and r["trained"] != prev:
+            who = "model" if r["trained"] else "environment"
+            out.append(f'<span class="fl-turn" title="turn boundary">▸ {who}</span>')
+        prev = r["trained"]
+        if r["trained"]:
+            style = f"background:{colour(r[by], by, scale)}"
+        else:
+            style = "background:#f0f0f0;color:#999;font-style:italic"
+        out.append(f'<span class="fl-tok" style="{style}" title="{esc(title(r))}">{_shown(r["text"])}</span>')
+    legend = {"logprob": "red = unlikely, green = certain (exp(logprob))",
+              "advantage": f"red < 0 < green, scale ±{scale:.3g}",
+              "kl": f"k3 KL(generator‖reference), white 0 → orange {scale:.3g}"}[by]
+    return (f"{_CSS}<div class='fl-tokens'>{''.join(out) or '<i>(empty completion)</i>'}</div>"
+            f"<div class='fl-legend'>colour: {esc(by)} · {esc(legend)} · hover a token for its values</div>")
+
+
+def table_html(rows: Sequence[dict], max_rows: int = 512) -> str:
+    """The side table: one row per token with its exact values."""
+    def num(x: float) -> str:
+        return "" if math.isnan(x) else f"{x:.4f}"
+
+    body = "".join(
+        f"<tr class='{'' if r['trained'] else 'fl-env'}'><td>{r['i']}</td><td class='fl-mono'>{_shown(r['text'])}</td>"
+        f"<td>{num(r['logprob']) if r['trained'] else ''}</td><td>{num(r['ref_logprob'])}</td>"
+        f"<td>{num(r['kl']) if r['trained'] else ''}</td><td>{num(r['advantage'])}</td>"
+        f"<td>{'' if r['trained'] else 'env'}</td></tr>"
+        for r in list(rows)[:max_rows]
+    )
+    return (f"{_CSS}<div class='fl-side'><table class='fl-table fl-token-table'><thead><tr><th>#</th><th>token</th>"
+            f"<th>logprob</th><th>ref</th><th>kl_k3</th><th>adv</th><th></th></tr></thead><tbody>{body}</tbody></table></div>")
+
+
+_CSS = """<style>
+.fl-tokens{font-family:ui-monospace,Menlo,monospace;font-size:13px;line-height:1.9;white-space:normal;word-break:break-all}
+.fl-tok{padding:1px 0;margin:0 1px 0 0;border-radius:3px;cursor:help}
+.fl-turn{display:inline-block;margin:0 6px;padding:0 5px;border-left:3px solid #555;color:#555;font-size:11px;font-family:sans-serif}
+.fl-legend{color:#777;font-size:11px;margin-top:4px}
+.fl-table{border-collapse:collapse;font-size:12px}
+.fl-table th{background:#f3f4f6;text-align:left;padding:3px 6px;border-bottom:1px solid #ccc;position:sticky;top:0}
+.fl-table td{padding:2px 6px;border-bottom:1px solid #eee;vertical-align:top}
+.fl-side{max-height:320px;overflow-y:auto}
+.fl-mono{font-family:ui-monospace,Menlo,monospace}
+.fl-env td{color:#999}
+</style>"""

@@ -1,0 +1,240 @@
+"""The live lab, headless: widgets are driven and checked by their traits against a real short `Run`.
+
+The integration tests share one 4-step run (module-scoped, on an event loop
+this module owns). They read the run only through its public API, like the
+widgets do.
+"""
+import asyncio
+import math
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from forgelab.lab import Throttle, dashboard
+from forgelab.lab.tokens import spans_html, table_html, token_rows
+
+
+# ---------------------------------------------------------------------------- without a run
+
+
+def test_lab_never_imports_monarch():
+    code = "import sys, forgelab.lab; bad = sorted(m for m in sys.modules if 'monarch' in m); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_token_spans_multi_turn():
+    # turn 1 (model: 2 tokens), environment (2 tokens), turn 2 (model: 1 token)
+    ep = {"completion_ids": [72, 105, 10, 62, 33], "generator_logprobs": [-0.5, -1.25, 0.0, 0.0, -2.0],
+          "ref_logprobs": [-0.75, -1.0, -3.0, -3.0, -2.5], "loss_mask": [1, 1, 0, 0, 1], "advantage": 0.5}
+    rows = token_rows(ep, tokenizer=None)
+    html = spans_html(rows, "kl")
+    titles = re.findall(r'<span class="fl-tok" style="([^"]*)" title="([^"]*)"', html)
+    assert len(titles) == 5
+    assert html.count('class="fl-turn"') == 2  # model -> environment -> model
+    assert "color:#999" in titles[2][0] and "environment token" in titles[2][1]
+    d = -0.75 - -0.5  # independent k3: exp(d) - d - 1 with d = ref - logprob
+    assert f"kl_k3 {math.exp(d) - d - 1:.4f}" in titles[0][1]
+    assert "logprob -0.5000" in titles[0][1] and "advantage 0.5000" in titles[0][1]
+    assert table_html(rows).count("<tr") == 6  # header + one per token
+
+
+def test_throttle_coalesces_pokes():
+    calls = []
+
+    async def scenario():
+        t = Throttle(lambda: calls.append(time.monotonic()), min_interval_s=0.2)
+        t.poke()  # due: runs now
+        for _ in range(50):
+            t.poke()  # within the interval: one timer absorbs them all
+        assert len(calls) == 1 and t._timer is not None
+        await t.settled()
+        assert len(calls) == 2 and calls[1] - calls[0] >= 0.19
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- one real run
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.run import Run
+
+    tmp = tmp_path_factory.mktemp("lab")
+    cfg = RunConfig(
+        name="labtest",
+        rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=4, concurrency=1, max_tokens=6),
+        train=TrainConfig(steps=4, batch_size=16, max_policy_age=1, warmup_steps=1),
+        eval=EvalConfig(every=0, n=16),
+        tracking=TrackingConfig(out_dir=str(tmp), wandb=False),
+        placement=PlacementConfig(reference=True),
+    )
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    run = Run(cfg)
+    lab = dashboard(run)
+    _ = lab.widget  # builds every panel and starts listening before the first step
+    loop.run_until_complete(run.start())
+    t0 = time.monotonic()
+    try:
+        yield run, lab, loop, t0
+    finally:
+        lab.close()
+        loop.run_until_complete(run.shutdown())
+        loop.close()
+        asyncio.set_event_loop(None)
+
+
+async def until(run, pred, timeout=240.0):
+    """Await (via the run's listener, no polling) until pred() holds; fail fast if the run fails or ends."""
+    if pred():
+        return
+    fut = asyncio.get_running_loop().create_future()
+
+    def check(msg):
+        if fut.done():
+            return
+        if pred():
+            fut.set_result(None)
+        elif run.state in ("failed", "finished", "stopped"):
+            fut.set_exception(AssertionError(f"run {run.state} before the condition held: {run.message}"))
+
+    run.add_listener(check)
+    try:
+        await asyncio.wait_for(fut, timeout)
+    finally:
+        run.remove_listener(check)
+
+
+@pytest.mark.integration
+def test_reward_slider_sets_run_weights(live):
+    run, lab, loop, _ = live
+    slider = lab.rewards.sliders["answer_format"]
+    slider.value = 0.35
+    assert run.rewards.weights["answer_format"] == pytest.approx(0.35)
+    assert run.events[-1]["kind"] == "reward_weights"
+    lab.rewards.set_weight("no_such_reward", 1.0)  # shown in the panel, not raised
+    assert "no_such_reward" in lab.rewards.last_error and "no_such_reward" not in run.rewards.weights
+
+
+@pytest.mark.integration
+def test_reward_registration_validates_first(live):
+    run, lab, loop, _ = live
+    loop.run_until_complete(until(run, lambda: len(run.rollouts) > 0))
+
+    def digits_only(prompt, completion, target, **info):
+        return 1.0 / (len(completion) - len(completion))  # ZeroDivisionError on every sample
+
+    before = run.rewards.weights
+    assert not lab.rewards.register("digits_only", digits_only, 0.5)
+    assert "ZeroDivisionError" in lab.rewards.last_error and run.rewards.weights == before
+
+    def short(prompt, completion, target, **info):
+        return -len(completion) / 100.0
+
+    lab.rewards.user_ns = {"short": short}
+    assert lab.rewards.register_by_name("short", weight=0.05)
+    assert run.rewards.weights["short"] == pytest.approx(0.05) and "short" in lab.rewards.sliders
+    assert any(e["kind"] == "reward_added" and e["name"] == "short" for e in run.events)
+
+
+@pytest.mark.integration
+def test_loss_swap_from_panel_reaches_next_step(live):
+    run, lab, loop, _ = live
+
+    async def scenario():
+        await until(run, lambda: run.step >= 1)
+        lab.controls.pause_button.click()  # hold the run at a step boundary so "the next step" is well defined
+        assert run.state == "paused" and not lab.controls.resume_button.disabled
+        lab.loss.choice.value = "dapo"
+        lab.loss.apply_button.click()
+        outcome = await lab.loss.pending
+        assert outcome["ok"], outcome
+        assert "applies at step" in lab.loss.message.value and "dapo" in lab.loss.current.value
+        lab.controls.resume_button.click()
+        await until(run, lambda: run.step >= outcome["applies_at_step"])
+        return outcome
+
+    outcome = loop.run_until_complete(scenario())
+    df = run.metrics
+    row = df[df["step"] == outcome["applies_at_step"]].iloc[0]
+    assert row["loss_name"] == "dapo"
+    assert any(e["kind"] == "loss_swapped" and e["loss"] == "dapo" for e in run.events)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["nan", "vector"])
+def test_bad_loss_is_refused_and_nothing_changes(live, kind):
+    run, lab, loop, _ = live
+
+    def nan_loss(logprobs_B_T, **_):
+        return logprobs_B_T.sum() * float("nan"), {}
+
+    def vector_loss(logprobs_B_T, **_):
+        return logprobs_B_T.sum(-1), {}
+
+    fn = nan_loss if kind == "nan" else vector_loss
+    before = run.loss_name
+    lab.loss.register(fn)
+    outcome = loop.run_until_complete(lab.loss.apply_async())
+    assert not outcome["ok"]
+    assert ("non-finite" if kind == "nan" else "scalar") in outcome["reason"]
+    assert lab.loss.message.value.startswith("<pre") and "refused:" in lab.loss.message.value
+    assert run.loss_name == before
+
+
+@pytest.mark.integration
+def test_inspector_shows_tokens_with_exact_values(live):
+    run, lab, loop, _ = live
+    loop.run_until_complete(until(run, lambda: len(run.rollouts) > 0))
+    insp = lab.inspector
+    insp.refresh()
+    assert len(insp.df) > 0 and insp.table.value.count("<tr class='fl-ep'") >= 1
+    ep = run.rollouts.iloc[-1].to_dict()
+    insp.show(int(ep["id"]))
+    spans = re.findall(r'<span class="fl-tok" [^>]*title="([^"]*)"', insp.tokens.value)
+    assert len(spans) == len(ep["completion_ids"]) > 0
+    for i, t in enumerate(spans):
+        lp = ep["generator_logprobs"][i]
+        assert f"logprob {lp:.4f}" in t
+        if ep["ref_logprobs"] is not None:
+            d = ep["ref_logprobs"][i] - lp
+            assert f"ref_logprob {ep['ref_logprobs'][i]:.4f}" in t and f"kl_k3 {math.exp(d) - d - 1:.4f}" in t
+    insp.colour_by.value = "advantage"
+    assert f"advantage {ep['advantage']:.4f}" in insp.tokens.value
+    insp.correctness.value = "only right"
+    assert all(insp.df["reward/exact_answer"] > 0.5) if len(insp.df) else True
+    insp.correctness.value = "all"
+    insp.sort_by.value, insp.ascending.value = "reward", True
+    assert list(insp.df["reward"]) == sorted(insp.df["reward"])
+
+
+@pytest.mark.integration
+def test_metrics_image_after_steps_within_budget(live):
+    run, lab, loop, t0 = live
+    loop.run_until_complete(run.wait())
+    loop.run_until_complete(lab.metrics.throttle.settled())
+    elapsed = time.monotonic() - t0
+    m = lab.metrics
+    assert m.image.value[:8] == b"\x89PNG\r\n\x1a\n" and len(m.image.value) > 5000
+    assert m._n_rows_drawn >= 1
+    # The throttle's guarantee: every redraw but the first (fonts) and the last waited cost/2% after the previous.
+    costs = [ms / 1e3 for ms in m.redraw_ms]
+    print(f"\nredraws {len(costs)}, ms {[round(c * 1e3) for c in costs]}, cpu ms {[round(c) for c in m.redraw_cpu_ms]}, "
+          f"run {elapsed:.0f} s")
+    assert sum(costs[1:-1]) <= 0.02 * elapsed
+
+
+@pytest.mark.integration
+def test_text_summary_outside_a_notebook(live):
+    run, lab, loop, _ = live
+    text = repr(lab)
+    assert lab._repr_mimebundle_() == {"text/plain": text}  # no kernel here: no widget payload
+    assert f"step {run.step}/4" in text and run.state in text
+    assert "loss→dapo" in text and "generator[0]" in text and "reward_mean" in text
+    for panel in lab.panels:
+        assert str(panel) and "Error" not in str(panel).splitlines()[0]
