@@ -4,7 +4,7 @@
     out = await svc.route("generate", prompts)           # least-loaded replica
     async with svc.session("episode-7") as s:             # sticky: same replica
         await s.route("generate", turn1); await s.route("generate", turn2)
-    versions = await svc.fanout("weight_version")        # every healthy replica
+    versions = await svc.fanout("version")        # every healthy replica
     svc.status()                                          # list[ReplicaStatus]
     await svc.shutdown()
 

@@ -1,0 +1,547 @@
+"""The rollout generator: a vLLM engine inside a Monarch actor, token-in/token-out.
+
+    gen = await Generator.options(procs=1).as_actor(GeneratorConfig(model_dir=...))
+    groups_P_G = await gen.generate.call_one(prompts, n=8)     # list[list[Completion]]
+    await gen.update_weights.call_one(version=1, weights=hf_state_dict)
+
+What it really is: one in-process vLLM v1 engine (`vllm.LLM`, no engine
+subprocess) driven by an asyncio loop in the actor. Every `generate` call adds
+its requests to the engine and awaits them; the loop runs `engine.step()` while
+anything is unfinished, so concurrent calls share the same continuous batch
+instead of queueing one `LLM.generate` after another. `generate` and
+`update_weights` answer through an explicit response port: Monarch delivers one
+endpoint call at a time per actor, and an endpoint that awaited its completions
+would block every other caller until it returned.
+
+Logprobs: `Completion.logprobs[i]` is log softmax of the raw model logits at
+the step that produced `completion_ids[i]` (vLLM `logprobs_mode="raw_logprobs"`):
+log pi(token) of the policy at temperature 1, before temperature, top-k and
+top-p. That equals the trainer's recomputation at temperature 1 whatever
+sampling settings were used; it is the *sampling* probability only when
+temperature=1, top_k=0, top_p=1 (set `logprobs_mode="processed_logprobs"` to get
+the log-probability under the temperature/top-k/top-p-processed distribution).
+
+Weight updates: `update_weights(version, weights)` checks every HF name and
+shape against the checkpoint first (a bad update is refused and the old weights
+keep serving), stops admitting requests, lets the in-flight ones finish on the
+old weights, reloads in place with `reload_weights`, resets the prefix cache and
+bumps the version. Every `Completion.policy_version` names the weights that
+produced all of its tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import glob
+import itertools
+import operator
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from monarch.actor import Port, endpoint
+
+from forgelab.runtime.component import Component
+from forgelab.types import Completion
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Sampling settings of one `generate` call (vLLM conventions)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 (or -1) disables it (vLLM 0.32 convention)."""
+    max_tokens: int = 32
+    """Most tokens generated per completion."""
+    stop_token_ids: list[int] | None = None
+    """Extra token ids that end a completion (the model's eos always does)."""
+
+    def validate(self, where: str = "SamplingConfig") -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"{where}.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{where}.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"{where}.top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"{where}.max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"{where}.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+
+    def to_vllm(self):
+        """One-sample `vllm.SamplingParams` returning the sampled token's logprob.
+
+        No `seed`: a fixed seed makes every request replay the same random stream.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            logprobs=0,  # 0 extra top tokens: the sampled token's logprob only
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    """How to build the generator's vLLM engine."""
+
+    model_dir: str
+    """HF checkpoint directory (config.json, *.safetensors, tokenizer)."""
+    dtype: str = "float32"
+    """Weights and activations dtype ("float32", "bfloat16", "float16")."""
+    max_model_len: int = 512
+    """Longest prompt + completion, in tokens."""
+    kv_cache_gib: float = 1.0
+    """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE, set before vLLM is imported)."""
+    gpu_memory_utilization: float = 0.3
+    """CUDA only: fraction of GPU memory vLLM may take (weights + KV cache)."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs: starts in seconds; set False for speed on GPUs."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prompt prefixes (a GRPO group shares its whole prompt)."""
+    block_size: int | None = None
+    """KV block size in tokens. Prefix caching shares whole blocks only, and vLLM's CPU
+    default (128) is longer than the toy prompts, so None means 32 on CPU (the CPU
+    attention kernel takes multiples of 32 only) and vLLM's default on CUDA."""
+    max_num_seqs: int = 256
+    """Most sequences in one engine step (the continuous batch)."""
+    admission_window_ms: float = 2.0
+    """Before a step, wait until no new request arrived for this long (at most 4 windows):
+    Monarch hands an actor one call at a time, so concurrent calls trickle in and
+    would otherwise each start their own step. 0 disables it."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cuda" or "cpu"."""
+    logprobs_mode: str = "raw_logprobs"
+    """"raw_logprobs": log pi(token) at temperature 1 (what RL wants);
+    "processed_logprobs": after temperature / top-k / top-p."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Default sampling of `generate` calls that pass none."""
+
+    def validate(self) -> None:
+        if not self.model_dir or not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            raise ValueError(
+                f"GeneratorConfig.model_dir={self.model_dir!r} is not an HF checkpoint directory "
+                "(no config.json there); pass e.g. forgelab/assets/tiny-llama"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"GeneratorConfig.dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        for name in ("max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GeneratorConfig.{name} must be a positive integer, got {value!r}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise ValueError(f"GeneratorConfig.block_size must be a positive integer or None, got {self.block_size!r}")
+        if not self.admission_window_ms >= 0:
+            raise ValueError(f"GeneratorConfig.admission_window_ms must be >= 0, got {self.admission_window_ms!r}")
+        if not self.kv_cache_gib > 0:
+            raise ValueError(f"GeneratorConfig.kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"GeneratorConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"GeneratorConfig.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"GeneratorConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        self.sampling.validate("GeneratorConfig.sampling")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape of a checkpoint, read from safetensors headers (no tensor data)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if shapes:
+        return shapes
+    # No safetensors (e.g. pytorch_model.bin): build the model on the meta device.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Problems with an HF-named state dict against `expected` shapes (empty list: fine)."""
+    import torch
+
+    if not isinstance(weights, dict):
+        return [f"weights must be a dict of HF name -> torch.Tensor, got {type(weights).__name__}"]
+    problems = []
+    unknown = [k for k in weights if k not in expected]
+    if unknown:
+        problems.append(f"unknown names {unknown[:5]} (expected HF names such as {sorted(expected)[:3]})")
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        problems.append(f"missing names {missing[:5]} ({len(missing)} of {len(expected)} missing; send the full state dict)")
+    for name, value in weights.items():
+        if name not in expected:
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            problems.append(f"{name}: expected a floating-point torch.Tensor, got {type(value).__name__}"
+                            + (f" of dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""))
+        elif tuple(value.shape) != expected[name]:
+            problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected[name]}")
+    return problems
+
+
+class WeightUpdateExtension:
+    """vLLM worker extension (mixed into the worker class) that reloads weights in place."""
+
+    def forgelab_reload_weights(self, items: Any) -> int:
+        """Load `items` (HF (name, tensor) pairs, or safetensors bytes) in checkpoint format."""
+        if isinstance(items, (bytes, bytearray)):  # multi-process engines cannot receive tensors
+            from safetensors.torch import load
+
+            items = list(load(bytes(items)).items())
+        self.reload_weights(weights_iterator=items)
+        return len(items)
+
+
+class VLLMEngine:
+    """A `vllm.LLM` driven by an asyncio loop: concurrent `generate` calls share one batch.
+
+    Not an actor: the `Generator` actor wraps it, and benchmarks use it in-process.
+    Everything runs on the event-loop thread that created it (vLLM is not thread-safe).
+    """
+
+    def __init__(self, config: GeneratorConfig):
+        config.validate()
+        self.config = config
+        self.device = config.resolved_device()
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("GeneratorConfig.device='cuda' but this process sees no GPU; "
+                                 "spawn it with Generator.options(with_gpus=True) or use device='auto'")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.device == "cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
+        import vllm  # noqa: F401  (after the environment is set)
+
+        kwargs: dict[str, Any] = dict(
+            model=config.model_dir,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_seqs=config.max_num_seqs,
+            logprobs_mode=config.logprobs_mode,
+            worker_extension_cls="forgelab.generator.WeightUpdateExtension",
+        )
+        block_size = config.block_size or (32 if self.device == "cpu" else None)
+        if block_size is not None:
+            kwargs["block_size"] = block_size
+        if self.device == "cuda":
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        self.llm = vllm.LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.expected_shapes = checkpoint_shapes(config.model_dir)
+        self.version = 0
+        self._ids = itertools.count()
+        self._pending: dict[str, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._admitting = asyncio.Event()  # cleared while weights are swapped
+        self._admitting.set()
+        self._update_lock = asyncio.Lock()
+        self._loop_task: asyncio.Task | None = None
+        self._last_add = 0.0
+        self._stats = dict(
+            busy_time_s=0.0, steps=0, requests=0, tokens_generated=0, prompt_tokens=0,
+            cached_prompt_tokens=0, max_concurrent_requests=0, sum_concurrent_requests=0,
+            weight_updates=0, last_update_ms=0.0,
+        )
+
+    # -- requests -------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            # Text is already chat-templated (forgelab.evaluate.format_prompt): no extra specials.
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            if len(prompt) > 0:
+                return [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
+        except TypeError:
+            pass
+        raise ValueError(
+            f"generate: each prompt must be a str or a non-empty list of token ids, got {str(prompt)[:80]!r}"
+        )
+
+    def _render(self, prompt_ids: list[int]):
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        # Pre-rendering avoids vLLM 0.32's "Passing raw prompts to InputProcessor is deprecated".
+        preprocess = getattr(self.llm, "_preprocess_cmpl", None)
+        return preprocess([prompt])[0] if preprocess is not None else prompt
+
+    async def generate(
+        self, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None
+    ) -> list[list[Completion]]:
+        """`n` completions of each prompt (text or token ids), in prompt order."""
+        sampling = sampling or self.config.sampling
+        sampling.validate("generate(sampling=...)")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"generate: n must be a positive integer, got {n!r}")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("generate: prompts must be a list of strings or of token-id lists")
+        texts = [p if isinstance(p, str) else "" for p in prompts]
+        ids_P = [self._prompt_ids(p) for p in prompts]
+        for ids in ids_P:
+            if len(ids) + sampling.max_tokens > self.config.max_model_len:
+                raise ValueError(
+                    f"generate: prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds "
+                    f"max_model_len={self.config.max_model_len}; shorten it or raise GeneratorConfig.max_model_len"
+                )
+        await self._admitting.wait()
+        # No await between here and the last add_request: a weight update cannot slip in.
+        version = self.version
+        params = sampling.to_vllm()
+        futures_P_G: list[list[asyncio.Future]] = []
+        loop = asyncio.get_running_loop()
+        added: list[str] = []
+        try:
+            for ids in ids_P:
+                row = []
+                for _ in range(n):
+                    rid = f"fg{next(self._ids)}"
+                    self.engine.add_request(rid, self._render(ids), params)  # vLLM clones params
+                    added.append(rid)
+                    row.append(self._pending.setdefault(rid, loop.create_future()))
+                futures_P_G.append(row)
+        except Exception:  # e.g. a token id outside the vocabulary: drop this call's requests
+            self.engine.abort_request(added)
+            for rid in added:
+                self._pending.pop(rid, None)
+            raise
+        self._last_add = time.perf_counter()
+        self._ensure_loop()
+        outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
+        return [
+            [self._completion(o, ids, text, version) for o in outs]
+            for outs, ids, text in zip(outs_P_G, ids_P, texts)
+        ]
+
+    def _completion(self, out: Any, prompt_ids: list[int], text: str, version: int) -> Completion:
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)] if c.logprobs is not None else []
+        return Completion(
+            prompt_ids=list(prompt_ids),
+            completion_ids=ids,
+            logprobs=[float(x) for x in logprobs],
+            text=c.text,
+            finish_reason=str(c.finish_reason),
+            policy_version=version,
+            prompt=text,
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+        )
+
+    # -- engine loop ----------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        self._idle.clear()
+        self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        s = self._stats
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._admit_arrivals()
+            concurrent = self.engine.get_num_unfinished_requests()
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # fail the waiting calls, keep the loop alive
+                self._fail_all(e)
+                continue
+            s["busy_time_s"] += time.perf_counter() - t0
+            s["steps"] += 1
+            s["max_concurrent_requests"] = max(s["max_concurrent_requests"], concurrent)
+            s["sum_concurrent_requests"] += concurrent
+            for out in outputs:
+                if not out.finished:
+                    continue
+                s["requests"] += 1
+                s["tokens_generated"] += len(out.outputs[0].token_ids)
+                s["prompt_tokens"] += len(out.prompt_token_ids or ())
+                s["cached_prompt_tokens"] += int(out.num_cached_tokens or 0)
+                fut = self._pending.pop(out.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(out)
+            # Let Monarch deliver new calls (their requests join the next step).
+            await asyncio.sleep(0)
+
+    async def _admit_arrivals(self) -> None:
+        """Let calls that are still arriving join this step (see `admission_window_ms`)."""
+        window = self.config.admission_window_ms / 1e3
+        deadline = time.perf_counter() + 4 * window
+        while (now := time.perf_counter()) < deadline and now - self._last_add < window:
+            await asyncio.sleep(window - (now - self._last_add))
+
+    def _fail_all(self, error: Exception) -> None:
+        ids = list(self._pending)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            pass
+        for rid in ids:
+            fut = self._pending.pop(rid)
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"vLLM engine step failed: {error!r}"))
+
+    # -- weights --------------------------------------------------------------
+    async def update_weights(self, version: int, weights: dict) -> int:
+        """Swap in `weights` (HF names) as `version`; returns the new version."""
+        async with self._update_lock:
+            if not isinstance(version, int) or version <= self.version:
+                raise ValueError(
+                    f"update_weights: version must be an int greater than the serving version "
+                    f"{self.version}, got {version!r}; the generator keeps serving version {self.version}"
+                )
+            problems = check_weights(weights, self.expected_shapes)
+            if problems:
+                raise ValueError(
+                    f"update_weights(version={version}) refused: " + "; ".join(problems[:8])
+                    + f". Nothing was loaded: the generator keeps serving version {self.version} "
+                    "with its old weights."
+                )
+            self._admitting.clear()
+            try:
+                await self._idle.wait()  # in-flight requests finish on the old weights
+                t0 = time.perf_counter()
+                self.llm.collective_rpc("forgelab_reload_weights", args=(list(weights.items()),))
+                self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+                self.version = version
+                self._stats["weight_updates"] += 1
+                self._stats["last_update_ms"] = (time.perf_counter() - t0) * 1e3
+            finally:
+                self._admitting.set()
+            return self.version
+
+    # -- introspection --------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        s = dict(self._stats)
+        s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
+        s["prefix_cache_hit_rate"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
+        return s
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "in_flight_requests": len(self._pending),
+            "admitting": self._admitting.is_set(),
+            "device": self.device,
+            "stats": self.stats(),
+        }
+
+
+_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
+    """Run `start()` in the background; answer `port` with its value or its error.
+
+    An explicit-port endpoint that raised would leave its caller waiting forever,
+    so every error, including one from `start()` itself, goes to the port.
+    """
+
+    async def run() -> None:
+        try:
+            port.send(await start())
+        except Exception as e:
+            from monarch._src.actor.actor_mesh import ActorError
+
+            port.exception(ActorError(e, f"Generator.{what} failed."))
+
+    task = asyncio.get_running_loop().create_task(run())
+    _replies.add(task)
+    task.add_done_callback(_replies.discard)
+
+
+class Generator(Component):
+    """vLLM rollout generator. Endpoints: generate, update_weights, version, status, stats."""
+
+    IDEMPOTENT = frozenset({"generate"})
+
+    def __init__(self, config: GeneratorConfig):
+        config.validate()
+        self.config = config
+        self.engine: VLLMEngine | None = None
+
+    @endpoint
+    async def setup(self) -> None:
+        import torch
+
+        # vLLM's CPU worker turns later torch.set_num_threads calls into no-ops.
+        torch.set_num_threads(int(os.environ.get("FORGELAB_THREADS", "1")))
+        self.engine = VLLMEngine(self.config)
+
+    def _engine(self) -> VLLMEngine:
+        if self.engine is None:
+            raise RuntimeError("Generator.setup() has not run; spawn it with Generator.options(...).as_actor(config)")
+        return self.engine
+
+    @endpoint(explicit_response_port=True)
+    async def generate(
+        self, port: Port, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None
+    ) -> None:
+        """`list[list[Completion]]`: `n` completions per prompt (text or token ids), in order."""
+        _reply(port, lambda: self._engine().generate(prompts, n, sampling), "generate")
+
+    @endpoint(explicit_response_port=True)
+    async def update_weights(self, port: Port, version: int, weights: dict) -> None:
+        """Load HF-named `weights` as `version` (strictly increasing); answers the new version."""
+        _reply(port, lambda: self._engine().update_weights(version, weights), "update_weights")
+
+    @endpoint
+    async def version(self) -> int:
+        return self._engine().version
+
+    @endpoint
+    async def status(self) -> dict[str, Any]:
+        return self._engine().status()
+
+    @endpoint
+    async def stats(self) -> dict[str, float]:
+        return self._engine().stats()
+
+
+__all__ = [
+    "Generator", "GeneratorConfig", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension",
+    "check_weights", "checkpoint_shapes",
+]
