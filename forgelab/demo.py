@@ -19,8 +19,8 @@ def demo_config(steps: int | None = None, out_dir: str = "runs") -> RunConfig:
     return RunConfig(
         name="demo",
         rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=8, concurrency=2, max_tokens=8),
-        train=TrainConfig(steps=steps or 120, batch_size=64, lr=3e-4, warmup_steps=5, max_policy_age=1, loss="grpo"),
-        eval=EvalConfig(every=20, n=200),
+        train=TrainConfig(steps=steps or 200, batch_size=64, lr=1e-4, warmup_steps=5, max_policy_age=1, loss="grpo"),
+        eval=EvalConfig(every=25, n=200),
         tracking=TrackingConfig(out_dir=out_dir),
     ).validate()
 

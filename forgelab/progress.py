@@ -21,8 +21,9 @@ class ConsoleReporter:
         self.run = run
         self.every = every
         self.stream = stream or sys.stdout
+        # The bar is for terminals; in a log file (CI, `make demo > log`) the table alone reads better.
         self.bar = tqdm(total=run.config.train.steps, desc="GRPO", unit="step", file=sys.stderr,
-                        dynamic_ncols=True, leave=True)
+                        dynamic_ncols=True, leave=True, disable=not sys.stderr.isatty())
         self._header = False
         run.add_listener(self._on)
 

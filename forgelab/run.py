@@ -22,14 +22,33 @@ loop in Jupyter, so other cells stay usable):
 (rollouts wait for the new weights), k lets generation run up to k versions
 ahead. Every episode ends trained, evicted (stale) or dropped with a reason;
 `run.episodes` holds the counters.
+
+Faults (docs/reliability.md has the tested numbers):
+
+- An episode is *generated* once its completion reached the controller (an
+  `Episode` object exists). From then on it is accounted for: a rollout that
+  fails or is cancelled after that point drops its not-yet-buffered episodes
+  with reason ``rollout_error:<ExceptionType>`` / ``rollout_cancelled``.
+  Completions lost inside a dead generator never reached the controller: the
+  service retries `generate` (idempotent) on another replica, or the rollout
+  fails before anything was generated and its admission slots are given back.
+- A respawned generator replica gets the run's current weights (pushed again
+  if a step landed meanwhile) before it serves; a push that fails fails the
+  respawn, which the service retries.
+- A dead reference replica: the rollout waits for its respawn and retries.
+- Reward calls run each in their own daemon thread under
+  `rollout.reward_timeout_s`. A call that outlives it is abandoned (episode
+  dropped, reason ``reward_timeout``); it cannot starve the others, which get
+  fresh threads. Abandoned calls still running are counted; at
+  `MAX_HUNG_REWARD_CALLS` the run pauses with a message naming the reward.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import math
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -48,6 +67,9 @@ from forgelab.tracking import Tracker, plot_learning_curve
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.run")
+
+MAX_HUNG_REWARD_CALLS = 32
+"""Abandoned (timed-out) reward calls still running before the run pauses: each holds a thread."""
 
 
 class LossSwapRefused(ValueError):
@@ -100,18 +122,20 @@ class Run:
         self._next_group_id = 0
         self._last_batch: dict | None = None
         self._tokens_since = 0
+        self._tok_window: deque[tuple[float, int]] = deque(maxlen=11)
         self._t_last = time.time()
         self._consecutive_failures = 0
         self._pending_reward_weights: dict | None = None
         self._listeners: list[Callable[[dict], None]] = []
         self.tracker: Tracker | None = None
         self.generators = self.trainer = self.reference = None
+        self.envs = None  # EnvActor service (multi-turn rollouts, rollout.env)
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
         self._unpaused: asyncio.Event | None = None
         self._buffer_changed: asyncio.Condition | None = None
         self._stopping = False
-        self._reward_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="forgelab-reward")
+        self._hung_rewards: list[threading.Thread] = []  # timed-out reward calls, abandoned but maybe still running
         self._inflight_rollout = 0
         self._admitted = 0  # episodes whose generation was started
         self._pushed_version = 0  # version the generators serve (last completed push)
@@ -180,15 +204,14 @@ class Run:
     async def shutdown(self) -> None:
         """Stop training and free every process."""
         await self.stop()
-        for svc in (self.generators, self.reference):
+        for svc in (self.generators, self.reference, self.envs):
             if svc is not None:
                 await svc.shutdown()
         if self.trainer is not None:
             await self.trainer.shutdown()
-        self.generators = self.trainer = self.reference = None
+        self.generators = self.trainer = self.reference = self.envs = None
         if self.tracker is not None:
             self.tracker.finish()
-        self._reward_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ spawning
     async def _spawn(self) -> None:
@@ -215,6 +238,11 @@ class Run:
         ]
         if p.reference:
             jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(ReferenceConfig(model_dir=cfg.model.path)))
+        if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
+            from forgelab.envs.actor import EnvActor, EnvActorConfig
+
+            ecfg = EnvActorConfig(model_dir=cfg.model.path, max_concurrent=p.env_max_concurrent)
+            jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads).as_service(ecfg))
         t0 = time.time()
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -225,6 +253,7 @@ class Run:
             raise failed[0]
         self.generators, self.trainer = results[0], results[1]
         self.reference = results[2] if p.reference else None
+        self.envs = results[-1] if cfg.rollout.env is not None else None
         self.generators.on_respawn = self._on_generator_respawn
         for svc in (self.generators, self.reference):
             if svc is not None and hasattr(svc, "add_listener"):
@@ -237,8 +266,18 @@ class Run:
 
     async def _on_generator_respawn(self, handle) -> None:
         # A fresh replica starts from the checkpoint on disk: give it the current weights before it serves.
-        if self.trainer is not None and self.version > 0:
-            await self.trainer.call("push_weights", self.version, [handle.actor])
+        # A step may land while we push (it pushes only to healthy replicas): push again until caught up.
+        pushed = 0
+        while self.trainer is not None and self.version > pushed:
+            version = self.version
+            timing = (await self.trainer.call("push_weights", version, [handle.actor]))[0] or {}
+            if timing.get("failed"):
+                # raising fails this respawn attempt: the service tears the replica down and tries again
+                raise RuntimeError(f"weights v{version} could not be pushed to the respawned generator: {timing['failed']}")
+            pushed = version
+        index = getattr(handle, "replica_index", None)
+        if index is not None and self.generators is not None:
+            self.generators.set_replica_info(index, version=pushed)
 
     def _on_service_event(self, event: Any) -> None:
         # ServiceEvent(kind="replica_failed"|"replica_restarted", replica, time, detail)
@@ -283,7 +322,8 @@ class Run:
         if self.tracker is None or not self.tracker.rows:
             return
         try:
-            plot_learning_curve(self.tracker.dataframe(), self.out_dir / "learning_curve.png", self.events)
+            plot_learning_curve(self.tracker.dataframe(), self.out_dir / "learning_curve.png", self.events,
+                                accuracy=self.accuracy_history)
         except Exception as e:
             log.warning("forgelab: plot failed (%s)", e)
 
@@ -318,14 +358,17 @@ class Run:
                     return
                 self._inflight_rollout += per_call
                 self._admitted += per_call
+            created: list[Episode] = []
             try:
-                await self._one_rollout()
+                await self._one_rollout(created)
             except asyncio.CancelledError:
+                self._drop_unaccounted(created, "rollout_cancelled")
                 raise
             except Exception as e:
-                # nothing of this rollout reached the buffer: give its slots back
-                self._admitted -= per_call
-                self._event("rollout_error", message=f"{type(e).__name__}: {e}")
+                # episodes it generated are dropped (and their slots freed by that); the rest are given back
+                lost = self._drop_unaccounted(created, f"rollout_error:{type(e).__name__}")
+                self._admitted -= per_call - len(created)
+                self._event("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost)
                 log.warning("forgelab: rollout failed: %s", e)
                 await asyncio.sleep(0.5)
             finally:
@@ -333,14 +376,28 @@ class Run:
                     self._inflight_rollout -= per_call
                     self._buffer_changed.notify_all()
 
+    def _drop_unaccounted(self, created: list[Episode], reason: str) -> int:
+        """Drop the episodes of a failed rollout that the buffer has not seen yet; returns how many."""
+        lost = [ep for ep in created if self.buffer.status(ep.id) is None]
+        if lost:
+            self.buffer.drop(lost, reason)
+            for ep in lost:
+                self._note(ep, "dropped:" + reason)
+        return len(lost)
+
     def _prompt_ids(self, prompt: str) -> list[int]:
         from forgelab.evaluate import format_prompt
 
         return self.tokenizer.encode(format_prompt(self.tokenizer, prompt), add_special_tokens=False)
 
-    async def _one_rollout(self) -> None:
+    async def _one_rollout(self, created: list[Episode] | None = None) -> None:
+        """One rollout call; every Episode made is appended to `created` (so a failure can account for it)."""
         r = self.config.rollout
         problems = self.stream.next(r.prompts_per_rollout)
+        if r.env is not None:
+            episodes_by_group, failed = await self._env_groups(problems, created)
+            await self._advantages_and_buffer(episodes_by_group, failed)
+            return
         prompt_ids = [self._prompt_ids(p.prompt) for p in problems]
         groups = await self.generators.route("generate", prompt_ids, n=r.group_size)
         episodes_by_group: list[list[Episode]] = []
@@ -358,19 +415,14 @@ class Run:
                 self._next_episode_id += 1
                 self._tokens_since += len(c.completion_ids)
                 eps.append(ep)
+                if created is not None:
+                    created.append(ep)
             episodes_by_group.append(eps)
 
-        # rewards, in threads with a timeout (a reward is user code: it may hang)
-        loop = asyncio.get_running_loop()
+        # rewards, each call in its own thread with a timeout (a reward is user code: it may hang)
         flat = [ep for g in episodes_by_group for ep in g]
-        futs = [
-            asyncio.wait_for(
-                loop.run_in_executor(self._reward_pool, lambda ep=ep: self.rewards.score(ep.prompt, ep.completion, ep.target, **ep.info)),
-                timeout=r.reward_timeout_s,
-            )
-            for ep in flat
-        ]
-        results = await asyncio.gather(*futs, return_exceptions=True)
+        results = await asyncio.gather(*(self._score(ep, r.reward_timeout_s) for ep in flat), return_exceptions=True)
+        self._check_hung_rewards()
         failed: dict[int, str] = {}
         for ep, res in zip(flat, results):
             if isinstance(res, asyncio.TimeoutError):
@@ -389,7 +441,51 @@ class Run:
             else:
                 ep.reward = res.total
                 ep.reward_parts = dict(res.parts)
+        await self._advantages_and_buffer(episodes_by_group, failed)
 
+    async def _env_groups(self, problems: list, created: list[Episode] | None) -> tuple[list[list[Episode]], dict[int, str]]:
+        """G multi-turn episodes per problem, played by the EnvActor service against the generators.
+
+        The env actors call the generator replicas directly (they get the healthy replicas' actor meshes),
+        so no turn passes through this process. Episodes whose outcome is in DROP_OUTCOMES (env_timeout,
+        env_error, generator_error) are returned in `failed` with the outcome as drop reason.
+        """
+        from forgelab.envs import DROP_OUTCOMES
+        from forgelab.generator import SamplingConfig
+
+        r = self.config.rollout
+        gens = [h.actor for h in self.generators.handles() if h is not None]
+        sampling = SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+        groups = await self.envs.route(
+            "run_groups", r.env, problems, r.group_size, gens, sampling, env_kwargs=dict(r.env_kwargs),
+            max_turns=r.max_turns, max_total_tokens=self.config.model.max_model_len, step_timeout_s=r.env_step_timeout_s,
+        )
+        episodes_by_group: list[list[Episode]] = []
+        failed: dict[int, str] = {}
+        for prob, eps in zip(problems, groups):
+            gid = self._next_group_id
+            self._next_group_id += 1
+            for ep in eps:
+                ep.id, ep.group_id = self._next_episode_id, gid
+                self._next_episode_id += 1
+                ep.target, ep.task, ep.info = prob.target, prob.task, {**dict(prob.info), **ep.info}
+                self._tokens_since += sum(ep.loss_mask or ())
+                if ep.info.get("outcome") in DROP_OUTCOMES:
+                    failed[ep.id] = ep.info["outcome"]
+                if created is not None:
+                    created.append(ep)
+            episodes_by_group.append(eps)
+        if failed:
+            reasons: dict[str, int] = {}
+            for v in failed.values():
+                reasons[v] = reasons.get(v, 0) + 1
+            first = next(ep for g in episodes_by_group for ep in g if ep.id in failed)
+            self._event("env_dropped", reasons=reasons, error=str(first.info.get("error", ""))[:300])
+        return episodes_by_group, failed
+
+    async def _advantages_and_buffer(self, episodes_by_group: list[list[Episode]], failed: dict[int, str]) -> None:
+        """Drop failed episodes, compute group advantages, add reference logprobs, buffer the rest."""
+        r = self.config.rollout
         keep: list[list[Episode]] = []
         for g in episodes_by_group:
             ok = [ep for ep in g if ep.id not in failed]
@@ -426,13 +522,66 @@ class Run:
                     self._note(ep, "dropped:buffer_full")
                 self._buffer_changed.notify_all()
 
+    async def _score(self, ep: Episode, timeout: float):
+        """`rewards.score` for one episode in a fresh daemon thread; abandoned (not awaited) after `timeout` s.
+
+        A thread per call, not a pool: a hung call then holds only its own
+        thread, never a worker that other episodes queue behind (which would
+        also make their timeouts count queueing time).
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(value, error) -> None:
+            if not fut.done():  # already cancelled by the timeout
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        def work() -> None:
+            try:
+                value, error = self.rewards.score(ep.prompt, ep.completion, ep.target, **ep.info), None
+            except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine
+                value, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop closed while this call hung
+                pass
+
+        thread = threading.Thread(target=work, name=f"forgelab-reward-{ep.id}", daemon=True)
+        thread.start()
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self._hung_rewards.append(thread)
+            raise
+
+    def _check_hung_rewards(self) -> None:
+        self._hung_rewards = [t for t in self._hung_rewards if t.is_alive()]
+        if len(self._hung_rewards) >= MAX_HUNG_REWARD_CALLS and self.state == "running":
+            last = self.reward_failures[-1] if self.reward_failures else None
+            self.message = (
+                f"paused: {len(self._hung_rewards)} reward calls exceeded rollout.reward_timeout_s="
+                f"{self.config.rollout.reward_timeout_s}s and are still running (each holds a thread); "
+                f"rewards: {self.rewards.names}; last input: {getattr(last, 'completion', '')[:80]!r}. "
+                "Fix or remove the hanging reward (run.rewards.remove / run.add_reward(..., replace=True)), then run.resume()"
+            )
+            log.warning("forgelab: %s", self.message)
+            self.pause()
+
     async def _add_ref_logprobs(self, eps: list[Episode]) -> None:
         rows = [ep.prompt_ids + ep.completion_ids for ep in eps]
         L = max(len(x) for x in rows)
         tokens = torch.full((len(rows), L), self.pad_id, dtype=torch.long)
         for i, x in enumerate(rows):
             tokens[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        lp = await self.reference.route("logprobs", tokens)
+        from forgelab.runtime.service import NoHealthyReplicaError, ReplicaFailedError
+
+        try:
+            lp = await self.reference.route("logprobs", tokens)
+        except (NoHealthyReplicaError, ReplicaFailedError) as e:
+            # the reference died and is being respawned: wait for it rather than lose these episodes
+            self._event("reference_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
+            await self.reference.wait_healthy(count=1, timeout=600)
+            lp = await self.reference.route("logprobs", tokens)
         lp = torch.as_tensor(lp)
         for i, ep in enumerate(eps):
             p, c = len(ep.prompt_ids), len(ep.completion_ids)
@@ -525,8 +674,13 @@ class Run:
         """Trainer -> every healthy generator replica, as version `self.version`."""
         live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
         timing = (await self.trainer.call("push_weights", self.version, [h.actor for _, h in live]))[0]
-        for i, _ in live:
-            self.generators.set_replica_info(i, version=self.version)
+        failed = (timing or {}).get("failed") or {}
+        for k, (i, _) in enumerate(live):
+            if k in failed or str(k) in failed:
+                # a replica that died meanwhile is respawned and caught up by on_respawn
+                self._event("weight_push_failed", replica=i, version=self.version, error=str(failed.get(k, failed.get(str(k))))[:300])
+            else:
+                self.generators.set_replica_info(i, version=self.version)
         async with self._buffer_changed:
             self._pushed_version = self.version
             self._buffer_changed.notify_all()
@@ -534,14 +688,19 @@ class Run:
 
     def _metrics_row(self, eps: list[Episode], m: dict, t_train: float, sync: dict, t_step: float) -> dict:
         now = time.time()
-        dt, self._t_last = now - self._t_last, now
-        tokens, self._tokens_since = self._tokens_since, 0
+        # generated tokens/s over a window of recent steps (a single step may see no rollout finish)
+        self._tok_window.append((now, self._tokens_since))
+        self._tokens_since = 0
+        dt = now - (self._tok_window[0][0] if len(self._tok_window) > 1 else self._t_last)
+        tokens = sum(n for _, n in list(self._tok_window)[1:]) if len(self._tok_window) > 1 else self._tok_window[-1][1]
+        self._t_last = now
         counts = self.buffer.counts()
         row: dict[str, Any] = {
             "step": self.step, "time": now, "version": self.version,
             "reward_mean": sum(ep.reward for ep in eps) / len(eps),
         }
-        for name in self.rewards.names:
+        env_parts = sorted({k for ep in eps for k in ep.reward_parts} - set(self.rewards.names))
+        for name in [*self.rewards.names, *env_parts]:
             vals = [ep.reward_parts[name] for ep in eps if name in ep.reward_parts]
             if vals:
                 row[f"reward/{name}"] = sum(vals) / len(vals)
@@ -632,6 +791,8 @@ class Run:
             "loss": self.loss_name if isinstance(self.loss_name, str) else None,
             "next_episode_id": self._next_episode_id, "next_group_id": self._next_group_id,
             "accuracy_history": self.accuracy_history,
+            # per-rank SHA-256 of parameters and optimizer state: a restore is checked against it
+            "trainer_fingerprint": await self.trainer.call("fingerprint"),
         }
         (path / "controller.json").write_text(json.dumps(state))
         (path.parent / "LATEST").write_text(path.name)
@@ -654,7 +815,37 @@ class Run:
             self.loss_name = state["loss"]
         if self.version > 0:
             await self.push_weights()
-        self._event("resumed_from_checkpoint", path=str(path), step=self.step)
+        saved_fp, fp = state.get("trainer_fingerprint"), await self.trainer.call("fingerprint")
+        # world size may differ on resume (shards differ then): compare only like with like
+        match = fp == saved_fp if saved_fp is not None and len(saved_fp) == len(fp) else None
+        if match is False:
+            log.warning("forgelab: trainer state after restore differs from the one saved in %s", path)
+        self._restore_metrics(path.parent.parent / "metrics.csv")
+        self._event("resumed_from_checkpoint", path=str(path), step=self.step, fingerprint_match=match,
+                    trainer_fingerprint=fp, stream=self.stream.state_dict())
+
+    def _restore_metrics(self, csv_path: Path) -> None:
+        """Put the rows up to the restored step back in the tracker, so the learning curve continues."""
+        import csv
+
+        if self.tracker is None or self.tracker.rows or not csv_path.is_file():
+            return
+        with csv_path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        for raw in rows:
+            row: dict[str, Any] = {}
+            for k, v in raw.items():
+                if v in ("", None):
+                    continue
+                try:
+                    row[k] = float(v)
+                except ValueError:
+                    row[k] = v
+            for k in ("step", "version"):
+                if k in row:
+                    row[k] = int(row[k])
+            if 0 < row.get("step", 0) <= self.step:
+                self.tracker.log(row)
 
     # ------------------------------------------------------------------ views
     def _event(self, kind: str, **fields: Any) -> None:
@@ -694,7 +885,7 @@ class Run:
                 "policy_version": ep.policy_version, "finish_reason": ep.finish_reason,
                 "status": self._episode_status.get(ep.id, ""), "prompt_ids": ep.prompt_ids,
                 "completion_ids": ep.completion_ids, "generator_logprobs": ep.generator_logprobs,
-                "ref_logprobs": ep.ref_logprobs, "loss_mask": ep.loss_mask,
+                "ref_logprobs": ep.ref_logprobs, "loss_mask": ep.loss_mask, "turns": ep.info.get("turns"),
             }
             for k, v in ep.reward_parts.items():
                 row[f"reward/{k}"] = v
@@ -714,6 +905,7 @@ class Run:
             "services": {
                 "generator": self.generators.status() if self.generators else [],
                 "reference": self.reference.status() if self.reference else [],
+                **({"env": self.envs.status()} if self.envs else {}),
             },
         }
 

@@ -83,8 +83,16 @@ class Tracker:
             self._wandb = None
 
 
-def plot_learning_curve(df, path: str | Path, events: list[dict] | None = None) -> Path:
-    """Reward, held-out accuracy and loss against step, saved as a PNG."""
+MARKED_EVENTS = ("loss_swapped", "reward_weights", "reward_added", "replica_failed", "replica_restarted",
+                 "step_skipped", "paused", "resumed_from_checkpoint")
+
+
+def plot_learning_curve(df, path: str | Path, events: list[dict] | None = None,
+                        accuracy: list[tuple[int, float]] | None = None) -> Path:
+    """Reward, held-out accuracy (`accuracy`: (step, acc) pairs, step 0 included) and loss against step, as a PNG.
+
+    Events that change the run (loss swaps, reward changes, replica restarts, skipped steps) are dotted lines.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -93,13 +101,15 @@ def plot_learning_curve(df, path: str | Path, events: list[dict] | None = None) 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     panels = [("reward_mean", "reward (mean)"), ("heldout_accuracy", "held-out greedy accuracy"), ("loss", "loss")]
     for ax, (col, title) in zip(axes, panels):
-        if col in df and df[col].notna().any():
+        if col == "heldout_accuracy" and accuracy:
+            ax.plot([a[0] for a in accuracy], [a[1] for a in accuracy], marker="o", ms=3)
+        elif col in df and df[col].notna().any():
             d = df[["step", col]].dropna()
             ax.plot(d["step"], d[col], marker="o" if col == "heldout_accuracy" else None, ms=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         for ev in events or []:
-            if ev.get("step") is not None:
+            if ev.get("kind") in MARKED_EVENTS and ev.get("step") is not None:
                 ax.axvline(ev["step"], color="grey", ls=":", lw=0.8)
     fig.tight_layout()
     path = Path(path)

@@ -35,6 +35,9 @@ DEFAULT_PROCESS_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
+    # vLLM logs every weight reload at INFO (and a harmless RotaryEmbedding warning): keep the
+    # notebook readable. Set VLLM_LOGGING_LEVEL=INFO in the controller environment to see them.
+    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
 }
 
 
