@@ -58,6 +58,16 @@ class RolloutConfig:
     """Advantage estimator: grpo (group z-score), dr_grpo (group mean) or rloo (leave-one-out)."""
     drop_zero_variance_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no gradient); counted as dropped."""
+    env: str | None = None
+    """Multi-turn environment (a name in forgelab.envs.ENVS) or None for single-turn rollouts. With an env,
+    each problem of `task` starts G episodes played by EnvActor replicas; the episode reward is the
+    environment's (`rewards` are not applied) and `max_tokens` bounds each assistant turn."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's factory."""
+    max_turns: int = 4
+    """With an env: most assistant turns per episode (prompt + all turns stay within model.max_model_len)."""
+    env_step_timeout_s: float = 10.0
+    """With an env: a reset/step that takes longer drops its episode with reason env_timeout."""
 
 
 @dataclass(kw_only=True)
@@ -111,6 +121,10 @@ class PlacementConfig:
     """Place each process on its own GPU."""
     kv_cache_gib: float = 1.0
     """vLLM KV-cache size per generator on CPU hosts."""
+    env_replicas: int = 1
+    """EnvActor replicas playing multi-turn episodes (only with rollout.env)."""
+    env_max_concurrent: int = 1024
+    """Most episodes running at once in one EnvActor (asyncio tasks in one process)."""
 
 
 @dataclass(kw_only=True)
@@ -195,6 +209,22 @@ class RunConfig:
         _finite_range("rollout.temperature", r.temperature, 0.0, 10.0)
         _finite_range("rollout.top_p", r.top_p, 1e-6, 1.0)
         _finite_range("rollout.reward_timeout_s", r.reward_timeout_s, 1e-3, 3600)
+        if r.env is not None:
+            from forgelab.envs import ENVS, make_env
+
+            if r.env not in ENVS:
+                raise ConfigError(
+                    f"rollout.env: unknown environment {r.env!r}; known: {', '.join(sorted(ENVS))} "
+                    "(add yours to forgelab.envs.ENVS), or null for single-turn rollouts"
+                )
+            if not isinstance(r.env_kwargs, dict):
+                raise ConfigError(f"rollout.env_kwargs: expected a mapping, got {r.env_kwargs!r}")
+            try:
+                make_env(r.env, r.env_kwargs)
+            except Exception as e:
+                raise ConfigError(f"rollout.env_kwargs: {r.env!r} cannot be built with {r.env_kwargs!r}: {e}") from None
+            _positive("rollout.max_turns", r.max_turns)
+            _finite_range("rollout.env_step_timeout_s", r.env_step_timeout_s, 1e-3, 3600)
         from forgelab.rewards import REWARDS
 
         if not r.rewards:
@@ -223,13 +253,19 @@ class RunConfig:
             raise ConfigError(f"train.max_buffer: {t.max_buffer} < train.batch_size={t.batch_size}; the buffer must hold a batch")
         _finite_range("train.lr", t.lr, 0.0, 1.0, low_open=True)
         _nonneg("train.warmup_steps", t.warmup_steps)
+        if t.warmup_steps >= t.steps:
+            raise ConfigError(
+                f"train.warmup_steps: {t.warmup_steps} >= train.steps={t.steps}; warmup must end before the last "
+                "step (lower warmup_steps, e.g. 0)"
+            )
         _finite_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
         _nonneg("train.weight_decay", t.weight_decay)
         _finite_range("train.max_grad_norm", t.max_grad_norm, 0.0, 1e9, low_open=True)
         if t.is_cap is not None:
             _finite_range("train.is_cap", t.is_cap, 1.0, 1e9)
         _nonneg("train.max_policy_age", t.max_policy_age)
-        for name in ("generator_replicas", "trainer_procs", "reference_replicas", "threads"):
+        for name in ("generator_replicas", "trainer_procs", "reference_replicas", "threads", "env_replicas",
+                     "env_max_concurrent"):
             _positive(f"placement.{name}", getattr(p, name))
         _finite_range("placement.kv_cache_gib", p.kv_cache_gib, 0.0, 1024, low_open=True)
         if p.with_gpus:

@@ -42,6 +42,7 @@ def test_defaults_validate(model_dir):
         ({"placement": {"with_gpus": True}}, "placement.with_gpus"),  # no GPU on this host
         ({"placement": {"generator_replicas": 40, "threads": 4}}, "placement"),
         ({"train": {"stepz": 3}}, "train.stepz"),
+        ({"train": {"steps": 3, "warmup_steps": 5}}, "train.warmup_steps"),
         ({"train": {"steps": "many"}}, "train.steps"),
     ],
 )

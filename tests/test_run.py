@@ -17,13 +17,13 @@ pytestmark = pytest.mark.integration
 
 
 def small_config(out_dir, **train):
-    t = dict(steps=24, batch_size=32, lr=3e-4, warmup_steps=2, max_policy_age=1, seed=0)
+    t = dict(steps=60, batch_size=64, lr=1e-4, warmup_steps=2, max_policy_age=1, seed=0)
     t.update(train)
     return RunConfig(
         name="t",
-        rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=4, concurrency=2, max_tokens=8),
+        rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=8, concurrency=2, max_tokens=8),
         train=TrainConfig(**t),
-        eval=EvalConfig(every=0, n=64),
+        eval=EvalConfig(every=0, n=200),
         tracking=TrackingConfig(out_dir=str(out_dir), wandb=False),
         placement=PlacementConfig(reference=True),
     )
@@ -52,8 +52,12 @@ def test_run_finishes_and_raises_reward(finished_run):
     assert run.state == "finished", run.message
     df = run.metrics
     assert len(df) == run.config.train.steps
-    first, last = df["reward_mean"].iloc[:6].mean(), df["reward_mean"].iloc[-6:].mean()
-    assert last > first + 0.05, f"mean reward did not rise: first 6 steps {first:.3f}, last 6 {last:.3f}"
+    # 60 steps of batch 64 at lr 1e-4 lift mean reward by ~0.05 (demo runs); the std of a 15-step mean
+    # is ~0.013, so "last 15 above first 15" fails by chance well under 1% of the time.
+    first, last = df["reward_mean"].iloc[:15].mean(), df["reward_mean"].iloc[-15:].mean()
+    print(f"mean reward first 15 steps {first:.3f}, last 15 steps {last:.3f}; accuracy {run.accuracy_history}")
+    assert last > first, f"mean reward did not rise: first 15 steps {first:.3f}, last 15 {last:.3f}"
+    assert run.accuracy_history[-1][1] > run.accuracy_history[0][1], run.accuracy_history
     for col in ("loss", "grad_norm", "entropy", "kl_ref", "policy_age_mean", "tokens_per_s", "step_time_s",
                 "reward/exact_answer", "reward/answer_format"):
         assert col in df and df[col].notna().all(), col
@@ -76,7 +80,7 @@ def test_staleness_bound_holds(finished_run):
 
 def test_rollouts_carry_tokens_and_logprobs(finished_run):
     ro = finished_run.rollouts
-    row = ro.iloc[-1]
+    row = ro[ro["status"] == "trained"].iloc[-1]
     assert len(row["completion_ids"]) == len(row["generator_logprobs"]) == len(row["ref_logprobs"])
     assert all(lp <= 0.0 for lp in row["generator_logprobs"])
     # token-in/token-out: the text is the decoding of exactly the generated ids
@@ -97,7 +101,7 @@ def test_cli_runs_a_small_config(tmp_path):
     cfg.write_text(
         "name: cli\n"
         "rollout: {task: addition, group_size: 4, prompts_per_rollout: 4, concurrency: 1, max_tokens: 6}\n"
-        "train: {steps: 3, batch_size: 16, max_policy_age: 0}\n"
+        "train: {steps: 3, batch_size: 16, warmup_steps: 1, max_policy_age: 0}\n"
         "placement: {reference: false}\n"
         f"eval: {{every: 0, n: 16}}\ntracking: {{out_dir: {tmp_path}, wandb: false}}\n"
     )
