@@ -407,7 +407,12 @@ class VLLMEngine:
             await asyncio.sleep(0)
 
     async def _admit_arrivals(self) -> None:
-        """Let calls that are still arriving join this step (see `admission_window_ms`)."""
+        """Let calls that are still arriving join this step (see `admission_window_ms`).
+
+        Not when the running batch is already full: a newcomer would only wait in
+        vLLM's queue, and the engine would idle for the window."""
+        if self.engine.get_num_unfinished_requests() >= self.config.max_num_seqs:
+            return
         window = self.config.admission_window_ms / 1e3
         deadline = time.perf_counter() + 4 * window
         while (now := time.perf_counter()) < deadline and now - self._last_add < window:

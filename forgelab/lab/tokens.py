@@ -11,6 +11,9 @@ Per token `i` of the completion:
 
 Environment tokens (`loss_mask == 0` in a multi-turn episode) are greyed and
 every switch between model and environment text is marked as a turn boundary.
+When the episode carries `turns` ([(start, end, role)] over the completion,
+from `forgelab.envs`), each turn starts with a boundary naming its role
+("assistant", "user", "tool").
 """
 from __future__ import annotations
 
@@ -38,13 +41,21 @@ def token_rows(ep: dict, tokenizer: Any = None) -> list[dict]:
     mask = ep.get("loss_mask")
     mask = list(mask) if mask is not None and not _isnan(mask) else None
     adv = float(ep.get("advantage") or 0.0)
+    turn_of: dict[int, tuple[int, str]] = {}
+    turns = ep.get("turns")
+    if isinstance(turns, (list, tuple)):
+        for k, (start, end, role) in enumerate(turns):
+            for i in range(int(start), int(end)):
+                turn_of[i] = (k, str(role))
     rows = []
     for i, tid in enumerate(ids):
         lp = float(lps[i]) if i < len(lps) else float("nan")
         ref = float(refs[i]) if refs is not None and i < len(refs) else float("nan")
         trained = mask is None or (i < len(mask) and bool(mask[i]))
+        turn, role = turn_of.get(i, (None, None))
         rows.append({
             "i": i, "id": int(tid), "text": _token_text(tokenizer, int(tid)), "trained": trained,
+            "turn": turn, "role": role,
             "logprob": lp, "ref_logprob": ref,
             "kl": k3(lp, ref) if not (math.isnan(lp) or math.isnan(ref)) else float("nan"),
             "advantage": adv if trained else 0.0,
@@ -111,10 +122,11 @@ def spans_html(rows: Sequence[dict], by: str = "logprob") -> str:
     scale = _scale(list(rows), by)
     out, prev = [], None
     for r in rows:
-        if prev is not None and r["trained"] != prev:
-            who = "model" if r["trained"] else "environment"
-            out.append(f'<span class="fl-turn" title="turn boundary">▸ {who}</span>')
-        prev = r["trained"]
+        key = (r["trained"], r.get("turn"))
+        if prev is not None and key != prev:
+            who = r.get("role") or ("model" if r["trained"] else "environment")
+            out.append(f'<span class="fl-turn" title="turn boundary">▸ {esc(who)}</span>')
+        prev = key
         if r["trained"]:
             style = f"background:{colour(r[by], by, scale)}"
         else:

@@ -1,0 +1,43 @@
+"""Multi-turn environments: the protocol, the episode runner, built-in environments, the env actor.
+
+    from forgelab.envs import ENVS, EnvActor, EnvActorConfig
+    cfg = RunConfig(rollout=RolloutConfig(env="calculator"))   # a Run plays episodes instead of single turns
+
+- `base`: what an environment is (async `reset(task) -> str`, `step(text) -> (obs, reward, done, info)`);
+- `episode`: the token-in/token-out episode runner (`run_episode`, `ChatFormat`, `EpisodeLimits`);
+- `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv`;
+- `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process.
+
+`ENVS` maps a name to a factory (a class or function taking keyword arguments,
+`RolloutConfig.env_kwargs`); adding an environment is adding an entry. The
+factory must be importable by name in the env actor's process (define it in a
+module, not in a notebook cell).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from forgelab.envs.base import Env, make_env
+from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv
+from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, run_episode
+
+ENVS: dict[str, Callable[..., Any]] = {
+    "echo": EchoEnv,
+    "arithmetic_tutor": ArithmeticTutorEnv,
+    "calculator": CalculatorToolEnv,
+}
+"""Environment name -> factory (see `RolloutConfig.env`)."""
+
+
+def __getattr__(name: str):
+    if name in ("EnvActor", "EnvActorConfig"):  # imports Monarch: only when asked for
+        from forgelab.envs import actor
+
+        return getattr(actor, name)
+    raise AttributeError(f"module 'forgelab.envs' has no attribute {name!r}")
+
+
+__all__ = [
+    "DROP_OUTCOMES", "ENVS", "ArithmeticTutorEnv", "CalculatorToolEnv", "ChatFormat", "EchoEnv", "Env",
+    "EnvActor", "EnvActorConfig", "EpisodeLimits", "make_env", "run_episode",
+]

@@ -1,0 +1,272 @@
+"""`EnvActor`: many multi-turn episodes as asyncio tasks inside one process.
+
+    envs = await EnvActor.options(num_replicas=2).as_service(EnvActorConfig(model_dir=...))
+    gens = [h.actor for h in generators.handles() if h is not None]
+    groups_P_G = await envs.route("run_groups", "calculator", problems, 8, gens, sampling)
+
+Where generation goes: the caller passes the generator replicas' actor
+meshes, and each episode calls `generate` on one of them directly (picked
+least-loaded when the episode starts, then sticky, so every turn of a
+conversation lands on the replica that holds its earlier KV in the prefix
+cache). Turns that episodes request within `coalesce_ms` of each other travel
+in one `generate` call (a Monarch message per turn costs more CPU than a tiny
+model's decode step); calls are not serialised, and the generator's
+continuous batching merges every call in flight, so while some environments
+think, other episodes' turns keep the batch full. No request passes through
+the controller, which stays free to train. (Routing through the controller
+would add a hop per turn and put thousands of small messages on the training
+process's event loop.)
+
+An episode holds one slot of `max_concurrent` (a semaphore shared by every
+call to this actor) from its reset to its end. Environment steps run on this
+process's event loop and time out after `step_timeout_s` (outcome
+`env_timeout`). A generator replica that dies mid-episode fails that episode
+(`generator_error`); the next call is given the service's current replicas.
+
+`run_groups` answers through an explicit response port: Monarch hands an actor
+one call at a time, and an endpoint that awaited its episodes would block the
+next caller until they all finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from monarch.actor import Port, endpoint
+
+from forgelab.envs.base import make_env
+from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
+from forgelab.runtime.component import Component
+from forgelab.types import Episode
+
+__all__ = ["EnvActor", "EnvActorConfig", "run_groups_local"]
+
+
+@dataclass(kw_only=True)
+class EnvActorConfig:
+    """How to build an `EnvActor`."""
+
+    model_dir: str
+    """Checkpoint directory whose tokenizer and chat template format the conversations."""
+    max_concurrent: int = 1024
+    """Most episodes running at once in this actor (the rest wait for a slot)."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Default max_turns / max_total_tokens / step_timeout_s (a call may override them)."""
+    coalesce_ms: float | None = 1.0
+    """Turns requested within this many ms go to the generator in one call (None: one call per turn)."""
+    max_batch: int = 256
+    """Most prompts in one coalesced `generate` call."""
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model_dir):
+            raise ValueError(f"EnvActorConfig.model_dir={self.model_dir!r} is not a directory (need its tokenizer)")
+        if isinstance(self.max_concurrent, bool) or not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
+            raise ValueError(f"EnvActorConfig.max_concurrent must be a positive integer, got {self.max_concurrent!r}")
+        if self.coalesce_ms is not None and not self.coalesce_ms >= 0:
+            raise ValueError(f"EnvActorConfig.coalesce_ms must be >= 0 or None, got {self.coalesce_ms!r}")
+        self.limits.validate("EnvActorConfig.limits")
+
+
+def _sampling_key(sampling: Any) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in vars(sampling).items()))
+
+
+class _Coalescer:
+    """Merges the turns that episodes request at about the same time into one `generate` call.
+
+    One Monarch message per turn per episode costs more CPU than a tiny model's
+    decode step, so turns arriving within `window_s` of each other (or in the
+    same event-loop pass, with window 0) travel together, up to `max_batch`
+    prompts per call. Calls are not serialised: while one batch is generating,
+    the next is sent, and the generator's continuous batching merges them.
+    """
+
+    def __init__(self, mesh: Any, window_s: float, max_batch: int):
+        self.mesh, self.window_s, self.max_batch = mesh, window_s, max_batch
+        self.queue: list[tuple[list[int], Any, asyncio.Future]] = []
+        self.flusher: asyncio.Task | None = None
+        self.calls: set[asyncio.Task] = set()
+
+    async def generate(self, ids: list[int], sampling: Any) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.append((ids, sampling, fut))
+        if self.flusher is None or self.flusher.done():
+            self.flusher = asyncio.ensure_future(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(self.window_s)  # let the other episodes of this wave queue their turns
+        by_key: dict[tuple, list] = {}
+        for item in self.queue:
+            by_key.setdefault(_sampling_key(item[1]), []).append(item)
+        self.queue = []
+        for items in by_key.values():
+            for i in range(0, len(items), self.max_batch):
+                task = asyncio.ensure_future(self._call(items[i:i + self.max_batch]))
+                self.calls.add(task)
+                task.add_done_callback(self.calls.discard)
+
+    async def _call(self, items: list) -> None:
+        try:
+            groups = await self.mesh.generate.call_one([ids for ids, _, _ in items], n=1, sampling=items[0][1])
+        except Exception as e:
+            for _, _, fut in items:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for (_, _, fut), g in zip(items, groups):
+            if not fut.done():
+                fut.set_result(g[0])
+
+
+class _Generators:
+    """Least-loaded choice among generator actor meshes, counting this process's episodes on each.
+
+    `coalesce_ms=None` sends one `generate` call per turn; otherwise turns are
+    merged per replica by a `_Coalescer`.
+    """
+
+    def __init__(self, meshes: Sequence[Any], coalesce_ms: float | None = None, max_batch: int = 256):
+        if not meshes:
+            raise ValueError("run_groups: no generator given; pass the healthy generator replicas' actor meshes")
+        self.meshes = list(meshes)
+        self.in_flight = [0] * len(self.meshes)
+        self._rr = itertools.count()
+        self.coalescers = (None if coalesce_ms is None
+                           else [_Coalescer(m, coalesce_ms / 1e3, max_batch) for m in self.meshes])
+
+    def pick(self) -> int:
+        start = next(self._rr)
+        n = len(self.meshes)
+        return min(((start + k) % n for k in range(n)), key=lambda i: self.in_flight[i])
+
+    def bind(self, index: int) -> Callable[[list[int], Any], Awaitable[Any]]:
+        mesh = self.meshes[index]
+        co = None if self.coalescers is None else self.coalescers[index]
+
+        async def generate(ids: list[int], sampling: Any):
+            self.in_flight[index] += 1
+            try:
+                if co is not None:
+                    return await co.generate(ids, sampling)
+                return (await mesh.generate.call_one([ids], n=1, sampling=sampling))[0][0]
+            finally:
+                self.in_flight[index] -= 1
+
+        return generate
+
+
+async def run_groups_local(
+    env: str | Callable[..., Any],
+    tasks: Sequence[Any],
+    n: int,
+    generate_for: Callable[[], Callable[[list[int], Any], Awaitable[Any]]],
+    fmt: ChatFormat,
+    sampling: Any,
+    limits: EpisodeLimits,
+    semaphore: asyncio.Semaphore,
+    env_kwargs: dict | None = None,
+) -> list[list[Episode]]:
+    """`n` episodes per task (groups in task order), each in its own asyncio task, at most
+    `semaphore` at once. `generate_for()` gives each episode its (sticky) generate function."""
+
+    async def one(task: Any) -> Episode:
+        async with semaphore:
+            t0 = time.perf_counter()
+            try:
+                e = make_env(env, env_kwargs)
+            except Exception as err:
+                ep = Episode(id=0, group_id=0, prompt_ids=[], completion_ids=[], generator_logprobs=[],
+                             policy_version=-1, finish_reason="env_error", loss_mask=[],
+                             info={"outcome": "env_error", "error": f"{type(err).__name__}: {err}", "turns": []})
+            else:
+                ep = await run_episode(e, task, generate_for(), fmt, sampling, limits)
+            ep.info["latency_s"] = time.perf_counter() - t0
+            return ep
+
+    flat = await asyncio.gather(*(one(t) for t in tasks for _ in range(n)))
+    return [list(flat[i * n:(i + 1) * n]) for i in range(len(tasks))]
+
+
+_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
+    async def run() -> None:
+        try:
+            port.send(await start())
+        except Exception as e:  # an explicit-port endpoint that raised would leave its caller waiting
+            from monarch._src.actor.actor_mesh import ActorError
+
+            port.exception(ActorError(e, f"EnvActor.{what} failed."))
+
+    task = asyncio.get_running_loop().create_task(run())
+    _replies.add(task)
+    task.add_done_callback(_replies.discard)
+
+
+class EnvActor(Component):
+    """Runs episodes of any environment against the generator. Endpoints: run_groups, stats."""
+
+    def __init__(self, config: EnvActorConfig):
+        config.validate()
+        self.config = config
+        self.fmt: ChatFormat | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._stats = {"episodes": 0, "running": 0, "max_running": 0}
+        self._outcomes: dict[str, int] = {}
+
+    @endpoint
+    async def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.fmt = ChatFormat(AutoTokenizer.from_pretrained(self.config.model_dir))
+        self._semaphore = asyncio.Semaphore(self.config.max_concurrent)
+
+    async def _run(self, env, tasks, n, generators, sampling, env_kwargs, max_turns, max_total_tokens, step_timeout_s):
+        if self.fmt is None:
+            raise RuntimeError("EnvActor.setup() has not run; spawn it with EnvActor.options(...).as_service(config)")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"run_groups: n (episodes per task) must be a positive integer, got {n!r}")
+        d = self.config.limits
+        limits = EpisodeLimits(
+            max_turns=d.max_turns if max_turns is None else max_turns,
+            max_total_tokens=d.max_total_tokens if max_total_tokens is None else max_total_tokens,
+            step_timeout_s=d.step_timeout_s if step_timeout_s is None else step_timeout_s,
+        )
+        limits.validate("run_groups limits")
+        gens = _Generators(generators, self.config.coalesce_ms, self.config.max_batch)
+        total = len(tasks) * n
+        s = self._stats
+        s["running"] += total
+        s["max_running"] = max(s["max_running"], s["running"])
+        try:
+            groups = await run_groups_local(env, tasks, n, lambda: gens.bind(gens.pick()), self.fmt, sampling,
+                                            limits, self._semaphore, env_kwargs)
+        finally:
+            s["running"] -= total
+        s["episodes"] += total
+        for g in groups:
+            for ep in g:
+                o = ep.info.get("outcome", "")
+                self._outcomes[o] = self._outcomes.get(o, 0) + 1
+        return groups
+
+    @endpoint(explicit_response_port=True)
+    async def run_groups(
+        self, port: Port, env: str | Callable[..., Any], tasks: Sequence[Any], n: int, generators: Sequence[Any],
+        sampling: Any, env_kwargs: dict | None = None, max_turns: int | None = None,
+        max_total_tokens: int | None = None, step_timeout_s: float | None = None,
+    ) -> None:
+        """`list[list[Episode]]`: `n` episodes of `env` per task (ids 0: the caller numbers them)."""
+        _reply(port, lambda: self._run(env, tasks, n, generators, sampling, env_kwargs, max_turns,
+                                       max_total_tokens, step_timeout_s), "run_groups")
+
+    @endpoint
+    async def stats(self) -> dict[str, Any]:
+        """Episodes finished, running now, most running at once, and outcome counts."""
+        return {**self._stats, "outcomes": dict(self._outcomes), "max_concurrent": self.config.max_concurrent}

@@ -1,0 +1,70 @@
+"""What an environment is: a Python object with an async `reset` and an async `step`.
+
+    class Env:
+        async def reset(self, task) -> str                         # the first user message
+        async def step(self, action_text: str) -> (observation, reward, done, info)
+
+- `task` is whatever the caller hands out: in a `Run` it is a
+  `forgelab.tasks.Problem` (prompt, target, info), in a benchmark anything
+  picklable. `reset` returns the text of the first user message.
+- `action_text` is the assistant's last turn, decoded (special tokens removed).
+- `observation` is the text of the next message (None when `done`), `reward`
+  a float for this step (an episode's reward is the sum of its steps'),
+  `done` ends the episode, `info` a dict; `info["role"]` says who speaks the
+  observation ("user", the default, or "tool"), and `info["reward_parts"]`
+  (name -> float) is summed per name into the episode's `reward_parts`.
+
+One object serves one episode: the episode runner builds a fresh one per
+episode (`make_env`), so an environment may keep its state in attributes.
+Both methods are coroutines on a shared event loop (thousands of episodes run
+in one process): never block in them; wrap blocking work in
+`await asyncio.to_thread(...)`. A step that takes longer than
+`step_timeout_s` is abandoned and its episode dropped (`env_timeout`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["Env", "StepResult", "make_env", "task_prompt"]
+
+StepResult = tuple["str | None", float, bool, dict]
+"""`(observation, reward, done, info)`."""
+
+
+class Env:
+    """Base class of forgelab environments (subclassing is optional: any object with these coroutines works)."""
+
+    async def reset(self, task: Any) -> str:
+        """Start an episode for `task`; return the first user message."""
+        raise NotImplementedError
+
+    async def step(self, action_text: str) -> StepResult:
+        """React to the assistant's turn: `(observation | None, reward, done, info)`."""
+        raise NotImplementedError
+
+
+def make_env(env: str | Callable[..., Any], kwargs: dict | None = None, registry: dict | None = None) -> Any:
+    """A fresh environment: `env` is a name in `registry` (default `forgelab.envs.ENVS`) or a factory."""
+    if registry is None:
+        from forgelab.envs import ENVS as registry
+    if isinstance(env, str):
+        if env not in registry:
+            raise KeyError(f"unknown environment {env!r}; known: {', '.join(sorted(registry))} "
+                           "(or pass a factory: a class or function returning an object with async reset/step)")
+        env = registry[env]
+    if not callable(env):
+        raise TypeError(f"environment must be a registry name or a factory, got {env!r}")
+    obj = env(**(kwargs or {}))
+    for name in ("reset", "step"):
+        if not callable(getattr(obj, name, None)):
+            raise TypeError(f"environment {type(obj).__name__} has no {name}() method; see forgelab.envs.base")
+    return obj
+
+
+def task_prompt(task: Any) -> str:
+    """The user-facing text of a task: `task.prompt`, `task["prompt"]` or `str(task)`."""
+    if hasattr(task, "prompt"):
+        return str(task.prompt)
+    if isinstance(task, dict) and "prompt" in task:
+        return str(task["prompt"])
+    return str(task)
