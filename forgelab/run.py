@@ -192,6 +192,9 @@ class Run:
         self._stopping = True
         if self._unpaused is not None:
             self._unpaused.set()
+        if self._buffer_changed is not None:  # the train loop and rollout workers wait on it
+            async with self._buffer_changed:
+                self._buffer_changed.notify_all()
         if self._main is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._main), timeout=300)
@@ -637,7 +640,9 @@ class Run:
         m = dict(results[0])
         if m.get("skipped"):
             reason = str(m.get("skip_reason", "skipped"))
-            self.buffer.mark_dropped(batch_eps, "step_skipped")
+            async with self._buffer_changed:  # frees admission slots: wake the rollout workers
+                self.buffer.mark_dropped(batch_eps, "step_skipped")
+                self._buffer_changed.notify_all()
             for ep in batch_eps:
                 self._note(ep, "dropped:step_skipped")
             self._consecutive_failures += 1

@@ -159,6 +159,37 @@ class _Skip(Exception):
     """A step that must not change anything (see the fault rule)."""
 
 
+def _rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, backend: str):
+    """The process group's TCPStore and options, listening on `addr` only (docs/security.md).
+
+    torch's TCPStore server binds every interface whatever host name it is
+    given, so rank 0 binds the socket itself and hands it over. With a
+    loopback `addr` (one host) gloo's pair sockets are pinned to loopback too;
+    by default gloo binds the address the host name resolves to.
+    """
+    import ipaddress
+    import socket
+
+    fd = None
+    if rank == 0:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+        fd = sock.detach()  # the store's server owns it from here
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+    pg_options = None
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if backend == "gloo" and loopback:
+        pg_options = dist.ProcessGroupGloo._Options()
+        pg_options._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+    return store, pg_options
+
+
 class TrainerState:
     """Model, optimizer, schedule and loss of one trainer rank. Every method is collective over the group."""
 
@@ -212,10 +243,10 @@ class TrainerState:
                 "TrainerConfig.master_port is None with a multi-process trainer: spawn it with "
                 "Trainer.options(procs=...).as_actor(config), which picks a free port, or set master_port"
             )
-        dist.init_process_group(
-            backend, init_method=f"tcp://{self.config.master_addr}:{self.config.master_port}",
-            rank=self.rank, world_size=self.world, timeout=timeout,
-        )
+        store, pg_options = _rendezvous(self.config.master_addr, self.config.master_port, self.rank, self.world,
+                                        timeout, backend)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout,
+                                pg_options=pg_options)
 
     def _shard(self, model: torch.nn.Module) -> None:
         """FSDP2 with torchtitan's decoder wrapping (one unit per block), fp32, gradients SUMMED over ranks."""
