@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.forgelab-setup
-UV := $(BIN)/uv pip install --python $(BIN)/python --quiet
+UV := $(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode
 
 # vLLM on CPU otherwise reserves most of the machine's memory for its KV cache.
 export VLLM_CPU_KVCACHE_SPACE ?= 1

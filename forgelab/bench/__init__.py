@@ -8,10 +8,19 @@ import pkgutil
 
 _NOT_SUITES = {"common"}
 
+#: Suite name -> module name, where the name is a Python keyword (`async`).
+MODULES = {"async": "async_"}
+
 
 def suites() -> list[str]:
     """Names of the benchmark suites in this package."""
+    alias_of = {mod: alias for alias, mod in MODULES.items()}
     return sorted(
-        m.name for m in pkgutil.iter_modules(__path__)
+        alias_of.get(m.name, m.name) for m in pkgutil.iter_modules(__path__)
         if not m.name.startswith("_") and m.name not in _NOT_SUITES
     )
+
+
+def module_name(suite: str) -> str:
+    """The module implementing `suite` (`forgelab.bench.<module>`)."""
+    return f"forgelab.bench.{MODULES.get(suite, suite)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from forgelab.bench import suites
+from forgelab.bench import module_name, suites
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in suites():
         print(f"unknown benchmark suite {name!r}; available suites: {', '.join(suites())}", file=sys.stderr)
         return 2
-    importlib.import_module(f"forgelab.bench.{name}").main(rest)
+    importlib.import_module(module_name(name)).main(rest)
     return 0
 
 

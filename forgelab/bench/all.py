@@ -1,0 +1,115 @@
+"""Every benchmark suite in sequence, then one combined table and one combined JSON line.
+
+    python -m forgelab.bench all [--quick] [--skip e2e,async]
+
+Each suite runs in its own process (``python -m forgelab.bench NAME``), so
+one suite's torch settings (vLLM pins threads) and actors cannot leak into
+the next; its output streams through, and its last line (its JSON object) is
+collected. A suite that fails is reported as failed and the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from forgelab.bench.common import emit_json, print_machine, print_table
+
+ORDER = ("runtime", "generator", "e2e", "async", "weight_sync", "dashboard", "limits", "envs")
+
+#: The headline number of each suite and its goal, as (key, goal text, predicate).
+GOALS: dict[str, list[tuple[str, str, Any]]] = {
+    "runtime": [("route_over_raw", "", None)],
+    "generator": [("actor_over_bare_vllm", "", None)],
+    "e2e": [("forgelab_over_trl", "<= 0.5", lambda v: v <= 0.5)],
+    "async": [("async_over_sync", "<= 0.67", lambda v: v <= 0.67)],
+    "weight_sync": [("sync_over_raw", "<= 2", lambda v: v <= 2)],
+    "dashboard": [("dashboard_throughput_ratio", ">= 0.98", lambda v: v >= 0.98)],
+    "limits": [("matmul_gflops_1thread", "", None), ("generator_fraction_of_limit", "", None),
+               ("trainer_fraction_of_limit", "", None)],
+}
+
+
+def headline_rows(name: str, result: dict) -> list[dict]:
+    """Table rows for one suite's JSON: its headline keys (or every top-level number) with goal and verdict.
+
+    >>> headline_rows("async", {"async_over_sync": 0.6})[0]["met"]
+    'yes'
+    >>> [r["value"] for r in headline_rows("weight_sync", {"sync_over_raw": {"tiny": 1.0, "large": 3.0}})]
+    [1.0, 3.0]
+    >>> headline_rows("envs", {"suite": "envs", "steps_per_s": 2.0, "machine": {}})[0]["key"]
+    'steps_per_s'
+    """
+    keys = GOALS.get(name) or [(k, "", None) for k, v in result.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    rows = []
+    for key, goal, ok in keys:
+        value = result.get(key)
+        items = value.items() if isinstance(value, dict) else [("", value)]
+        for sub, v in items:
+            met = "" if ok is None else ("n/a" if v is None else ("yes" if ok(v) else "no"))
+            rows.append({"suite": name, "key": f"{key}[{sub}]" if sub else key, "value": v, "goal": goal, "met": met})
+    return rows
+
+
+def run_suite(name: str, quick: bool) -> tuple[dict | None, str]:
+    """Run one suite in a child process, streaming its output; returns (its JSON, error text)."""
+    cmd = [sys.executable, "-m", "forgelab.bench", name] + (["--quick"] if quick else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    last_json, tail = None, []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        tail = (tail + [line])[-40:]
+        if line.startswith("{"):
+            try:
+                last_json = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    rc = proc.wait()
+    if rc != 0 or last_json is None:
+        return None, f"rc {rc}: " + "".join(tail)[-1500:]
+    return last_json, ""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from forgelab.bench import suites
+
+    ap = argparse.ArgumentParser(prog="python -m forgelab.bench all", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="every suite in its --quick mode")
+    ap.add_argument("--skip", default="", help="comma-separated suites to leave out")
+    ap.add_argument("--only", default="", help="comma-separated suites to run (default: all)")
+    args = ap.parse_args(argv or [])
+    available = set(suites())
+    names = [n for n in ORDER if n in available]
+    if args.only:
+        names = [n for n in names if n in args.only.split(",")]
+    names = [n for n in names if n not in args.skip.split(",")]
+    start = print_machine("start")
+    results, failed, seconds = {}, {}, {}
+    for name in names:
+        print(f"\n===== {name} =====", flush=True)
+        t0 = time.perf_counter()
+        res, err = run_suite(name, args.quick)
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        if res is None:
+            failed[name] = err
+            print(f"===== {name} FAILED ({err.splitlines()[0] if err else ''})", flush=True)
+        else:
+            results[name] = res
+    end = print_machine("end")
+    rows = [r for n, res in results.items() for r in headline_rows(n, res)]
+    rows += [{"suite": n, "key": "FAILED", "value": "", "goal": "", "met": "no"} for n in failed]
+    print()
+    print_table(rows, ["suite", "key", "value", "goal", "met"])
+    result = {"suite": "all", "quick": args.quick, "results": results, "failed": failed, "seconds": seconds,
+              "machine": {**start, "loadavg_end": end["loadavg"]}}
+    emit_json(result)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,146 @@
+"""Dashboard overhead: training throughput with the live lab attached vs not, alternating within one run.
+
+    python -m forgelab.bench dashboard [--quick] [--segment 10] [--pairs 6]
+
+One ``Run`` of the demo configuration (no periodic evaluation) trains in
+segments of ``--segment`` steps. In "on" segments a ``forgelab.lab.Dashboard``
+is built (``lab.widget``: every panel's ipywidgets view, listening to the run)
+and its metrics panel redraws for real (matplotlib Agg -> PNG into the
+``Image`` widget, throttled by the panel's own rules) on the run's event loop,
+exactly as in a notebook minus the browser; at the end of the segment it is
+closed. "Off" segments run bare. The panel stretches its redraw interval to
+keep its drawing under 2% of the controller's time (at least every 2 s; on
+this loaded host a redraw took ~0.4 s, so about every 20 s): segments are long
+enough to hold steady-state redraws, which the JSON counts. Segments alternate, the order flipping each
+pair (off/on, on/off, ...), so drifting load hits both alike. A segment's
+throughput is steps/s between its first and last step (the step during which
+the lab is built or closed is not counted in either);
+``dashboard_throughput_ratio`` is the median over pairs of on / off.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+
+from forgelab.bench.common import emit_json, print_machine, print_table
+
+
+def segment_rates(times: dict[int, float], segment: int, n_segments: int) -> list[float]:
+    """Steps/s of each segment from the wall time of each step's end (first step of a segment excluded).
+
+    >>> segment_rates({1: 0.0, 2: 1.0, 3: 2.0, 4: 3.0, 5: 3.5, 6: 4.0}, 3, 2)
+    [1.0, 2.0]
+    """
+    out = []
+    for i in range(n_segments):
+        first, last = i * segment + 2, (i + 1) * segment  # step i*segment+1 carries the attach/detach
+        out.append((last - first) / (times[last] - times[first]))
+    return out
+
+
+async def _run(segment: int, pairs: int, out_dir: str) -> dict:
+    from forgelab.bench.e2e import bench_config
+    from forgelab.lab import Dashboard
+    from forgelab.run import Run
+
+    n_segments = 2 * pairs
+    # order of each pair: (off, on) then (on, off), ...
+    plan = [bool((i % 2) ^ ((i // 2) % 2)) for i in range(n_segments)]
+    cfg = bench_config(steps=n_segments * segment, eval_every=0, out_dir=out_dir, name="dashboard")
+    run = Run(cfg)
+    times: dict[int, float] = {}
+    state = {"lab": None, "redraw_ms": [], "redraws": 0, "redraw_cpu_ms": [], "first_draw_ms": [], "panels": {}}
+
+    def set_lab(on: bool) -> None:
+        lab = state["lab"]
+        if on and lab is None:
+            lab = Dashboard(run)
+            _ = lab.widget  # builds every panel and starts listening
+            state["lab"] = lab
+        elif not on and lab is not None:
+            m = lab.metrics
+            state["redraw_ms"] += m.redraw_ms[1:]  # the first draw builds the figure: not a steady redraw
+            state["redraw_cpu_ms"] += m.redraw_cpu_ms[1:]
+            state["redraws"] += len(m.redraw_ms)
+            state["first_draw_ms"] += m.redraw_ms[:1]
+            for panel in lab.panels:  # every panel's own throttled refreshes: where the lab's time goes
+                c = state["panels"].setdefault(type(panel).__name__, {"refreshes": 0, "seconds": 0.0})
+                c["refreshes"] += panel.throttle.calls
+                c["seconds"] = round(c["seconds"] + panel.throttle.total_cost, 3)
+            lab.close()
+            state["lab"] = None
+
+    def on_row(msg: dict) -> None:
+        if "event" in msg:
+            return
+        step = int(msg["step"])
+        times[step] = time.perf_counter()
+        if step % segment == 0 and step // segment < n_segments:
+            set_lab(plan[step // segment])
+
+    run.add_listener(on_row)
+    await run.start()
+    set_lab(plan[0])
+    try:
+        await run.wait()
+    finally:
+        set_lab(False)
+        await run.shutdown()
+    rates = segment_rates(times, segment, n_segments)
+    on = [r for r, p in zip(rates, plan) if p]
+    off = [r for r, p in zip(rates, plan) if not p]
+    return {"rates": rates, "plan": plan, "on": on, "off": off,
+            "ratio": statistics.median(a / b for a, b in zip(on, off)),
+            "redraws": state["redraws"], "first_draw_ms": state["first_draw_ms"], "panels": state["panels"], "redraw_ms": state["redraw_ms"], "redraw_cpu_ms": state["redraw_cpu_ms"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m forgelab.bench dashboard", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 pairs of 5-step segments")
+    ap.add_argument("--segment", type=int, default=15, help="steps per segment")
+    ap.add_argument("--pairs", type=int, default=6, help="(off, on) segment pairs")
+    args = ap.parse_args(argv or [])
+    if args.quick:
+        args.segment, args.pairs = 5, 2
+
+    import torch
+
+    torch.set_num_threads(1)
+    start = print_machine("start")
+    print(f"dashboard: {args.pairs} pairs of {args.segment}-step segments, lab attached in alternate segments",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="forgelab-dash-") as out_dir:
+        r = asyncio.run(_run(args.segment, args.pairs, out_dir))
+    end = print_machine("end")
+    rows = [{"segment": i, "lab": "on" if p else "off", "steps/s": rate} for i, (rate, p) in
+            enumerate(zip(r["rates"], r["plan"]))]
+    print_table(rows, ["segment", "lab", "steps/s"])
+    med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
+    print(f"metrics panel: {r['redraws']} redraws ({len(r['first_draw_ms'])} first draws when the lab is built, "
+          f"median {med(r['first_draw_ms'])} ms, not in either segment); later redraws: median "
+          f"{med(r['redraw_ms'])} ms wall, {med(r['redraw_cpu_ms'])} ms CPU", flush=True)
+    print_table([{"panel": k, **v} for k, v in r["panels"].items()], ["panel", "refreshes", "seconds"])
+    result = {
+        "suite": "dashboard",
+        "dashboard_throughput_ratio": round(r["ratio"], 3),
+        "steps_per_s_on": round(statistics.median(r["on"]), 3),
+        "steps_per_s_off": round(statistics.median(r["off"]), 3),
+        "redraws": r["redraws"],
+        "redraw_ms_median": med(r["redraw_ms"]),
+        "first_draw_ms_median": med(r["first_draw_ms"]),
+        "panel_refresh_s": r["panels"],
+        "redraw_cpu_ms_median": med(r["redraw_cpu_ms"]),
+        "goal": "dashboard_throughput_ratio >= 0.98",
+        "goal_met": r["ratio"] >= 0.98,
+        "machine": {**start, "loadavg_end": end["loadavg"]},
+    }
+    emit_json(result)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
