@@ -67,7 +67,13 @@ class MetricsPanel(Panel):
 
     # ------------------------------------------------------------------ widget
     def _build(self):
+        import threading
+
         import ipywidgets as W
+
+        # The first Agg draw of a process loads fonts and builds caches (3-5 s on a busy 2-core host); do
+        # that in a thread now, so the first real redraw doesn't stall the run's event loop that long.
+        threading.Thread(target=_warm_matplotlib, name="forgelab-mpl-warmup", daemon=True).start()
 
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width=f"{int(self.width_in * 96)}px"))
         self.caption = W.HTML()
@@ -196,3 +202,19 @@ class MetricsPanel(Panel):
 
     def summary(self) -> str:
         return "\n".join(["MetricsPanel: " + state_line(self.run), metrics_line(self.run), *events_lines(self.run)])
+
+
+def _warm_matplotlib() -> None:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(2, 1), dpi=50)
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        ax.plot([0, 1], [0, 1], label="warm")
+        ax.set_title("warm")
+        ax.legend()
+        fig.savefig(io.BytesIO(), format="png")
+    except Exception:  # a warm-up must never break the panel
+        pass
