@@ -26,6 +26,15 @@ from monarch.actor import Actor, endpoint
 from forgelab.runtime import supervision
 
 _counter = itertools.count()
+_gpu_cursor = itertools.count()
+
+
+def _take_gpus(n: int) -> list[int]:
+    """The next n GPUs of this host, round robin (a respawned replica moves to the next free ones)."""
+    import torch
+
+    have = max(1, torch.cuda.device_count())
+    return [next(_gpu_cursor) % have for _ in range(n)]
 
 #: Environment every forgelab process starts with (callers may override).
 DEFAULT_PROCESS_ENV = {
@@ -50,7 +59,9 @@ class Placement:
     hosts: int = 1
     """Hosts in the mesh; more than one needs `job` (a `monarch.job` job)."""
     with_gpus: bool = False
-    """Give each process one GPU (CUDA_VISIBLE_DEVICES = its local rank)."""
+    """Give each process its own GPU: local meshes take consecutive free GPUs of this host (see `gpus`)."""
+    gpus: tuple[int, ...] | None = None
+    """Explicit GPU indices for the processes of one host (len == procs); None: the next free ones."""
     num_replicas: int = 1
     """Independent copies behind a service (`as_service`)."""
     threads: int = 1
@@ -258,8 +269,13 @@ async def spawn(
     per_host: dict[str, int] = {"procs": placement.procs}
     if placement.with_gpus:
         per_host = {"gpus": placement.procs}
+        # Meshes on this host must not share GPUs: the generator, the reference and each trainer rank
+        # get distinct devices (on a job's remote hosts each host's workers count from 0 themselves).
+        gpus = list(placement.gpus) if placement.gpus else (
+            list(range(placement.procs)) if placement.job is not None else _take_gpus(placement.procs)
+        )
         cmd = lambda point: default_bootstrap_cmd().with_env(  # noqa: E731
-            {**env, "CUDA_VISIBLE_DEVICES": str(point.rank % placement.procs)}
+            {**env, "CUDA_VISIBLE_DEVICES": str(gpus[point.rank % placement.procs])}
         )
     else:
         cmd = default_bootstrap_cmd().with_env(env)
