@@ -349,11 +349,16 @@ def test_reward_faults_drop_episodes_and_are_recorded(loop, faulty):
     c = run.buffer.counts()["dropped_reasons"]
     assert fr.hung and fr.raised and fr.nan, "the faulty rewards never fired; the test proves nothing"
     assert c.get("reward_timeout", 0) == len(fr.hung)
-    assert c.get("reward_error:flaky", 0) == len(fr.raised) + len(fr.nan)
+    # An episode the flaky reward failed on is dropped as reward_error:flaky, unless the same episode also hit
+    # the hanging reward (then its whole score timed out: reward_timeout) or the run ended while it was being
+    # scored (rollout_cancelled). Either way it is dropped with a reason, never trained.
+    flaky_calls = len(fr.raised) + len(fr.nan)
+    assert 0 < c.get("reward_error:flaky", 0) <= flaky_calls
+    assert flaky_calls - c["reward_error:flaky"] <= c.get("reward_timeout", 0) + c.get("rollout_cancelled", 0)
     # each failure is recorded with the input that caused it
     failures = list(run.reward_failures)
     flaky_inputs = {(f.prompt, f.completion) for f in failures if f.name == "flaky"}
-    assert flaky_inputs == set(fr.raised) | set(fr.nan)
+    assert flaky_inputs and flaky_inputs <= set(fr.raised) | set(fr.nan)
     assert any("ValueError: flaky reward cannot parse" in f.error_text for f in failures)
     assert any("returned nan" in f.error_text for f in failures)
     assert {(f.prompt, f.completion) for f in failures if f.name == "timeout"} == set(fr.hung)
