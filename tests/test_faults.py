@@ -207,7 +207,9 @@ class Faulty:
 def faulty(loop, tmp_path_factory):
     from forgelab.run import Run
 
-    cfg = tiny_config(tmp_path_factory.mktemp("faulty"), "faulty", 14, generator_replicas=2, reference=True)
+    # long enough that the run is still training when the later fault tests inject their faults, even on an
+    # idle machine where steps are fast (the reward test then waits for the end)
+    cfg = tiny_config(tmp_path_factory.mktemp("faulty"), "faulty", 40, generator_replicas=2, reference=True)
     run = Run(cfg)
     rewards = FaultyRewards()
     run.rewards.add("sleepy", rewards.sleepy, 0.0)  # weight 0: still evaluated, still fails the episode

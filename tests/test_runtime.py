@@ -247,7 +247,16 @@ def test_process_job_two_hosts_and_loopback_only(loop):
             await asyncio.gather(spread.shutdown(), actor.shutdown())
 
     try:
-        (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
+        try:
+            (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
+        except RuntimeError as e:
+            # Monarch's ProcessJob attach can time out on a busy 2-core host (MESH_ATTACH_CONFIG_TIMEOUT,
+            # seen once in a full suite run): that is the job's start-up, not forgelab; retry once on a fresh job.
+            if "attach failed" not in str(e):
+                raise
+            job.kill()
+            job = ProcessJob({"gen": 2})
+            (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
         workers = {p.pid for p in psutil.Process().children() if "run_worker_loop_forever" in " ".join(p.cmdline())}
     finally:
         job.kill()
