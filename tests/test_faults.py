@@ -363,7 +363,10 @@ def test_reward_faults_drop_episodes_and_are_recorded(loop, faulty):
     assert flaky_inputs and flaky_inputs <= set(fr.raised) | set(fr.nan)
     assert any("ValueError: flaky reward cannot parse" in f.error_text for f in failures)
     assert any("returned nan" in f.error_text for f in failures)
-    assert {(f.prompt, f.completion) for f in failures if f.name == "timeout"} == set(fr.hung)
+    # run.reward_failures keeps the latest 200; the events keep them all (with the offending input)
+    hung = {(e["prompt"], e["completion"]) for e in run.events
+            if e["kind"] == "reward_error" and e.get("reason") == "reward_timeout"}
+    assert hung == set(fr.hung)
     events = [e for e in run.events if e["kind"] == "reward_error"]
     assert {e["reason"] for e in events} == {"reward_timeout", "reward_error:flaky"}
     assert all(e["completion"] is not None and e["prompt"] for e in events)
