@@ -77,25 +77,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(cfg, resume: str | None) -> int:
-    from forgelab.progress import ConsoleReporter
+    from forgelab.progress import follow_run
     from forgelab.run import Run
 
     run = Run(cfg, resume_from=resume)
-    t0 = time.time()
-    reporter = ConsoleReporter(run)
-    await run.start()
-    try:
-        await run.wait()
-    finally:
-        reporter.close()
-        await run.shutdown()
-    acc = run.accuracy_history
-    print(json.dumps({
-        "name": cfg.name, "task": cfg.rollout.task, "steps": run.step, "minutes": round((time.time() - t0) / 60, 2),
-        "accuracy_before": acc[0][1] if acc else None, "accuracy_after": acc[-1][1] if acc else None,
-        "episodes": {k: v for k, v in run.episodes.items() if k in ("generated", "trained", "evicted", "dropped")},
-        "out_dir": str(run.out_dir),
-    }))
+    summary = await follow_run(run, started_at=time.time(), start=True)
+    print(json.dumps({"name": cfg.name, **summary, "out_dir": str(run.out_dir)}))
     return 0 if run.state in ("finished", "stopped") else 1
 
 

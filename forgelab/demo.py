@@ -26,7 +26,7 @@ def demo_config(steps: int | None = None, out_dir: str = "runs") -> RunConfig:
 
 
 async def demo(steps: int | None = None, out_dir: str = "runs") -> int:
-    from forgelab.progress import ConsoleReporter
+    from forgelab.progress import follow_run
     from forgelab.run import Run
 
     t0 = time.time()
@@ -38,23 +38,8 @@ async def demo(steps: int | None = None, out_dir: str = "runs") -> int:
     await run.start()
     print(f"  processes up in {time.time() - t0:.1f}s; held-out greedy accuracy before: "
           f"{run.accuracy_history[0][1] if run.accuracy_history else float('nan'):.3f}", flush=True)
-    reporter = ConsoleReporter(run)
-    try:
-        await run.wait()
-    finally:
-        reporter.close()
-        await run.shutdown()
-    acc = run.accuracy_history
-    counts = run.episodes
+    result = await follow_run(run, started_at=t0, ndigits=4)
     print(f"  metrics: {run.out_dir / 'metrics.csv'}; curve: {run.out_dir / 'learning_curve.png'}; "
           f"wandb (offline): {run.tracker.wandb_dir if run.tracker else None}", flush=True)
-    result = {
-        "task": cfg.rollout.task,
-        "accuracy_before": round(acc[0][1], 4) if acc else None,
-        "accuracy_after": round(acc[-1][1], 4) if acc else None,
-        "steps": run.step,
-        "minutes": round((time.time() - t0) / 60, 2),
-        "episodes": {k: counts[k] for k in ("generated", "trained", "evicted", "dropped")},
-    }
     print(json.dumps(result), flush=True)
     return 0 if run.state == "finished" else 1

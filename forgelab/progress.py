@@ -1,7 +1,8 @@
-"""Console progress for scripts and the CLI: a progress bar and a per-step table."""
+"""Console progress for scripts and the CLI: a progress bar, a per-step table, and the end-of-run summary."""
 from __future__ import annotations
 
 import sys
+import time
 
 COLUMNS = [
     ("step", "{:>5d}"), ("reward_mean", "{:>7.3f}"), ("heldout_accuracy", "{:>6.3f}"), ("loss", "{:>8.4f}"),
@@ -61,3 +62,44 @@ class ConsoleReporter:
     def close(self) -> None:
         self.run.remove_listener(self._on)
         self.bar.close()
+
+
+SUMMARY_EPISODES = ("generated", "trained", "evicted", "dropped")
+
+
+async def follow_run(run, *, started_at: float, start: bool = False, ndigits: int | None = None) -> dict:
+    """Follow `run` with a `ConsoleReporter` until it ends, shut it down, and return its summary.
+
+    Args:
+        run: a `forgelab.run.Run`.
+        started_at: the `time.time()` the summary's ``minutes`` count from.
+        start: attach the reporter first, then `run.start()` (so the step-0 eval event is printed too);
+            leave False for a run the caller has already started.
+        ndigits: round the accuracies to this many digits (None: as measured).
+
+    Returns ``{"task", "accuracy_before", "accuracy_after", "steps", "minutes", "episodes"}``; an
+    accuracy is None when the run never evaluated, ``episodes`` holds the counts in `SUMMARY_EPISODES`.
+    A failure of the run is re-raised after the shutdown.
+    """
+    reporter = ConsoleReporter(run)
+    if start:
+        await run.start()
+    try:
+        await run.wait()
+    finally:
+        reporter.close()
+        await run.shutdown()
+    acc = run.accuracy_history
+    counts = run.episodes
+
+    def rounded(x: float) -> float:
+        return x if ndigits is None else round(x, ndigits)
+
+    return {
+        "task": run.config.rollout.task,
+        "accuracy_before": rounded(acc[0][1]) if acc else None,
+        "accuracy_after": rounded(acc[-1][1]) if acc else None,
+        "steps": run.step,
+        "minutes": round((time.time() - started_at) / 60, 2),
+        "episodes": {k: counts[k] for k in SUMMARY_EPISODES},
+    }
