@@ -43,6 +43,7 @@ over by a hot swap would be silently wrong.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -118,7 +119,7 @@ def _base_metrics(logp_B_T, log_ratio_B_T, mask_B_T, on_B_T, ref_logprobs_B_T) -
     return metrics
 
 
-def _clipped_token_objective(log_ratio_B_T, adv_B_1, eps_low, eps_high, mask_B_T):
+def _clipped_token_objective(log_ratio_B_T, logp_B_T, on_B_T, adv_B_1, eps_low, eps_high, mask_B_T):
     """PPO surrogate ``min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` per token, and the clip fraction."""
     ratio_B_T = torch.exp(log_ratio_B_T)
     objective_B_T = torch.minimum(ratio_B_T * adv_B_1, ratio_B_T.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_B_1)
@@ -129,8 +130,47 @@ def _clipped_token_objective(log_ratio_B_T, adv_B_1, eps_low, eps_high, mask_B_T
     return objective_B_T, clip_frac
 
 
+def _sg_clipped_token_objective(log_ratio_B_T, logp_B_T, on_B_T, adv_B_1, eps_low, eps_high, mask_B_T):
+    """CISPO's ``sg(clip(r, 1-eps_low, 1+eps_high)) A logp`` per token, and the clip fraction (either side)."""
+    with torch.no_grad():
+        ratio_B_T = torch.exp(log_ratio_B_T)
+        is_weight_B_T = ratio_B_T.clamp(1.0 - eps_low, 1.0 + eps_high)
+        clipped_B_T = (ratio_B_T > 1.0 + eps_high) | (ratio_B_T < 1.0 - eps_low)
+        clip_frac = masked_mean(clipped_B_T.float(), mask_B_T).item()
+    logp_on_B_T = torch.where(on_B_T, logp_B_T, 0.0)
+    return is_weight_B_T * adv_B_1 * logp_on_B_T, clip_frac
+
+
 def _weighted(x_B_T, w_B_T):
     return x_B_T if w_B_T is None else x_B_T * w_B_T
+
+
+class _PGTerms(NamedTuple):
+    """What a clipped token-level loss needs after `_clipped_pg_terms`; every tensor is fp32 ``[B, T]``."""
+
+    pg_B_T: torch.Tensor  # -w * objective (with grad); not 0 off the mask, so normalise with mask_B_T
+    logp_B_T: torch.Tensor
+    mask_B_T: torch.Tensor
+    on_B_T: torch.Tensor  # bool, mask_B_T != 0
+    metrics: dict[str, float]  # _base_metrics plus clip_frac
+
+
+def _clipped_pg_terms(
+    name, objective, logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T,
+    eps_low, eps_high,
+) -> _PGTerms:
+    """Checks the inputs, then the weighted per-token policy-gradient term and the metrics of a clipped loss.
+
+    ``objective`` is `_clipped_token_objective` (grpo, dapo, dr_grpo) or
+    `_sg_clipped_token_objective` (cispo); each loss only chooses how to
+    normalise ``pg_B_T`` (and grpo adds its KL penalty).
+    """
+    logp, log_ratio, adv, mask, on, w = _prepare(
+        name, logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
+    )
+    objective_B_T, clip_frac = objective(log_ratio, logp, on, adv, eps_low, eps_high, mask)
+    metrics = {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+    return _PGTerms(-_weighted(objective_B_T, w), logp, mask, on, metrics)
 
 
 def _sequence_mean(per_token_B_T, mask_B_T):
@@ -175,15 +215,12 @@ def grpo(
         eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
         kl_coef: weight of the KL penalty (beta).
     """
-    logp, log_ratio, adv, mask, on, w = _prepare(
-        "grpo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
-    )
-    objective_B_T, clip_frac = _clipped_token_objective(log_ratio, adv, eps_low, eps_high, mask)
-    per_token_B_T = -_weighted(objective_B_T, w)
+    t = _clipped_pg_terms("grpo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
+                          mask_B_T, ref_logprobs_B_T, is_weights_B_T, eps_low, eps_high)
+    per_token_B_T = t.pg_B_T
     if ref_logprobs_B_T is not None and kl_coef != 0:
-        per_token_B_T = per_token_B_T + kl_coef * _k3_kl(logp, ref_logprobs_B_T, on)
-    loss = _sequence_mean(per_token_B_T, mask)
-    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+        per_token_B_T = per_token_B_T + kl_coef * _k3_kl(t.logp_B_T, ref_logprobs_B_T, t.on_B_T)
+    return _sequence_mean(per_token_B_T, t.mask_B_T), t.metrics
 
 
 def dapo(
@@ -216,12 +253,9 @@ def dapo(
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
         eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
     """
-    logp, log_ratio, adv, mask, on, w = _prepare(
-        "dapo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
-    )
-    objective_B_T, clip_frac = _clipped_token_objective(log_ratio, adv, eps_low, eps_high, mask)
-    loss = masked_mean(-_weighted(objective_B_T, w), mask)
-    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+    t = _clipped_pg_terms("dapo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
+                          mask_B_T, ref_logprobs_B_T, is_weights_B_T, eps_low, eps_high)
+    return masked_mean(t.pg_B_T, t.mask_B_T), t.metrics
 
 
 def dr_grpo(
@@ -257,16 +291,13 @@ def dr_grpo(
         max_tokens: the normalising constant per sequence; default ``T``. Set it
             to the generation budget so it does not change with batch padding.
     """
-    logp, log_ratio, adv, mask, on, w = _prepare(
-        "dr_grpo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
-    )
+    t = _clipped_pg_terms("dr_grpo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
+                          mask_B_T, ref_logprobs_B_T, is_weights_B_T, eps_low, eps_high)
     B, T = logprobs_B_T.shape
     max_tokens = T if max_tokens is None else max_tokens
     if max_tokens <= 0:
         raise LossError(f"loss 'dr_grpo': max_tokens must be positive, got {max_tokens}")
-    objective_B_T, clip_frac = _clipped_token_objective(log_ratio, adv, eps_low, eps_high, mask)
-    loss = masked_sum(-_weighted(objective_B_T, w), mask) / (max(B, 1) * max_tokens)
-    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+    return masked_sum(t.pg_B_T, t.mask_B_T) / (max(B, 1) * max_tokens), t.metrics
 
 
 def gspo(
@@ -354,17 +385,9 @@ def cispo(
         is_weights_B_T: extra per-token importance weights, ``[B, T]``, or None.
         is_eps_low, is_eps_high: IS-weight clip range ``[1 - is_eps_low, 1 + is_eps_high]``.
     """
-    logp, log_ratio, adv, mask, on, w = _prepare(
-        "cispo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
-    )
-    with torch.no_grad():
-        ratio_B_T = torch.exp(log_ratio)
-        is_weight_B_T = ratio_B_T.clamp(1.0 - is_eps_low, 1.0 + is_eps_high)
-        clipped_B_T = (ratio_B_T > 1.0 + is_eps_high) | (ratio_B_T < 1.0 - is_eps_low)
-        clip_frac = masked_mean(clipped_B_T.float(), mask).item()
-    logp_on_B_T = torch.where(on, logp, 0.0)
-    loss = masked_mean(-_weighted(is_weight_B_T * adv * logp_on_B_T, w), mask)
-    return loss, {**_base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T), "clip_frac": clip_frac}
+    t = _clipped_pg_terms("cispo", _sg_clipped_token_objective, logprobs_B_T, generator_logprobs_B_T,
+                          advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T, is_eps_low, is_eps_high)
+    return masked_mean(t.pg_B_T, t.mask_B_T), t.metrics
 
 
 def reinforce(
