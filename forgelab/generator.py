@@ -326,15 +326,18 @@ class VLLMEngine:
         # No await between here and the last add_request: a weight update cannot slip in.
         version = self.version
         params = sampling.to_vllm()
-        futures_P_G: list[list[asyncio.Future]] = []
         loop = asyncio.get_running_loop()
+        futures_P_G: list[list[asyncio.Future]] = []
         added: list[str] = []
         try:
             for ids in ids_P:
+                # One request per sample (not vLLM's n-way parent request): each sample keeps its
+                # own prefix-cache count. The prompt is rendered once per group.
+                rendered = self._render(ids)
                 row = []
                 for _ in range(n):
                     rid = f"fg{next(self._ids)}"
-                    self.engine.add_request(rid, self._render(ids), params)  # vLLM clones params
+                    self.engine.add_request(rid, rendered, params)  # vLLM copies prompt and params
                     added.append(rid)
                     row.append(self._pending.setdefault(rid, loop.create_future()))
                 futures_P_G.append(row)
