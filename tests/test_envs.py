@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from forgelab.config import ConfigError, EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+from forgelab.config import ConfigError, RolloutConfig, RunConfig
 from forgelab.envs import DROP_OUTCOMES, ENVS, ArithmeticTutorEnv, CalculatorToolEnv, ChatFormat, EchoEnv, EpisodeLimits, run_episode
 from forgelab.generator import SamplingConfig
 from forgelab.tasks import Problem, get_task
@@ -190,31 +190,13 @@ def test_run_config_validates_env():
 # One Run (generator, trainer, env actor) serves every integration test: spawning costs more than the tests.
 
 
-def grpo_config(out_dir, steps):
-    return RunConfig(
-        name="env",
-        rollout=RolloutConfig(task="addition", env="calculator", group_size=8, prompts_per_rollout=8, concurrency=2,
-                              max_tokens=8, max_turns=3),
-        # the settings tests/test_run.py uses for single-turn addition (lr 3e-4 and up makes this tiny model worse)
-        train=TrainConfig(steps=steps, batch_size=64, lr=1e-4, warmup_steps=2, max_policy_age=1, seed=0),
-        eval=EvalConfig(every=0, n=16),
-        tracking=TrackingConfig(out_dir=str(out_dir), wandb=False),
-        placement=PlacementConfig(reference=False),
-    )
-
-
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def finished_run(loop, tmp_path_factory):
+def finished_run(loop, grpo_config, tmp_path_factory):
     from forgelab.run import Run
 
-    run = Run(grpo_config(tmp_path_factory.mktemp("envrun"), steps=GRPO_STEPS))
+    # the settings tests/test_run.py uses for single-turn addition, played through the calculator env
+    run = Run(grpo_config(tmp_path_factory.mktemp("envrun"), name="env", steps=GRPO_STEPS, eval_n=16, reference=False,
+                          env="calculator", max_turns=3))
     try:
         loop.run_until_complete(run.start())
         loop.run_until_complete(run.wait())

@@ -31,13 +31,6 @@ PROBLEMS = [
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -3,7 +3,6 @@
 One run is shared by the module (spawning vLLM + torchtitan + reference costs
 ~30 s on 2 cores); each test checks one promise of the public API on it.
 """
-import asyncio
 import json
 import math
 import subprocess
@@ -11,36 +10,14 @@ import sys
 
 import pytest
 
-from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
-
 pytestmark = pytest.mark.integration
 
 
-def small_config(out_dir, **train):
-    t = dict(steps=60, batch_size=64, lr=1e-4, warmup_steps=2, max_policy_age=1, seed=0)
-    t.update(train)
-    return RunConfig(
-        name="t",
-        rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=8, concurrency=2, max_tokens=8),
-        train=TrainConfig(**t),
-        eval=EvalConfig(every=0, n=200),
-        tracking=TrackingConfig(out_dir=str(out_dir), wandb=False),
-        placement=PlacementConfig(reference=True),
-    )
-
-
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def finished_run(loop, tmp_path_factory):
+def finished_run(loop, grpo_config, tmp_path_factory):
     from forgelab.run import Run
 
-    run = Run(small_config(tmp_path_factory.mktemp("run")))
+    run = Run(grpo_config(tmp_path_factory.mktemp("run")))
     loop.run_until_complete(run.start())
     loop.run_until_complete(run.wait())
     yield run

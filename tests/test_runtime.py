@@ -31,13 +31,6 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def svc(loop):
     service = loop.run_until_complete(Echo.options(num_replicas=2).as_service("shared"))
     yield service

@@ -33,13 +33,6 @@ async def _gather(*coros):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
 
