@@ -26,7 +26,11 @@ shape against the checkpoint first (a bad update is refused and the old weights
 keep serving), stops admitting requests, lets the in-flight ones finish on the
 old weights, reloads in place with `reload_weights`, resets the prefix cache and
 bumps the version. Every `Completion.policy_version` names the weights that
-produced all of its tokens.
+produced all of its tokens. A trainer on the same host sends only a handle to
+`update_weights_shared`: the weights sit in a shared-memory safetensors file
+(`forgelab.weights_transport`) that the generator maps and reloads from in
+place, with the same checks; a generator that cannot see the file answers why,
+and the trainer falls back to sending the tensors.
 """
 from __future__ import annotations
 
@@ -274,6 +278,7 @@ class VLLMEngine:
         self._admitting = asyncio.Event()  # cleared while weights are swapped
         self._admitting.set()
         self._update_lock = asyncio.Lock()
+        self._shared: Any = None  # forgelab.weights_transport.SharedWeightsReader, made on first use
         self._loop_task: asyncio.Task | None = None
         self._last_add = 0.0
         self._stats = dict(
@@ -433,14 +438,28 @@ class VLLMEngine:
                 fut.set_exception(RuntimeError(f"vLLM engine step failed: {error!r}"))
 
     # -- weights --------------------------------------------------------------
-    async def update_weights(self, version: int, weights: dict) -> int:
-        """Swap in `weights` (HF names) as `version`; returns the new version."""
+    async def update_weights(self, version: int, weights: Any) -> int:
+        """Swap in `weights` as `version`; returns the new version.
+
+        `weights`: a dict of HF name -> tensor, or a `forgelab.weights_transport.SharedWeights`
+        handle, whose file (same host) is mapped and read in place; that raises
+        `SharedWeightsUnavailable` when the file cannot be reached from here.
+        """
+        from forgelab.weights_transport import SharedWeights, SharedWeightsReader
+
         async with self._update_lock:
             if not isinstance(version, int) or version <= self.version:
                 raise ValueError(
                     f"update_weights: version must be an int greater than the serving version "
                     f"{self.version}, got {version!r}; the generator keeps serving version {self.version}"
                 )
+            if isinstance(weights, SharedWeights):
+                self._shared = self._shared or SharedWeightsReader()
+                try:
+                    weights = self._shared.open(weights)  # views of the trainer's file, no copy
+                except ValueError as e:
+                    raise ValueError(f"update_weights(version={version}) refused: {e}. Nothing was loaded: "
+                                     f"the generator keeps serving version {self.version} with its old weights.") from None
             problems = check_weights(weights, self.expected_shapes)
             if problems:
                 raise ValueError(
@@ -460,6 +479,15 @@ class VLLMEngine:
             finally:
                 self._admitting.set()
             return self.version
+
+    async def update_weights_shared(self, handle: Any) -> int | str:
+        """`update_weights(handle.version, handle)`, or the reason (a str) when its file is not reachable here."""
+        from forgelab.weights_transport import SharedWeightsUnavailable
+
+        try:
+            return await self.update_weights(handle.version, handle)
+        except SharedWeightsUnavailable as e:
+            return f"shared-memory weights not reachable from this generator: {e}"
 
     # -- introspection --------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -535,6 +563,17 @@ class Generator(Component):
     async def update_weights(self, port: Port, version: int, weights: dict) -> None:
         """Load HF-named `weights` as `version` (strictly increasing); answers the new version."""
         _reply(port, lambda: self._engine().update_weights(version, weights), "update_weights")
+
+    @endpoint(explicit_response_port=True)
+    async def update_weights_shared(self, port: Port, handle: Any) -> None:
+        """Load the weights a trainer on this host wrote to shared memory (a `SharedWeights` handle).
+
+        Answers the new version (an int), or a str saying why the file cannot be
+        reached from this process (another host or /dev/shm): the trainer then sends
+        the tensors with `update_weights`. Bad names/shapes and stale versions are
+        refused exactly as by `update_weights`.
+        """
+        _reply(port, lambda: self._engine().update_weights_shared(handle), "update_weights_shared")
 
     @endpoint
     async def version(self) -> int:
