@@ -1,0 +1,381 @@
+"""Keeping replicas alive: N copies of a component spawned, watched, and respawned when a process dies.
+
+`ReplicaPool` is the half of `forgelab.runtime.service.Service` that owns the
+replicas: it spawns them (`start`), notices a dead process (a call that fails
+with Monarch's `SupervisionError` is reported through `_fail`; the supervision
+hook reports a failed mesh; for local replicas a pid watch sees the process
+gone), respawns it in the background (a fresh proc mesh, same constructor
+arguments, up to `max_respawn_attempts` tries with a doubling delay, then
+`on_respawn(handle)` before it serves again), records each failure and restart
+as a `ServiceEvent`, and reports `ReplicaStatus` snapshots. `Service` adds the
+routing (least-loaded, sticky sessions, fanout, the one retry) on top; build
+services with `Component.options(num_replicas=...).as_service(...)` or
+`Service.start(...)`, not with this class.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, NamedTuple, Self
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+from forgelab.runtime import supervision
+from forgelab.runtime.component import ActorHandle, Placement, spawn
+
+log = logging.getLogger("forgelab.service")
+
+_service_ids = itertools.count()
+
+
+class NoHealthyReplicaError(RuntimeError):
+    """No replica of a service can take a call right now."""
+
+
+class ReplicaFailedError(RuntimeError):
+    """A replica's process died during a call that could not be retried."""
+
+
+class ServiceEvent(NamedTuple):
+    kind: str
+    """"replica_failed" or "replica_restarted"."""
+    replica: int
+    time: float
+    """Unix time (s)."""
+    detail: str
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """A snapshot of one replica, for panels and error messages."""
+
+    index: int
+    healthy: bool
+    state: str
+    """"starting", "healthy", "respawning", "failed" (gave up respawning) or "stopped"."""
+    in_flight: int
+    restarts: int
+    pids: tuple[int, ...]
+    last_error: str | None
+    info: dict[str, Any] = field(default_factory=dict)
+    """Fields the controller set with `set_replica_info` / `refresh_info`."""
+    name: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.pids[0] if self.pids else None
+
+
+class _Replica:
+    __slots__ = ("index", "handle", "state", "in_flight", "restarts", "pids", "last_error", "info", "endpoints", "single")
+
+    def __init__(self, index: int, single: bool):
+        self.index = index
+        self.handle: ActorHandle | None = None
+        self.state = "starting"
+        self.in_flight = 0
+        self.restarts = 0
+        self.pids: list[int] = []
+        self.last_error: str | None = None
+        self.info: dict[str, Any] = {}
+        self.endpoints: dict[str, Any] = {}
+        self.single = single
+
+    def describe(self) -> str:
+        text = f"#{self.index} {self.state} (pids {self.pids}, restarts {self.restarts}"
+        if self.last_error:
+            text += f", last error: {self.last_error}"
+        return text + ")"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {' '.join(lines[:2])[:300]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "x")
+
+
+class ReplicaPool:
+    """`placement.num_replicas` copies of a component, kept alive; the base of `Service` (see the module docstring)."""
+
+    def __init__(self, cls: type, placement: Placement, args: tuple = (), kwargs: dict | None = None, *,
+                 name: str | None = None, on_respawn: Callable[[ActorHandle], Awaitable[None]] | None = None,
+                 max_respawn_attempts: int = 3, watch_interval_s: float = 0.5):
+        """The arguments of `Service` (documented there)."""
+        self.cls = cls
+        self.placement = placement
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        self.name = name or cls.__name__.lower()
+        self.on_respawn = on_respawn
+        """Async callback run on a respawned replica's handle before it serves."""
+        self.max_respawn_attempts = max_respawn_attempts
+        self.watch_interval_s = watch_interval_s
+        self.events: list[ServiceEvent] = []
+        self._listeners: list[Callable[[ServiceEvent], None]] = []
+        single = placement.procs * placement.hosts == 1
+        self._replicas = [_Replica(i, single) for i in range(placement.num_replicas)]
+        self._healthy: list[_Replica] = []
+        self._uid = next(_service_ids)
+        self._spawns = itertools.count()
+        self._tasks: set[asyncio.Task] = set()  # respawns and the pid watch: cancelled on shutdown
+        self._teardowns: set[asyncio.Task] = set()  # old meshes stopping: awaited on shutdown
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @classmethod
+    async def start(cls, component: type, placement: Placement, args: tuple, kwargs: dict, **options: Any) -> Self:
+        """Spawn every replica concurrently; returns once all ran `setup()`."""
+        placement.validate(component.__name__)
+        svc = cls(component, placement, args, kwargs, **options)
+        svc._loop = asyncio.get_running_loop()
+        supervision.install()
+        supervision.add_listener(svc._fault_listener)
+        try:
+            started = await asyncio.gather(*(svc._spawn(rep) for rep in svc._replicas), return_exceptions=True)
+            errors = [(i, r) for i, r in enumerate(started) if isinstance(r, BaseException)]
+            if errors:
+                i, err = errors[0]
+                raise RuntimeError(
+                    f"service {svc.name!r}: replica {i} of {len(svc._replicas)} failed to start: "
+                    f"{_first_line(err)}"
+                ) from err
+        except BaseException:
+            await svc.shutdown()
+            raise
+        for rep, handle in zip(svc._replicas, started):
+            svc._install(rep, handle)
+        if placement.job is None and os.path.isdir("/proc") and svc.watch_interval_s > 0:
+            svc._spawn_task(svc._watch())
+        return svc
+
+    async def _spawn(self, rep: _Replica) -> ActorHandle:
+        name = f"{self.name}_{self._uid}_r{rep.index}_{next(self._spawns)}"
+        handle = await spawn(
+            self.cls, self.placement, self.args, self.kwargs, name=name,
+            first_host=rep.index * self.placement.hosts,
+        )
+        try:
+            handle.pids_list = await handle.pids()
+        except BaseException:
+            await handle.shutdown()
+            raise
+        handle.replica_index = rep.index
+        return handle
+
+    def _install(self, rep: _Replica, handle: ActorHandle) -> None:
+        rep.handle, rep.pids, rep.endpoints, rep.state = handle, list(handle.pids_list), {}, "healthy"
+        self._refresh_healthy()
+
+    # ---------------------------------------------------------------- calls
+    async def _call_all(self, rep: _Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
+        if rep.single:
+            return await self._endpoint(rep, endpoint).call_one(*args, **kwargs)
+        return await handle.call(endpoint, *args, **kwargs)
+
+    def _endpoint(self, rep: _Replica, endpoint: str) -> Any:
+        ep = rep.endpoints.get(endpoint)
+        if ep is None:
+            if not hasattr(self.cls, endpoint):
+                raise AttributeError(f"service {self.name!r}: {self.cls.__name__} has no endpoint {endpoint!r}")
+            ep = rep.endpoints[endpoint] = getattr(rep.handle.actor, endpoint)
+        return ep
+
+    # ------------------------------------------------------------- failures
+    def _fault_listener(self, event: supervision.FaultEvent) -> None:
+        """Called on Monarch's thread: hand the event to our loop."""
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._on_fault, event)
+        except RuntimeError:  # loop closed in between
+            pass
+
+    def _on_fault(self, event: supervision.FaultEvent) -> None:
+        for rep in self._replicas:
+            h = rep.handle
+            if h is not None and (event.mesh_name == h.name or event.mesh_name.startswith(h.name + "-")):
+                self._fail(rep, h, f"process died (mesh {event.mesh_name}, ranks {event.crashed_ranks})")
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.watch_interval_s)
+            for rep in list(self._healthy):
+                dead = [pid for pid in rep.pids if not _pid_alive(pid)]
+                if dead:
+                    self._fail(rep, rep.handle, f"process {dead} is gone")
+
+    def _fail(self, rep: _Replica, handle: ActorHandle | None, detail: str) -> None:
+        """Mark `rep` unhealthy and respawn it, unless this failure is stale or known."""
+        if self._closed or rep.handle is not handle or rep.state != "healthy":
+            return
+        rep.state, rep.last_error = "respawning", detail
+        if handle is not None:
+            handle.failed = True
+        self._refresh_healthy()
+        log.warning("service %s: replica %d failed: %s", self.name, rep.index, detail)
+        self._record("replica_failed", rep.index, detail)
+        self._spawn_task(self._respawn(rep, handle))
+
+    async def _respawn(self, rep: _Replica, old: ActorHandle | None) -> None:
+        if old is not None:  # a dead mesh may take a while to stop: don't wait for it
+            self._teardown(old)
+        delay = 1.0
+        for attempt in range(1, self.max_respawn_attempts + 1):
+            handle = None
+            try:
+                handle = await self._spawn(rep)
+                rep.info = {}
+                if self.on_respawn is not None:
+                    await self.on_respawn(handle)
+            except asyncio.CancelledError:
+                if handle is not None:
+                    await handle.shutdown()
+                raise
+            except Exception as err:
+                rep.last_error = f"respawn attempt {attempt}/{self.max_respawn_attempts} failed: {_first_line(err)}"
+                log.warning("service %s: replica %d: %s", self.name, rep.index, rep.last_error)
+                if handle is not None:
+                    self._teardown(handle)
+                if attempt < self.max_respawn_attempts:
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                continue
+            rep.restarts += 1
+            self._install(rep, handle)
+            self._record("replica_restarted", rep.index, f"pids {rep.pids}")
+            return
+        rep.state = "failed"
+        self._record("replica_failed", rep.index, f"gave up respawning: {rep.last_error}")
+
+    async def restart_replica(self, index: int) -> ReplicaStatus:
+        """Restart replica `index` (healthy or given up) and wait until it is back."""
+        rep = self._replicas[index]
+        if rep.state == "healthy":
+            self._fail(rep, rep.handle, "restart requested by the controller")
+        elif rep.state == "failed":
+            rep.state = "respawning"
+            self._spawn_task(self._respawn(rep, None))
+        while rep.state == "respawning" and not self._closed:
+            await self._wait_change()
+        return self.status()[index]
+
+    # --------------------------------------------------------------- status
+    def status(self) -> list[ReplicaStatus]:
+        return [
+            ReplicaStatus(
+                index=rep.index, healthy=rep.state == "healthy", state=rep.state,
+                in_flight=rep.in_flight, restarts=rep.restarts, pids=tuple(rep.pids),
+                last_error=rep.last_error, info=dict(rep.info),
+                name=rep.handle.name if rep.handle is not None else None,
+            )
+            for rep in self._replicas
+        ]
+
+    @property
+    def replicas(self) -> list[ReplicaStatus]:
+        """Same as `status()`."""
+        return self.status()
+
+    def handles(self) -> list[ActorHandle | None]:
+        """The current ActorHandle of each healthy replica (None otherwise)."""
+        return [rep.handle if rep.state == "healthy" else None for rep in self._replicas]
+
+    def set_replica_info(self, index: int, **fields: Any) -> None:
+        """Attach fields (e.g. weight_version=3) to replica `index`'s status."""
+        self._replicas[index].info.update(fields)
+
+    async def refresh_info(self, endpoint: str = "status") -> None:
+        """Merge each healthy replica's `endpoint()` dict result into its info."""
+        for rep in list(self._healthy):
+            try:
+                result = await self._call_all(rep, rep.handle, endpoint, (), {})
+            except SupervisionError as err:
+                self._fail(rep, rep.handle, f"process died during {endpoint}(): {_first_line(err)}")
+                continue
+            if isinstance(result, dict):
+                rep.info.update(result)
+
+    async def wait_healthy(self, count: int | None = None, timeout: float | None = None) -> None:
+        """Wait until `count` replicas (default: all) are healthy."""
+        need = len(self._replicas) if count is None else count
+
+        async def wait() -> None:
+            while len(self._healthy) < need:
+                if self._closed or all(r.state in ("failed", "stopped") for r in self._replicas if r.state != "healthy"):
+                    raise NoHealthyReplicaError(
+                        f"service {self.name!r}: waiting for {need} healthy replica(s), but the others "
+                        f"will not come back: {'; '.join(r.describe() for r in self._replicas)}"
+                    )
+                await self._wait_change()
+
+        await asyncio.wait_for(wait(), timeout)
+
+    # --------------------------------------------------------------- events
+    def add_listener(self, fn: Callable[[ServiceEvent], None]) -> None:
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[ServiceEvent], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def _record(self, kind: str, index: int, detail: str) -> None:
+        event = ServiceEvent(kind, index, time.time(), detail)
+        self.events.append(event)
+        for fn in list(self._listeners):
+            try:
+                fn(event)
+            except Exception:
+                log.exception("service %s: event listener %r failed", self.name, fn)
+        self._signal()
+
+    # ------------------------------------------------------------- plumbing
+    def _refresh_healthy(self) -> None:
+        self._healthy = [rep for rep in self._replicas if rep.state == "healthy"]
+        self._signal()
+
+    def _signal(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+
+    def _spawn_task(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _teardown(self, handle: ActorHandle) -> None:
+        task = asyncio.ensure_future(handle.shutdown())
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    # ------------------------------------------------------------- shutdown
+    async def shutdown(self) -> None:
+        """Stop every replica and any respawn in progress. Safe to call twice."""
+        self._closed = True
+        supervision.remove_listener(self._fault_listener)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        handles = [rep.handle for rep in self._replicas if rep.handle is not None]
+        for rep in self._replicas:
+            rep.state = "stopped"
+        self._healthy = []
+        await asyncio.gather(*(h.shutdown() for h in handles), *list(self._teardowns), return_exceptions=True)
+        self._signal()
