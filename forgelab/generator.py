@@ -282,8 +282,8 @@ class VLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._last_add = 0.0
         self._stats = dict(
-            busy_time_s=0.0, steps=0, requests=0, tokens_generated=0, prompt_tokens=0,
-            cached_prompt_tokens=0, max_concurrent_requests=0, sum_concurrent_requests=0,
+            busy_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
+            tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0, sum_concurrent_requests=0,
             weight_updates=0, last_update_ms=0.0,
         )
 
@@ -387,9 +387,14 @@ class VLLMEngine:
             if not self.engine.has_unfinished_requests():
                 self._idle.set()
                 self._wake.clear()
+                t_idle = time.perf_counter()
                 await self._wake.wait()
+                s["idle_time_s"] += time.perf_counter() - t_idle
+                s["idle_periods"] += 1
                 continue
+            t_admit = time.perf_counter()
             await self._admit_arrivals()
+            s["admission_wait_s"] += time.perf_counter() - t_admit
             concurrent = self.engine.get_num_unfinished_requests()
             t0 = time.perf_counter()
             try:
@@ -493,6 +498,7 @@ class VLLMEngine:
     def stats(self) -> dict[str, float]:
         s = dict(self._stats)
         s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
+        s["cpu_time_s"] = time.process_time()  # this process, all threads
         s["prefix_cache_hit_rate"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
         return s
 

@@ -12,6 +12,18 @@ the shipped tiny model. The env actor calls the generator directly (see
   generator's busy fraction = (increase of its `busy_time_s`, the time spent
   inside vLLM engine steps) / wall time. C = 1 runs a few episodes one after
   another. A wave's wall time includes its ramp-up and its tail.
+- **steady state**: the way a `Run` drives rollouts: at concurrency C, the
+  controller keeps ceil(C / 64) overlapping `run_groups` calls in flight
+  (C / calls episodes each, at most 64: a `Run`'s rollout of 8 prompts x a
+  group of 8) and starts a new call as soon as one returns, for `--steady-s` seconds. Generator busy fraction = increase of
+  `busy_time_s` over a window that opens when the first call has returned
+  (the pipeline is full) and closes when the last call is launched (before the
+  drain); episodes/s counts the episodes of the calls that returned in that
+  window. A wave's busy fraction above also counts the wave's ramp-up (the
+  environment actor starting C episodes) and its tail (the last turns, and
+  returning C episodes to this controller), when the generator has nothing to
+  do by construction; the steady state is what the generator sees while a run
+  trains, and `generator_busy_fraction` reports it.
 - **prefix reuse**: 4-turn episodes whose user turns are 40 characters long,
   all with different prompts. For every turn after the first, the prompt is
   the whole conversation so far; `prefix_hit_rate` is the fraction of those
@@ -20,8 +32,9 @@ the shipped tiny model. The env actor calls the generator directly (see
   (32 tokens on CPU), so `prefix_hit_bound` (whole blocks of the previous
   turn's prompt + completion, over the prompt) is the best it can be.
 
-Last line: one JSON object with `episodes_per_s_at_1000`,
-`generator_busy_fraction` (at C = 1000; the goal is >= 0.9) and `prefix_hit_rate`.
+Last line: one JSON object with `episodes_per_s_at_1000` (steady state),
+`generator_busy_fraction` (steady state at C = 1000; the goal is >= 0.9; the
+wave's value is `generator_busy_fraction_wave`) and `prefix_hit_rate`.
 """
 from __future__ import annotations
 
@@ -32,6 +45,7 @@ import time
 
 from forgelab.bench.common import emit_json, print_table
 
+PER_CALL = 64  # episodes per steady-state run_groups call: a Run's rollout (8 prompts x group 8)
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
 
 
@@ -47,6 +61,49 @@ async def _wave(gen, envs, meshes, tasks, sampling, env_kwargs, max_turns) -> tu
     wall = time.perf_counter() - t0
     s1 = (await gen.fanout("stats"))[0]
     return [ep for g in groups for ep in g], wall, s0, s1
+
+
+async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds) -> dict:
+    """Keep about `c` episodes in flight with overlapping `run_groups` calls for `seconds`; see the docstring."""
+    n_calls = -(-c // PER_CALL)
+    per_call = c // n_calls
+    offset = iter(range(10**6, 10**9, per_call))
+    done: list[tuple[float, int, list]] = []  # (time returned, episodes, outcomes)
+
+    async def one() -> None:
+        groups = await envs.route("run_groups", "echo", _tasks(per_call, next(offset)), 1, meshes, sampling,
+                                  env_kwargs=env_kwargs, max_turns=max_turns, max_total_tokens=512)
+        done.append((time.perf_counter(), per_call, [ep.info["outcome"] for g in groups for ep in g]))
+
+    t_end = time.perf_counter() + seconds
+    running = {asyncio.ensure_future(one()) for _ in range(n_calls)}
+    window_start = s_start = None
+    while True:
+        finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        for f in finished:
+            f.result()
+        if window_start is None:  # the pipeline is full once the first call came back
+            window_start, s_start = time.perf_counter(), (await gen.fanout("stats"))[0]
+            e_start = (await envs.fanout("stats"))[0]
+        if time.perf_counter() >= t_end:
+            break
+        running |= {asyncio.ensure_future(one()) for _ in finished}
+    window_end, s_end = time.perf_counter(), (await gen.fanout("stats"))[0]
+    e_end = (await envs.fanout("stats"))[0]
+    await asyncio.gather(*running)  # drain (not measured)
+    in_window = [d for d in done if window_start < d[0] <= window_end]
+    bad = sum(o != "done" for _, _, outs in done for o in outs)
+    if bad:
+        raise RuntimeError(f"{bad} steady-state episodes at concurrency {c} did not finish cleanly")
+    wall = window_end - window_start
+    return {"window_s": wall, "episodes": sum(n for _, n, _ in in_window),
+            "episodes_per_s": sum(n for _, n, _ in in_window) / wall,
+            "busy": (s_end["busy_time_s"] - s_start["busy_time_s"]) / wall,
+            "idle": (s_end["idle_time_s"] - s_start["idle_time_s"]) / wall,
+            "idle_periods": s_end["idle_periods"] - s_start["idle_periods"],
+            "gen_cpu": (s_end["cpu_time_s"] - s_start["cpu_time_s"]) / wall,
+            "env_cpu": (e_end["cpu_time_s"] - e_start["cpu_time_s"]) / wall,
+            "calls": n_calls}
 
 
 def _prefix_reuse(episodes) -> tuple[float, float]:
@@ -82,22 +139,36 @@ async def _main(args) -> dict:
         rows = []
         for c in levels:
             reps = 1 if c >= 100 or args.quick else 3
-            eps, wall, busy = [], 0.0, 0.0
+            eps, wall, busy, idle, admit = [], 0.0, 0.0, 0.0, 0.0
             for r in range(reps if c > 1 else (3 if args.quick else 8)):
                 e, w, s0, s1 = await _wave(gen, envs, meshes, _tasks(c, offset=1000 * r), sampling, kw, args.turns)
                 eps += e
                 wall += w
                 busy += s1["busy_time_s"] - s0["busy_time_s"]
+                idle += s1["idle_time_s"] - s0["idle_time_s"]
+                admit += s1["admission_wait_s"] - s0["admission_wait_s"]
             bad = sum(ep.info["outcome"] != "done" for ep in eps)
             if bad:
                 raise RuntimeError(f"{bad} of {len(eps)} episodes at concurrency {c} did not finish cleanly")
             rows.append({
                 "concurrency": c, "episodes": len(eps), "wall_s": wall, "episodes_per_s": len(eps) / wall,
-                "generator_busy": busy / wall,
+                "generator_busy": busy / wall, "generator_idle": idle / wall, "admission_wait": admit / wall,
                 "turn_latency_ms": 1e3 * sum(ep.info["latency_s"] for ep in eps) / len(eps) / args.turns,
             })
+        steady = []
+        for c in (100, 1000):
+            r = await _steady(gen, envs, meshes, c, sampling, kw, args.turns, args.steady_s)
+            steady.append({"concurrency": c, "calls in flight": r["calls"], "window_s": r["window_s"],
+                           "episodes": r["episodes"], "episodes_per_s": r["episodes_per_s"],
+                           "generator_busy": r["busy"], "generator_idle": r["idle"],
+                           "idle_periods": r["idle_periods"], "generator_cpu": r["gen_cpu"], "env_cpu": r["env_cpu"]})
         print(f"EchoEnv, {args.turns} turns of <= 8 tokens, env think time {args.think_ms:g} ms per step")
-        print_table(rows, ["concurrency", "episodes", "wall_s", "episodes_per_s", "generator_busy", "turn_latency_ms"])
+        print("waves (C episodes started together, wall time to the last one):")
+        print_table(rows, ["concurrency", "episodes", "wall_s", "episodes_per_s", "generator_busy", "generator_idle",
+                           "admission_wait", "turn_latency_ms"])
+        print(f"\nsteady state ({args.steady_s:g} s per level, overlapping run_groups calls):")
+        print_table(steady, ["concurrency", "calls in flight", "window_s", "episodes", "episodes_per_s",
+                             "generator_busy", "generator_idle", "idle_periods", "generator_cpu", "env_cpu"])
 
         n_prefix = 64 if args.quick else 200
         eps, wall, s0, s1 = await _wave(gen, envs, meshes, _tasks(n_prefix, offset=5000), sampling,
@@ -106,16 +177,20 @@ async def _main(args) -> dict:
         engine_hit = (s1["cached_prompt_tokens"] - s0["cached_prompt_tokens"]) / max(1, s1["prompt_tokens"] - s0["prompt_tokens"])
         print(f"\nprefix reuse, {n_prefix} 4-turn episodes: turns 2-4 served {hit:.1%} of their prompt tokens from "
               f"the prefix cache (bound at 32-token blocks {bound:.1%}); all turns {engine_hit:.1%}")
-        top = rows[-1]
+        top, st = rows[-1], steady[-1]
         return {
-            "episodes_per_s_at_1000": round(top["episodes_per_s"], 2),
-            "generator_busy_fraction": round(top["generator_busy"], 3),
+            "episodes_per_s_at_1000": round(st["episodes_per_s"], 2),
+            "generator_busy_fraction": round(st["generator_busy"], 3),
+            "episodes_per_s_at_1000_wave": round(top["episodes_per_s"], 2),
+            "generator_busy_fraction_wave": round(top["generator_busy"], 3),
             "prefix_hit_rate": round(hit, 3),
             "prefix_hit_bound": round(bound, 3),
             "prefix_hit_rate_all_turns": round(engine_hit, 3),
             "turns": args.turns, "think_ms": args.think_ms, "quick": args.quick,
             "levels": {str(r["concurrency"]): {"episodes_per_s": round(r["episodes_per_s"], 2),
                                                "generator_busy": round(r["generator_busy"], 3)} for r in rows},
+            "steady": {str(r["concurrency"]): {"episodes_per_s": round(r["episodes_per_s"], 2),
+                                               "generator_busy": round(r["generator_busy"], 3)} for r in steady},
         }
     finally:
         await envs.shutdown()
@@ -129,7 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=2, help="assistant turns per episode in the scaling waves")
     ap.add_argument("--think-ms", type=float, default=20.0, help="simulated environment time per step")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the generator process")
+    ap.add_argument("--steady-s", type=float, default=None,
+                    help="seconds of steady-state load per level (default 20, --quick 8)")
     args = ap.parse_args(argv)
+    if args.steady_s is None:
+        args.steady_s = 8.0 if args.quick else 20.0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     emit_json(asyncio.run(_main(args)))
 

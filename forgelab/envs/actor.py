@@ -269,4 +269,5 @@ class EnvActor(Component):
     @endpoint
     async def stats(self) -> dict[str, Any]:
         """Episodes finished, running now, most running at once, and outcome counts."""
-        return {**self._stats, "outcomes": dict(self._outcomes), "max_concurrent": self.config.max_concurrent}
+        return {**self._stats, "outcomes": dict(self._outcomes), "max_concurrent": self.config.max_concurrent,
+                "cpu_time_s": time.process_time()}
