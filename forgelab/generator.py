@@ -283,8 +283,8 @@ class VLLMEngine:
         self._last_add = 0.0
         self._stats = dict(
             busy_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
-            tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0, sum_concurrent_requests=0,
-            weight_updates=0, last_update_ms=0.0,
+            tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
+            sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0,
         )
 
     # -- requests -------------------------------------------------------------
