@@ -35,10 +35,9 @@ async def demo(steps: int | None = None, out_dir: str = "runs") -> int:
     print(f"  {cfg.train.steps} steps x {cfg.train.batch_size} episodes (group {cfg.rollout.group_size}), "
           f"loss {cfg.train.loss}, max_policy_age {cfg.train.max_policy_age}", flush=True)
     run = Run(cfg)
-    await run.start()
-    print(f"  processes up in {time.time() - t0:.1f}s; held-out greedy accuracy before: "
-          f"{run.accuracy_history[0][1] if run.accuracy_history else float('nan'):.3f}", flush=True)
-    result = await follow_run(run, started_at=t0, ndigits=4)
+    # The reporter attaches before start(), so the step-0 held-out evaluation is printed as an
+    # `[event] eval` line (it runs in the background: start() returns before it finishes).
+    result = await follow_run(run, started_at=t0, start=True, ndigits=4)
     print(f"  metrics: {run.out_dir / 'metrics.csv'}; curve: {run.out_dir / 'learning_curve.png'}; "
           f"wandb (offline): {run.tracker.wandb_dir if run.tracker else None}", flush=True)
     print(json.dumps(result), flush=True)
