@@ -721,7 +721,7 @@ class Run:
         row["tokens_per_s"] = tokens / dt if dt > 0 else float("nan")
         row["step_time_s"] = t_step
         row["train_time_s"] = t_train
-        row["weight_sync_ms"] = float(sync.get("gather_ms", 0.0)) + float(sync.get("send_ms", 0.0))
+        row["weight_sync_ms"] = sum(float(sync.get(k, 0.0)) for k in ("gather_ms", "write_ms", "send_ms"))
         for k in ("generated", "trained", "evicted", "dropped", "buffered"):
             row[f"episodes_{k}"] = counts[k]
         return row

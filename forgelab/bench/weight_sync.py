@@ -84,13 +84,6 @@ class RawReload:
         self.start()
         return self._read()["ms"]
 
-
-def reload_together(raws: list[RawReload]) -> float:
-    """Start every raw reload at once; the slowest one's ms (what N replicas reloading concurrently cost)."""
-    for r in raws:
-        r.start()
-    return max(r._read()["ms"] for r in raws)
-
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -99,6 +92,13 @@ def reload_together(raws: list[RawReload]) -> float:
                 self.proc.wait(timeout=60)
             except Exception:
                 self.proc.kill()
+
+
+def reload_together(raws: list[RawReload]) -> float:
+    """Start every raw reload at once; the slowest one's ms (what N replicas reloading concurrently cost)."""
+    for r in raws:
+        r.start()
+    return max(r._read()["ms"] for r in raws)
 
 
 def _raw_main(model_dir: str, threads: int) -> None:
