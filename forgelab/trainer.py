@@ -374,12 +374,12 @@ class Trainer(Component):
         root = self.config.shm_dir or default_shm_root()
         if root is None:
             return None, "the trainer's host has no writable /dev/shm"
+        reuse, self._shm_reusable = self._shm_reusable, False  # not while this handle is out (or half written)
         try:
             if self._shm is None:
                 self._shm = SharedWeightsWriter(root)
-            return self._shm.write(version, sd, reuse=self._shm_reusable), None
+            return self._shm.write(version, sd, reuse=reuse), None
         except Exception as e:  # e.g. a full tmpfs: this push goes by message
-            self._shm_reusable = False  # the file may be half overwritten: the next write makes a new one
             return None, f"could not write the shared-memory weights file in {root}: {type(e).__name__}: {e}"
 
     @endpoint
