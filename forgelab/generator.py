@@ -46,6 +46,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from monarch.actor import Port, endpoint
 
 from forgelab.runtime.component import Component
+from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -268,6 +269,8 @@ class VLLMEngine:
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
+        freeze_startup_objects()  # the engine/tokenizer's objects: never scanned by later collections
+        gc_stats()  # start timing garbage-collection pauses
         self.expected_shapes = checkpoint_shapes(config.model_dir)
         self.version = 0
         self._ids = itertools.count()
@@ -499,6 +502,7 @@ class VLLMEngine:
         s = dict(self._stats)
         s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
         s["cpu_time_s"] = time.process_time()  # this process, all threads
+        s.update(gc_stats())
         s["prefix_cache_hit_rate"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
         return s
 

@@ -103,6 +103,9 @@ async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds
             "idle_periods": s_end["idle_periods"] - s_start["idle_periods"],
             "gen_cpu": (s_end["cpu_time_s"] - s_start["cpu_time_s"]) / wall,
             "env_cpu": (e_end["cpu_time_s"] - e_start["cpu_time_s"]) / wall,
+            "env_gc": (e_end["gc_pause_s"] - e_start["gc_pause_s"]) / wall,
+            "gen_gc": (s_end["gc_pause_s"] - s_start["gc_pause_s"]) / wall,
+            "env_gc_max_ms": 1e3 * e_end["gc_max_pause_s"],
             "calls": n_calls}
 
 
@@ -161,14 +164,16 @@ async def _main(args) -> dict:
             steady.append({"concurrency": c, "calls in flight": r["calls"], "window_s": r["window_s"],
                            "episodes": r["episodes"], "episodes_per_s": r["episodes_per_s"],
                            "generator_busy": r["busy"], "generator_idle": r["idle"],
-                           "idle_periods": r["idle_periods"], "generator_cpu": r["gen_cpu"], "env_cpu": r["env_cpu"]})
+                           "idle_periods": r["idle_periods"], "generator_cpu": r["gen_cpu"], "env_cpu": r["env_cpu"],
+                           "generator_gc": r["gen_gc"], "env_gc": r["env_gc"], "env_gc_max_ms": r["env_gc_max_ms"]})
         print(f"EchoEnv, {args.turns} turns of <= 8 tokens, env think time {args.think_ms:g} ms per step")
         print("waves (C episodes started together, wall time to the last one):")
         print_table(rows, ["concurrency", "episodes", "wall_s", "episodes_per_s", "generator_busy", "generator_idle",
                            "admission_wait", "turn_latency_ms"])
         print(f"\nsteady state ({args.steady_s:g} s per level, overlapping run_groups calls):")
         print_table(steady, ["concurrency", "calls in flight", "window_s", "episodes", "episodes_per_s",
-                             "generator_busy", "generator_idle", "idle_periods", "generator_cpu", "env_cpu"])
+                             "generator_busy", "generator_idle", "idle_periods", "generator_cpu", "env_cpu",
+                             "generator_gc", "env_gc", "env_gc_max_ms"])
 
         n_prefix = 64 if args.quick else 200
         eps, wall, s0, s1 = await _wave(gen, envs, meshes, _tasks(n_prefix, offset=5000), sampling,

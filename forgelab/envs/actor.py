@@ -41,6 +41,7 @@ from monarch.actor import Port, endpoint
 from forgelab.envs.base import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
 from forgelab.runtime.component import Component
+from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Episode
 
 __all__ = ["EnvActor", "EnvActorConfig", "run_groups_local"]
@@ -226,6 +227,8 @@ class EnvActor(Component):
 
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(self.config.model_dir))
         self._semaphore = asyncio.Semaphore(self.config.max_concurrent)
+        freeze_startup_objects()  # the tokenizer's and libraries' objects: never scanned by later collections
+        gc_stats()  # start timing garbage-collection pauses
 
     async def _run(self, env, tasks, n, generators, sampling, env_kwargs, max_turns, max_total_tokens, step_timeout_s):
         if self.fmt is None:
@@ -270,4 +273,4 @@ class EnvActor(Component):
     async def stats(self) -> dict[str, Any]:
         """Episodes finished, running now, most running at once, and outcome counts."""
         return {**self._stats, "outcomes": dict(self._outcomes), "max_concurrent": self.config.max_concurrent,
-                "cpu_time_s": time.process_time()}
+                "cpu_time_s": time.process_time(), **gc_stats()}
