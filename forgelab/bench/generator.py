@@ -16,8 +16,10 @@ on the shipped tiny model (3.2 M params) and on a randomly initialised
 Weight-update latency is the controller's round trip of ``update_weights``
 with the full HF state dict. Every process uses ``--threads`` torch threads.
 Tokens/s counts generated tokens (eos included): best of the timed runs after
-one warm-up. Bare vLLM and actor runs alternate; ``actor_over_bare_vllm`` is the
-median over those pairs of actor / bare tokens/s (the machine's load drifts).
+one warm-up. Bare vLLM and actor runs alternate in pairs (7 on the tiny model,
+the order flipping each pair); ``actor_over_bare_vllm`` is the median over
+those pairs of actor / bare tokens/s (the machine's load drifts), and
+``pair_ratios`` lists every pair's ratio.
 """
 from __future__ import annotations
 
@@ -162,12 +164,20 @@ async def run_pair(model_dir: str, count: int, n: int, max_tokens: int, repeats:
         gen = await Generator.options(procs=1, threads=threads).as_actor(GeneratorConfig(model_dir=model_dir))
         await gen.generate.call_one(prompts[:8], n=n, sampling=sampling)  # warm-up
         bare_tps, actor_tps = [], []
-        for _ in range(repeats):
-            bare_tps.append(bare.run())
+
+        async def actor_run() -> float:
             t0 = time.perf_counter()
             groups = await gen.generate.call_one(prompts, n=n, sampling=sampling)
             wall = time.perf_counter() - t0
-            actor_tps.append(sum(len(c.completion_ids) for g in groups for c in g) / wall)
+            return sum(len(c.completion_ids) for g in groups for c in g) / wall
+
+        for i in range(repeats):  # the order flips each pair: neither side always runs second
+            if i % 2 == 0:
+                bare_tps.append(bare.run())
+                actor_tps.append(await actor_run())
+            else:
+                actor_tps.append(await actor_run())
+                bare_tps.append(bare.run())
         bare.close()
         stats = await gen.stats.call_one()
         weights = _state_dict(model_dir)
@@ -186,7 +196,8 @@ async def run_pair(model_dir: str, count: int, n: int, max_tokens: int, repeats:
              "update_engine_ms": statistics.median(engine_ms), "bytes": nbytes,
              "mean_batch": stats["mean_concurrent_requests"],
              # paired runs: the ratio of each pair, then the median over pairs
-             "over_bare": statistics.median(a / b for a, b in zip(actor_tps, bare_tps))}
+             "over_bare": statistics.median(a / b for a, b in zip(actor_tps, bare_tps)),
+             "pair_ratios": [round(a / b, 3) for a, b in zip(actor_tps, bare_tps)]}
     return {"tokens_per_s": max(bare_tps)}, actor
 
 
@@ -237,14 +248,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     n, max_tokens = 8, 16
-    configs = [("tiny", args.model, 64 if args.quick else 256, 2 if args.quick else 3)]
+    configs = [("tiny", args.model, 64 if args.quick else 256, 2 if args.quick else 7)]
     tmp = None
     if not args.quick:
         tmp = tempfile.TemporaryDirectory(prefix="forgelab-bench-")
         params = make_large_model(tmp.name)
         configs.append((f"large-{params / 1e6:.0f}M", tmp.name, 32, 2))
 
-    rows, tokens_per_s, update_ms, ratios = [], {}, {}, {}
+    rows, tokens_per_s, update_ms, ratios, pair_ratios = [], {}, {}, {}, {}
     try:
         for label, model_dir, count, repeats in configs:
             bare, actor = asyncio.run(run_pair(model_dir, count, n, max_tokens, repeats, args.threads,
@@ -256,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append({"model": label, "path": path, "prompts x n": f"{count} x {n}",
                              "tokens/s": r["tokens_per_s"]})
             ratios[label] = actor["over_bare"]
+            pair_ratios[label] = actor["pair_ratios"]
             update_ms[size] = round(actor["update_ms"], 1)
             rows.append({"model": label, "path": "update_weights", "prompts x n": size,
                          "tokens/s": "", "ms": actor["update_ms"], "engine ms": actor["update_engine_ms"]})
@@ -267,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         "suite": "generator",
         "actor_over_bare_vllm": round(ratios["tiny"], 3),
         "actor_over_bare_vllm_by_model": {k: round(v, 3) for k, v in ratios.items()},
+        "pair_ratios": pair_ratios,
         "weight_update_ms": update_ms,
         "tokens_per_s": tokens_per_s,
     }
