@@ -78,3 +78,15 @@ def test_all_headlines():
     assert headline_rows("dashboard", {"dashboard_throughput_ratio": None})[0]["met"] == "n/a"
     keys = [r["key"] for r in headline_rows("weight_sync", {"sync_over_raw": {"tiny": 1.2, "large-101M": 2.5}})]
     assert keys == ["sync_over_raw[tiny]", "sync_over_raw[large-101M]"]
+
+
+def test_plot_writes_a_png_from_suite_json(tmp_path):
+    from forgelab.bench.plot import plot
+
+    run = lambda curve: {"curve": curve}  # noqa: E731
+    e2e = {"target_accuracy": 0.4, "runs": {"forgelab": [run([[0, 0.0, 0.25], [10, 5.0, 0.45]])],
+                                             "trl": [run([[0, 0.0, 0.25], [10, 9.0, 0.3]])]}}
+    asy = {"target_accuracy": 0.4, "runs": {"0": [run([[0, 0.0, 0.25], [10, 6.0, 0.41]])], "1": [run([])]}}
+    out = plot(e2e, asy, str(tmp_path / "fig.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
