@@ -709,6 +709,10 @@ class Run:
             vals = [ep.reward_parts[name] for ep in eps if name in ep.reward_parts]
             if vals:
                 row[f"reward/{name}"] = sum(vals) / len(vals)
+        if self.config.rollout.env is not None:  # environment counters (e.g. tool calls) per episode
+            from forgelab.envs.episode import env_metric_means
+
+            row.update({f"env/{k}": v for k, v in env_metric_means(eps).items()})
         ages = [self.version - 1 - ep.policy_version for ep in eps]
         row["policy_age_mean"] = sum(ages) / len(ages)
         row["policy_age_max"] = max(ages)

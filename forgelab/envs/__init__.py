@@ -5,7 +5,7 @@
 
 - `base`: what an environment is (async `reset(task) -> str`, `step(text) -> (obs, reward, done, info)`);
 - `episode`: the token-in/token-out episode runner (`run_episode`, `ChatFormat`, `EpisodeLimits`);
-- `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv`;
+- `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv` (and its `tool_use_stats`);
 - `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process.
 
 `ENVS` maps a name to a factory (a class or function taking keyword arguments,
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from forgelab.envs.base import Env, make_env
-from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv
-from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, run_episode
+from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv, tool_use_stats
+from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, env_metric_means, run_episode
 
 ENVS: dict[str, Callable[..., Any]] = {
     "echo": EchoEnv,
@@ -39,5 +39,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "DROP_OUTCOMES", "ENVS", "ArithmeticTutorEnv", "CalculatorToolEnv", "ChatFormat", "EchoEnv", "Env",
-    "EnvActor", "EnvActorConfig", "EpisodeLimits", "make_env", "run_episode",
+    "EnvActor", "EnvActorConfig", "EpisodeLimits", "env_metric_means", "make_env", "run_episode", "tool_use_stats",
 ]

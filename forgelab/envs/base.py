@@ -11,8 +11,10 @@
 - `observation` is the text of the next message (None when `done`), `reward`
   a float for this step (an episode's reward is the sum of its steps'),
   `done` ends the episode, `info` a dict; `info["role"]` says who speaks the
-  observation ("user", the default, or "tool"), and `info["reward_parts"]`
-  (name -> float) is summed per name into the episode's `reward_parts`.
+  observation ("user", the default, or "tool"), `info["reward_parts"]`
+  (name -> float) is summed per name into the episode's `reward_parts`, and
+  `info["metrics"]` (name -> float, counters such as tool calls) into
+  `episode.info["env_metrics"]` (a `Run` logs their per-episode means as `env/<name>`).
 
 One object serves one episode: the episode runner builds a fresh one per
 episode (`make_env`), so an environment may keep its state in attributes.

@@ -13,7 +13,12 @@
   correct answer followed a well-formed call. Answering directly is allowed,
   so the shipped model, which has never seen the tool format, earns partial
   credit and GRPO raises its mean reward from the start; tool use is shaped,
-  not required (teaching it needs a warm start on the format).
+  not required. Learning it starts from `forgelab/assets/tiny-llama-tool`
+  (`forgelab.recipes.tool_warmstart`), which calls on ~30 % of its samples;
+  give each turn room for a call (`max_tokens` >= 24: `<calc>(7+5)*3</calc>`
+  is 20 characters plus the end token). `tool_use_stats(episodes)` reads
+  its counters: tool-call rate, well-formed calls, answers equal to the
+  tool's result, accuracy with and without a call.
 
 Tasks are `forgelab.tasks.Problem`s (prompt "12+45=", target "57"); the first
 user message is the problem prompt exactly as in single-turn training, so the
@@ -24,10 +29,12 @@ shipped model answers it in the format it learnt.
     >>> env = CalculatorToolEnv()
     >>> asyncio.run(env.reset(Problem(prompt="12*7=", target="84", task="t")))
     '12*7='
-    >>> asyncio.run(env.step("<calc>12*7</calc>"))
-    ('<result>84</result>', 0.0, False, {'role': 'tool', 'tool_call': 'ok'})
-    >>> asyncio.run(env.step("84"))
-    (None, 1.1, True, {'reward_parts': {'correct': 1.0, 'close': 0.0, 'tool_bonus': 0.1}, 'answer': '84'})
+    >>> obs, r, done, info = asyncio.run(env.step("<calc>12*7</calc>"))
+    >>> obs, r, done, info["role"], info["metrics"]
+    ('<result>84</result>', 0.0, False, 'tool', {'tool_calls': 1.0, 'used_tool': 1.0, 'tool_calls_ok': 1.0})
+    >>> obs, r, done, info = asyncio.run(env.step("84"))
+    >>> obs, r, done, info["reward_parts"], info["answer"], info["metrics"]["answer_is_result"]
+    (None, 1.1, True, {'correct': 1.0, 'close': 0.0, 'tool_bonus': 0.1}, '84', 1.0)
 """
 from __future__ import annotations
 
@@ -35,12 +42,14 @@ import ast
 import asyncio
 import operator
 import re
-from typing import Any
+from typing import Any, Sequence
 
 from forgelab.envs.base import Env, task_prompt
+from forgelab.envs.episode import env_metric_means
 from forgelab.tasks import extract_integer_answer
+from forgelab.types import Episode
 
-__all__ = ["ArithmeticTutorEnv", "CalculatorToolEnv", "EchoEnv", "safe_calc"]
+__all__ = ["ArithmeticTutorEnv", "CalculatorToolEnv", "EchoEnv", "safe_calc", "tool_use_stats"]
 
 
 def _target(task: Any) -> str:
@@ -154,28 +163,36 @@ class CalculatorToolEnv(Env):
     At most `max_calls` tool calls; a malformed call gets `<result>error</result>`.
     `tool_bonus` is paid only with a correct final answer that followed a well-formed call;
     `closeness` scales the partial credit of a wrong integer answer (0 turns it off).
+
+    Step infos carry `metrics` counters (summed per episode into `info["env_metrics"]`, averaged
+    per step by a `Run` as `env/<name>`): `used_tool` (1 on the first call), `tool_calls`,
+    `tool_calls_ok` (well-formed calls) and `answer_is_result` (1 when the final answer is the
+    result of the last well-formed call).
     """
 
     def __init__(self, max_calls: int = 2, tool_bonus: float = 0.1, closeness: float = 0.5):
         self.max_calls, self.tool_bonus, self.closeness = max_calls, tool_bonus, closeness
         self.calls = 0
         self.good_call = False
+        self.result: str | None = None
 
     async def reset(self, task: Any) -> str:
         self.target = _target(task)
-        self.calls, self.good_call = 0, False
+        self.calls, self.good_call, self.result = 0, False, None
         return task_prompt(task)
 
     async def step(self, action_text: str):
         m = _CALL_RE.search(action_text)
         if m is not None and self.calls < self.max_calls:
             self.calls += 1
+            counts = {"tool_calls": 1.0, "used_tool": 1.0 if self.calls == 1 else 0.0}
             try:
-                result = str(safe_calc(m.group(1)))
+                self.result = str(safe_calc(m.group(1)))
                 self.good_call = True
-                return f"<result>{result}</result>", 0.0, False, {"role": "tool", "tool_call": "ok"}
+                return (f"<result>{self.result}</result>", 0.0, False,
+                        {"role": "tool", "tool_call": "ok", "metrics": counts | {"tool_calls_ok": 1.0}})
             except (ValueError, SyntaxError, ZeroDivisionError):
-                return "<result>error</result>", 0.0, False, {"role": "tool", "tool_call": "malformed"}
+                return "<result>error</result>", 0.0, False, {"role": "tool", "tool_call": "malformed", "metrics": counts}
         answer = extract_integer_answer(action_text)
         correct = 1.0 if answer is not None and answer == self.target else 0.0
         close = 0.0
@@ -184,4 +201,48 @@ class CalculatorToolEnv(Env):
             close = self.closeness * max(0.0, 1.0 - abs(int(answer) - t) / 10)
         bonus = self.tool_bonus if correct and self.good_call else 0.0
         parts = {"correct": correct, "close": close, "tool_bonus": bonus}
-        return None, correct + close + bonus, True, {"reward_parts": parts, "answer": answer}
+        used = 1.0 if self.result is not None and answer == self.result else 0.0
+        # every counter is named at the end (adding 0), so a batch without calls still logs them
+        counts = {"tool_calls": 0.0, "used_tool": 0.0, "tool_calls_ok": 0.0, "answer_is_result": used}
+        return None, correct + close + bonus, True, {"reward_parts": parts, "answer": answer, "metrics": counts}
+
+
+def tool_use_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Tool use over `CalculatorToolEnv` episodes, from their `env_metrics` counters (rates are fractions
+    in [0, 1], NaN when there is nothing to count; `reward_mean` is in reward units).
+
+    - `tool_rate`: episodes with at least one `<calc>` call;
+    - `wellformed_rate`: well-formed calls / calls (NaN without calls);
+    - `result_use_rate`: episodes whose final answer equals the tool's result / episodes with a call;
+    - `accuracy`: episodes whose final answer is correct (with or without the tool);
+    - `accuracy_with_tool`, `accuracy_direct`: the same among episodes with / without a call.
+
+        >>> from types import SimpleNamespace as E
+        >>> called = E(info={"env_metrics": {"used_tool": 1.0, "tool_calls": 1.0, "tool_calls_ok": 1.0,
+        ...                                  "answer_is_result": 1.0}}, reward=1.1, reward_parts={"correct": 1.0})
+        >>> direct = E(info={"env_metrics": {"answer_is_result": 0.0}}, reward=0.0, reward_parts={"correct": 0.0})
+        >>> s = tool_use_stats([called, direct])
+        >>> s["tool_rate"], s["result_use_rate"], s["accuracy_with_tool"], s["accuracy_direct"]
+        (0.5, 1.0, 1.0, 0.0)
+    """
+    n = len(episodes)
+    m = env_metric_means(list(episodes))
+    used = [ep.info.get("env_metrics", {}).get("used_tool", 0.0) > 0 for ep in episodes]
+    tool = [ep for ep, u in zip(episodes, used) if u]
+    direct = [ep for ep, u in zip(episodes, used) if not u]
+    nan = float("nan")
+
+    def acc(eps):
+        return sum(ep.reward_parts.get("correct", 0.0) for ep in eps) / len(eps) if eps else nan
+
+    calls = m.get("tool_calls", 0.0)
+    return {
+        "episodes": n,
+        "tool_rate": len(tool) / n,
+        "wellformed_rate": m.get("tool_calls_ok", 0.0) / calls if calls else nan,
+        "result_use_rate": m.get("answer_is_result", 0.0) * n / len(tool) if tool else nan,
+        "accuracy": acc(episodes),
+        "accuracy_with_tool": acc(tool),
+        "accuracy_direct": acc(direct),
+        "reward_mean": sum(ep.reward for ep in episodes) / n,
+    }

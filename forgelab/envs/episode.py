@@ -26,7 +26,9 @@ everything after it, `generator_logprobs` (0.0 on environment tokens),
 and `info` with `turns` = [(start, end, role)] over `completion_ids`
 (end exclusive; role "assistant" for generated turns, else the speaker of the
 environment message), `outcome`, `turn_versions`, `cached_tokens` (prompt
-tokens each turn served from the prefix cache) and `observations`.
+tokens each turn served from the prefix cache), `observations` and
+`env_metrics` (the steps' `info["metrics"]` counters summed per name, e.g. tool
+calls; `env_metric_means` averages them over episodes, as a `Run`'s `env/*` metrics).
 
 Outcomes: "done" (the environment ended it), "max_turns", "max_tokens" (kept
 and trained); "env_timeout", "env_error", "generator_error" (in `DROP_OUTCOMES`:
@@ -44,7 +46,7 @@ from typing import Any, Awaitable, Callable
 
 from forgelab.types import Completion, Episode
 
-__all__ = ["DROP_OUTCOMES", "ChatFormat", "EpisodeLimits", "run_episode"]
+__all__ = ["DROP_OUTCOMES", "ChatFormat", "EpisodeLimits", "env_metric_means", "run_episode"]
 
 DROP_OUTCOMES = frozenset({"env_timeout", "env_error", "generator_error"})
 """Episode outcomes that are not trained: the controller drops them with the outcome as reason."""
@@ -119,6 +121,18 @@ class ChatFormat:
         return self.encode(full[len(self._base):])
 
 
+def env_metric_means(episodes: list[Any]) -> dict[str, float]:
+    """Per-episode mean of every `info["env_metrics"]` counter; an episode without a counter counts 0.
+
+        >>> from types import SimpleNamespace as E
+        >>> env_metric_means([E(info={"env_metrics": {"tool_calls": 2.0}}), E(info={"env_metrics": {}})])
+        {'tool_calls': 1.0}
+    """
+    per_ep = [(ep.info or {}).get("env_metrics") or {} for ep in episodes]
+    names = sorted({k for m in per_ep for k in m})
+    return {k: sum(m.get(k, 0.0) for m in per_ep) / len(per_ep) for k in names} if per_ep else {}
+
+
 async def _bounded(coro: Awaitable[Any], timeout_s: float) -> Any:
     """Await `coro` for at most `timeout_s`; on timeout cancel it and do not wait for it to finish
     (an environment that swallows cancellation must not hang the episode)."""
@@ -151,7 +165,8 @@ async def run_episode(
     """Play one episode of `env` on `task`; never raises for environment or generator failures
     (they become the outcome, see the module docstring). `sampling.max_tokens` bounds each turn."""
     limits = limits or EpisodeLimits()
-    info: dict[str, Any] = {"turns": [], "turn_versions": [], "cached_tokens": [], "observations": []}
+    info: dict[str, Any] = {"turns": [], "turn_versions": [], "cached_tokens": [], "observations": [],
+                            "env_metrics": {}}
     parts: dict[str, float] = {}
     prompt_ids: list[int] = []
     completion_ids: list[int] = []
@@ -212,6 +227,8 @@ async def run_episode(
         reward += r
         for k, v in (step_info.get("reward_parts") or {}).items():
             parts[k] = parts.get(k, 0.0) + float(v)
+        for k, v in (step_info.get("metrics") or {}).items():
+            info["env_metrics"][k] = info["env_metrics"].get(k, 0.0) + float(v)
         if obs is not None:
             info["observations"].append(obs)
         if done:
