@@ -284,8 +284,9 @@ class VLLMEngine:
         self._shared: Any = None  # forgelab.weights_transport.SharedWeightsReader, made on first use
         self._loop_task: asyncio.Task | None = None
         self._last_add = 0.0
+        self._idle_since: float | None = None  # when the engine loop last ran out of requests
         self._stats = dict(
-            busy_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
+            busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
             sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0,
         )
@@ -337,6 +338,8 @@ class VLLMEngine:
         loop = asyncio.get_running_loop()
         futures_P_G: list[list[asyncio.Future]] = []
         added: list[str] = []
+        self._end_idle()  # taking in requests is work: an idle period ends here
+        t_add = time.perf_counter()
         try:
             for ids in ids_P:
                 # One request per sample (not vLLM's n-way parent request): each sample keeps its
@@ -355,6 +358,7 @@ class VLLMEngine:
                 self._pending.pop(rid, None)
             raise
         self._last_add = time.perf_counter()
+        self._stats["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
         self._ensure_loop()
         outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
         return [
@@ -390,10 +394,10 @@ class VLLMEngine:
             if not self.engine.has_unfinished_requests():
                 self._idle.set()
                 self._wake.clear()
-                t_idle = time.perf_counter()
-                await self._wake.wait()
-                s["idle_time_s"] += time.perf_counter() - t_idle
+                self._idle_since = time.perf_counter()
                 s["idle_periods"] += 1
+                await self._wake.wait()
+                self._end_idle()
                 continue
             t_admit = time.perf_counter()
             await self._admit_arrivals()
@@ -421,6 +425,11 @@ class VLLMEngine:
                     fut.set_result(out)
             # Let Monarch deliver new calls (their requests join the next step).
             await asyncio.sleep(0)
+
+    def _end_idle(self) -> None:
+        if self._idle_since is not None:
+            self._stats["idle_time_s"] += time.perf_counter() - self._idle_since
+            self._idle_since = None
 
     async def _admit_arrivals(self) -> None:
         """Let calls that are still arriving join this step (see `admission_window_ms`).

@@ -732,22 +732,52 @@ class Run:
 
     # ------------------------------------------------------------------ evaluation
     async def evaluate(self, n: int | None = None) -> float:
-        """Held-out greedy accuracy (exact answer) with the generator's current weights."""
+        """Held-out greedy accuracy (the task's exact-answer reward) with the generator's current weights.
+
+        With `rollout.env` set, each problem is played as a greedy episode in that
+        environment (tool calls, hints) and the answer scored is the last assistant
+        turn's text; otherwise it is the single completion's text.
+        """
         probs = self.heldout[: n or len(self.heldout)]
-        ids = [self._prompt_ids(p.prompt) for p in probs]
         from forgelab.generator import SamplingConfig
 
         greedy = SamplingConfig(temperature=0.0, max_tokens=self.config.rollout.max_tokens)
-        groups = await self.generators.route("generate", ids, n=1, sampling=greedy)
+        if self.envs is not None:
+            answers = await self._env_final_answers(probs, greedy)
+        else:
+            ids = [self._prompt_ids(p.prompt) for p in probs]
+            groups = await self.generators.route("generate", ids, n=1, sampling=greedy)
+            answers = [g[0].text for g in groups]
         correct = 0
-        for p, g in zip(probs, groups):
+        for p, text in zip(probs, answers):
             try:
-                correct += float(self._task_reward(p.prompt, g[0].text, p.target, **p.info)) > 0.5
+                correct += float(self._task_reward(p.prompt, text, p.target, **p.info)) > 0.5
             except Exception:
                 pass
         acc = correct / max(1, len(probs))
         self.accuracy_history.append((self.step, acc))
         return acc
+
+    async def _env_final_answers(self, probs: list, sampling: Any) -> list[str]:
+        """One episode per problem in `rollout.env`; the text of each episode's last assistant turn
+        ("" for an episode that failed: it counts as wrong)."""
+        from forgelab.envs import DROP_OUTCOMES
+
+        r = self.config.rollout
+        gens = [h.actor for h in self.generators.handles() if h is not None]
+        groups = await self.envs.route(
+            "run_groups", r.env, probs, 1, gens, sampling, env_kwargs=dict(r.env_kwargs), max_turns=r.max_turns,
+            max_total_tokens=self.config.model.max_model_len, step_timeout_s=r.env_step_timeout_s,
+        )
+        answers = []
+        for (ep,) in groups:
+            turns = [t for t in ep.info.get("turns", []) if t[2] == "assistant"]
+            if not turns or ep.info.get("outcome") in DROP_OUTCOMES:
+                answers.append("")
+                continue
+            start, end, _ = turns[-1]
+            answers.append(self.tokenizer.decode(ep.completion_ids[start:end], skip_special_tokens=True))
+        return answers
 
     # ------------------------------------------------------------------ live controls
     def set_reward_weights(self, weights: dict[str, float]) -> None:

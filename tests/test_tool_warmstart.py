@@ -186,11 +186,15 @@ def test_grpo_from_warm_start_learns_to_call_the_calculator_and_use_its_result(h
             gens = [h.actor for h in run.generators.handles() if h is not None]
             groups = await run.envs.route("run_groups", "calculator", heldout, 1, gens,
                                           SamplingConfig(temperature=0.0, max_tokens=24), max_turns=3)
-            return [ep for g in groups for ep in g]
+            # the run's own held-out problems, played the same way: scored by the env's "correct" part
+            own = await run.envs.route("run_groups", "calculator", run.heldout, 1, gens,
+                                       SamplingConfig(temperature=0.0, max_tokens=24), max_turns=3)
+            return [ep for g in groups for ep in g], [ep for g in own for ep in g]
         finally:
             await run.shutdown()
 
-    after = tw.tool_use_stats(asyncio.run(main()))  # greedy, vLLM, the final policy
+    eps, own = asyncio.run(main())
+    after = tw.tool_use_stats(eps)  # greedy, vLLM, the final policy
     assert run.state == "finished", run.message
     df = run.metrics
     assert len(df) == GRPO_STEPS
@@ -209,3 +213,10 @@ def test_grpo_from_warm_start_learns_to_call_the_calculator_and_use_its_result(h
     assert last["env/answer_is_result"] > max(0.35, first["env/answer_is_result"] + 0.1)
     assert after["tool_rate"] > 0.5 and after["wellformed_rate"] > 0.8 and after["result_use_rate"] > 0.5
     assert after["accuracy"] > before["accuracy"] + 0.2
+    # Run.evaluate plays an env run's held-out problems in the env and scores the last turn with the task
+    # reward; the env's own verdict on the same problems (16) must agree, and the curve must show the gain.
+    (_, acc_start), (_, acc_end) = run.accuracy_history[0], run.accuracy_history[-1]
+    env_acc = tw.tool_use_stats(own)["accuracy"]
+    print(f"Run.evaluate (env): {acc_start:.3f} -> {acc_end:.3f}; env verdict on the same problems {env_acc:.3f}")
+    assert abs(acc_end - env_acc) <= 2 / len(own)
+    assert acc_end > acc_start + 0.2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from typing import Any, Iterable, Sequence
 
@@ -47,8 +48,13 @@ def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> None:
 
 
 def emit_json(result: dict[str, Any]) -> None:
-    """Print `result` as one JSON line; suites call this last."""
-    print(json.dumps(result, sort_keys=False), flush=True)
+    """Print `result` as one JSON line; suites call this last.
+
+    It starts on a fresh line: a child process's exit message (forwarded to this
+    process's stderr by Monarch) can end without a newline just before it.
+    """
+    sys.stderr.flush()
+    print("\n" + json.dumps(result, sort_keys=False), flush=True)
 
 
 def machine_info() -> dict[str, Any]:

@@ -15,15 +15,22 @@ the shipped tiny model. The env actor calls the generator directly (see
 - **steady state**: the way a `Run` drives rollouts: at concurrency C, the
   controller keeps ceil(C / 64) overlapping `run_groups` calls in flight
   (C / calls episodes each, at most 64: a `Run`'s rollout of 8 prompts x a
-  group of 8) and starts a new call as soon as one returns, for `--steady-s` seconds. Generator busy fraction = increase of
-  `busy_time_s` over a window that opens when the first call has returned
+  group of 8) and starts a new call as soon as one returns, for `--steady-s`
+  seconds, measured over a window that opens when the first call has returned
   (the pipeline is full) and closes when the last call is launched (before the
   drain); episodes/s counts the episodes of the calls that returned in that
-  window. A wave's busy fraction above also counts the wave's ramp-up (the
-  environment actor starting C episodes) and its tail (the last turns, and
-  returning C episodes to this controller), when the generator has nothing to
-  do by construction; the steady state is what the generator sees while a run
-  trains, and `generator_busy_fraction` reports it.
+  window. The generator's wall time splits into: **engine steps**
+  (`busy_time_s`, inside `engine.step()`), **intake** (`intake_time_s`, vLLM
+  turning new requests into engine requests: `add_request`), **idle** (no
+  request in the engine: waiting for the environments) and **other** (the rest:
+  Monarch messages in and out, building `Completion`s, garbage collection).
+  `generator_busy_fraction` = engine steps + intake, the vLLM engine's own work
+  (in vLLM's server the intake runs in the API process, beside the engine
+  loop); `generator_step_fraction` and `generator_idle_fraction` are reported
+  beside it. A wave's busy fraction (steps only) also counts the wave's
+  ramp-up (the environment actor starting C episodes) and its tail (the last
+  turns, and returning C episodes to this controller), when the generator has
+  nothing to do by construction.
 - **prefix reuse**: 4-turn episodes whose user turns are 40 characters long,
   all with different prompts. For every turn after the first, the prompt is
   the whole conversation so far; `prefix_hit_rate` is the fraction of those
@@ -33,8 +40,9 @@ the shipped tiny model. The env actor calls the generator directly (see
   turn's prompt + completion, over the prompt) is the best it can be.
 
 Last line: one JSON object with `episodes_per_s_at_1000` (steady state),
-`generator_busy_fraction` (steady state at C = 1000; the goal is >= 0.9; the
-wave's value is `generator_busy_fraction_wave`) and `prefix_hit_rate`.
+`generator_busy_fraction` (steady state at C = 1000, engine steps + intake; the
+goal is >= 0.9), `generator_step_fraction`, `generator_idle_fraction`, the
+wave's `generator_busy_fraction_wave` (steps only) and `prefix_hit_rate`.
 """
 from __future__ import annotations
 
@@ -99,6 +107,7 @@ async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds
     return {"window_s": wall, "episodes": sum(n for _, n, _ in in_window),
             "episodes_per_s": sum(n for _, n, _ in in_window) / wall,
             "busy": (s_end["busy_time_s"] - s_start["busy_time_s"]) / wall,
+            "intake": (s_end["intake_time_s"] - s_start["intake_time_s"]) / wall,
             "idle": (s_end["idle_time_s"] - s_start["idle_time_s"]) / wall,
             "idle_periods": s_end["idle_periods"] - s_start["idle_periods"],
             "gen_cpu": (s_end["cpu_time_s"] - s_start["cpu_time_s"]) / wall,
@@ -163,7 +172,8 @@ async def _main(args) -> dict:
             r = await _steady(gen, envs, meshes, c, sampling, kw, args.turns, args.steady_s)
             steady.append({"concurrency": c, "calls in flight": r["calls"], "window_s": r["window_s"],
                            "episodes": r["episodes"], "episodes_per_s": r["episodes_per_s"],
-                           "generator_busy": r["busy"], "generator_idle": r["idle"],
+                           "steps": r["busy"], "intake": r["intake"], "busy": r["busy"] + r["intake"],
+                           "idle": r["idle"], "other": 1 - r["busy"] - r["intake"] - r["idle"],
                            "idle_periods": r["idle_periods"], "generator_cpu": r["gen_cpu"], "env_cpu": r["env_cpu"],
                            "generator_gc": r["gen_gc"], "env_gc": r["env_gc"], "env_gc_max_ms": r["env_gc_max_ms"]})
         print(f"EchoEnv, {args.turns} turns of <= 8 tokens, env think time {args.think_ms:g} ms per step")
@@ -171,9 +181,10 @@ async def _main(args) -> dict:
         print_table(rows, ["concurrency", "episodes", "wall_s", "episodes_per_s", "generator_busy", "generator_idle",
                            "admission_wait", "turn_latency_ms"])
         print(f"\nsteady state ({args.steady_s:g} s per level, overlapping run_groups calls):")
-        print_table(steady, ["concurrency", "calls in flight", "window_s", "episodes", "episodes_per_s",
-                             "generator_busy", "generator_idle", "idle_periods", "generator_cpu", "env_cpu",
-                             "generator_gc", "env_gc", "env_gc_max_ms"])
+        print_table(steady, ["concurrency", "calls in flight", "window_s", "episodes", "episodes_per_s", "steps",
+                             "intake", "busy", "idle", "other", "idle_periods"])
+        print("generator process CPU, environment actor CPU and time in garbage collection (fractions of wall):")
+        print_table(steady, ["concurrency", "generator_cpu", "env_cpu", "generator_gc", "env_gc", "env_gc_max_ms"])
 
         n_prefix = 64 if args.quick else 200
         eps, wall, s0, s1 = await _wave(gen, envs, meshes, _tasks(n_prefix, offset=5000), sampling,
@@ -185,7 +196,9 @@ async def _main(args) -> dict:
         top, st = rows[-1], steady[-1]
         return {
             "episodes_per_s_at_1000": round(st["episodes_per_s"], 2),
-            "generator_busy_fraction": round(st["generator_busy"], 3),
+            "generator_busy_fraction": round(st["busy"], 3),
+            "generator_step_fraction": round(st["steps"], 3),
+            "generator_idle_fraction": round(st["idle"], 3),
             "episodes_per_s_at_1000_wave": round(top["episodes_per_s"], 2),
             "generator_busy_fraction_wave": round(top["generator_busy"], 3),
             "prefix_hit_rate": round(hit, 3),
@@ -195,7 +208,8 @@ async def _main(args) -> dict:
             "levels": {str(r["concurrency"]): {"episodes_per_s": round(r["episodes_per_s"], 2),
                                                "generator_busy": round(r["generator_busy"], 3)} for r in rows},
             "steady": {str(r["concurrency"]): {"episodes_per_s": round(r["episodes_per_s"], 2),
-                                               "generator_busy": round(r["generator_busy"], 3)} for r in steady},
+                                               "generator_busy": round(r["busy"], 3),
+                                               "generator_idle": round(r["idle"], 3)} for r in steady},
         }
     finally:
         await envs.shutdown()
