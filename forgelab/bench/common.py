@@ -47,6 +47,59 @@ def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
+class Worker:
+    """A benchmark side in its own process, driven over stdin: "run" starts one timed run, "quit" ends it.
+
+    The child prints JSON lines on stdout (anything else is ignored) and its
+    stderr goes to a temp file, shown when it dies. One process per side
+    because vLLM patches torch globals and one process holds one in-process
+    engine; driven step by step so its runs can alternate with the other side's.
+    """
+
+    def __init__(self, what: str, argv: list[str], threads: int):
+        import os
+        import subprocess
+        import tempfile
+
+        from forgelab.runtime.component import Placement
+
+        self.what = what
+        env = {**os.environ, **Placement(threads=threads).process_env()}
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, *argv], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.ready = self.read()  # the child's first JSON line, after its build + warm-up
+
+    def read(self) -> dict:
+        """The child's next JSON line."""
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.log.seek(0)
+                raise RuntimeError(f"{self.what} subprocess exited (rc {self.proc.wait()}):\n{self.log.read()[-3000:]}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def start(self) -> None:
+        """Start one run (read its result with `read()`)."""
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+
+    def run(self) -> dict:
+        self.start()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+
+
 def emit_json(result: dict[str, Any]) -> None:
     """Print `result` as one JSON line; suites call this last.
 

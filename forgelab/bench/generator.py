@@ -28,12 +28,11 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from forgelab.bench.common import emit_json, print_table
+from forgelab.bench.common import Worker, emit_json, print_table
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
 
@@ -87,46 +86,15 @@ def _process_env(threads: int) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------- the paths
-class BareVLLM:
-    """`LLM.generate` in a fresh process, one timed run per `run()`.
-
-    A subprocess because vLLM patches torch globals (`set_num_threads`) and one
-    process holds one in-process engine; driven over stdin so its runs can
-    alternate with the actor's (paired runs see the same machine load).
-    """
+class BareVLLM(Worker):
+    """`LLM.generate` in a fresh process (built by the same `VLLMEngine` as the actor); `run()` is one timed run."""
 
     def __init__(self, model_dir: str, count: int, n: int, max_tokens: int, threads: int):
-        cmd = [sys.executable, "-m", "forgelab.bench.generator", "--_bare", model_dir,
-               str(count), str(n), str(max_tokens), str(threads)]
-        env = {**os.environ, **_process_env(threads)}
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
-        self._read()  # "ready" after build + warm-up
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.log.seek(0)
-                raise RuntimeError(f"bare vLLM subprocess exited (rc {self.proc.wait()}):\n{self.log.read()[-3000:]}")
-            if line.startswith("{"):
-                return json.loads(line)
+        super().__init__("bare vLLM", ["-m", "forgelab.bench.generator", "--_bare", model_dir, str(count), str(n),
+                                       str(max_tokens), str(threads)], threads)
 
     def run(self) -> float:
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
-        return self._read()["tokens_per_s"]
-
-    def close(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
-        except Exception:
-            self.proc.kill()
+        return super().run()["tokens_per_s"]
 
 
 def _bare_main(model_dir: str, count: int, n: int, max_tokens: int, threads: int) -> None:

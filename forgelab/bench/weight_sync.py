@@ -45,60 +45,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from forgelab.bench.common import emit_json, print_machine, print_table
-from forgelab.bench.generator import SHIPPED, _process_env, _state_dict, make_large_model
+from forgelab.bench.common import Worker, emit_json, print_machine, print_table
+from forgelab.bench.generator import SHIPPED, _state_dict, make_large_model
 
 
-class RawReload:
+class RawReload(Worker):
     """A vLLM engine in its own process; `reload()` times one in-process `reload_weights` of the checkpoint."""
 
     def __init__(self, model_dir: str, threads: int = 1):
-        env = {**os.environ, **_process_env(threads)}
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "forgelab.bench.weight_sync", "--_raw", model_dir,
-                                      str(threads)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
-        self.bytes = self._read()["bytes"]
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.log.seek(0)
-                raise RuntimeError(f"raw reload subprocess exited (rc {self.proc.wait()}):\n{self.log.read()[-3000:]}")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def start(self) -> None:
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
+        super().__init__("raw reload", ["-m", "forgelab.bench.weight_sync", "--_raw", model_dir, str(threads)], threads)
+        self.bytes = self.ready["bytes"]
 
     def reload(self) -> float:
-        self.start()
-        return self._read()["ms"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except Exception:
-                self.proc.kill()
+        return self.run()["ms"]
 
 
 def reload_together(raws: list[RawReload]) -> float:
     """Start every raw reload at once; the slowest one's ms (what N replicas reloading concurrently cost)."""
     for r in raws:
         r.start()
-    return max(r._read()["ms"] for r in raws)
+    return max(r.read()["ms"] for r in raws)
 
 
 def _raw_main(model_dir: str, threads: int) -> None:
