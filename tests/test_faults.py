@@ -305,6 +305,9 @@ def test_reference_killed(loop, faulty):
           "reference respawned")
     assert not alive(victim.pid)
     drive(loop, run, lambda: run.step >= step_at_kill + 2, "two more steps after the reference kill")
+    # Hold training until the next test has set its bad loss: on an idle machine the remaining steps would
+    # otherwise all run (and the run end) before it gets there.
+    run.pause()
     SUMMARY["reference_kill"] = {"step": step_at_kill, "restarts": run.reference.status()[0].restarts}
 
 
@@ -320,6 +323,7 @@ def test_bad_loss_skips_steps_then_pauses(loop, faulty):
         return await run.trainer.call("fingerprint")
 
     before = loop.run_until_complete(set_raw("shape"))
+    run.resume()  # paused by the previous test (a no-op when this test runs alone)
     drive(loop, run, lambda: len(skips()) > n0, "a step skipped on the wrong-shaped loss")
     loop.run_until_complete(set_raw("nan"))
     drive(loop, run, lambda: run.state == "paused", "the run pauses")
