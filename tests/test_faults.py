@@ -322,18 +322,22 @@ def test_bad_loss_skips_steps_then_pauses(loop, faulty):
         await run.trainer.call("set_loss", pack_loss(bad_loss(kind)), {})
         return await run.trainer.call("fingerprint")
 
+    # Each bad loss runs until the run pauses itself (K skips in a row); the next is set while it is paused,
+    # so no step can slip through between them however fast steps are.
+    k = run.config.train.max_consecutive_failures
     before = loop.run_until_complete(set_raw("shape"))
     run.resume()  # paused by the previous test (a no-op when this test runs alone)
-    drive(loop, run, lambda: len(skips()) > n0, "a step skipped on the wrong-shaped loss")
+    drive(loop, run, lambda: run.state == "paused" and len(skips()) >= n0 + k, "the run pauses on the shape loss")
     loop.run_until_complete(set_raw("nan"))
-    drive(loop, run, lambda: run.state == "paused", "the run pauses")
+    run.resume()
+    drive(loop, run, lambda: run.state == "paused" and len(skips()) >= n0 + 2 * k, "the run pauses on the nan loss")
     reasons = [e["reason"] for e in skips()[n0:]]
-    assert len(reasons) == run.config.train.max_consecutive_failures, reasons
-    assert "shape_loss" in reasons[0] and "nan_loss" in reasons[-1], reasons
-    assert "paused after 3 skipped steps" in run.message and "run.resume()" in run.message, run.message
+    assert len(reasons) == 2 * k, reasons
+    assert all("shape_loss" in r for r in reasons[:k]) and all("nan_loss" in r for r in reasons[k:]), reasons
+    assert f"paused after {k} skipped steps" in run.message and "run.resume()" in run.message, run.message
     after = loop.run_until_complete(run.trainer.call("fingerprint"))
     assert after == before, "a skipped step changed parameters or optimizer state"
-    assert run.buffer.counts()["dropped_reasons"].get("step_skipped", 0) >= 3 * run.config.train.batch_size
+    assert run.buffer.counts()["dropped_reasons"].get("step_skipped", 0) >= 2 * k * run.config.train.batch_size
 
     step = run.step
     loop.run_until_complete(run.set_loss("grpo"))
