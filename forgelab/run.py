@@ -218,52 +218,18 @@ class Run:
 
     # ------------------------------------------------------------------ spawning
     async def _spawn(self) -> None:
-        from forgelab.generator import Generator, GeneratorConfig, SamplingConfig
-        from forgelab.trainer import ReferenceConfig, ReferenceModel, Trainer, TrainerConfig
+        from forgelab.spawn import spawn_parts
 
         cfg = self.config
-        p = cfg.placement
-        gcfg = GeneratorConfig(
-            model_dir=cfg.model.path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-            kv_cache_gib=p.kv_cache_gib,
-            sampling=SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens),
-        )
-        tcfg = TrainerConfig(
-            model_dir=cfg.model.path, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps,
-            total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio, weight_decay=cfg.train.weight_decay,
-            max_grad_norm=cfg.train.max_grad_norm, loss=cfg.train.loss, loss_kwargs=dict(cfg.train.loss_kwargs),
-            is_cap=cfg.train.is_cap, seed=cfg.train.seed,
-        )
-        common = dict(threads=p.threads, with_gpus=p.with_gpus)
-        jobs = [
-            Generator.options(num_replicas=p.generator_replicas, **common).as_service(gcfg),
-            Trainer.options(procs=p.trainer_procs, **common).as_actor(tcfg),
-        ]
-        if p.reference:
-            jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(ReferenceConfig(model_dir=cfg.model.path)))
-        if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
-            from forgelab.envs.actor import EnvActor, EnvActorConfig
-
-            ecfg = EnvActorConfig(model_dir=cfg.model.path, max_concurrent=p.env_max_concurrent)
-            jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads).as_service(ecfg))
-        t0 = time.time()
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for r in results:
-                if not isinstance(r, BaseException):
-                    await r.shutdown()
-            raise failed[0]
-        self.generators, self.trainer = results[0], results[1]
-        self.reference = results[2] if p.reference else None
-        self.envs = results[-1] if cfg.rollout.env is not None else None
+        self.parts = parts = await spawn_parts(cfg)
+        self.generators, self.trainer, self.reference, self.envs = parts.generators, parts.trainer, parts.reference, parts.envs
         self.generators.on_respawn = self._on_generator_respawn
         for svc in (self.generators, self.reference):
             if svc is not None and hasattr(svc, "add_listener"):
                 svc.add_listener(self._on_service_event)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
-        self._event("spawned", seconds=round(time.time() - t0, 1))
+        self._event("spawned", seconds=round(parts.seconds, 1))
         if self.resume_from is not None:
             await self._restore(self.resume_from)
 
