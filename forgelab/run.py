@@ -60,6 +60,7 @@ from forgelab.algos import ADVANTAGES, LOSSES
 from forgelab.algos.batching import collate
 from forgelab.buffer import ReplayBuffer
 from forgelab.config import ConfigError, RunConfig
+from forgelab.events import EventLog
 from forgelab.data import ProblemStream, load_problems
 from forgelab.rewards import REWARDS, RewardComposer, RewardFailure, validate
 from forgelab.tasks import TASKS, get_task
@@ -114,7 +115,7 @@ class Run:
         self.version = 0
         self.state = "created"
         self.message = ""
-        self.events: list[dict[str, Any]] = []
+        self.events = EventLog()  # mirrored to out_dir/events.jsonl once the run directory exists
         self.reward_failures: deque[RewardFailure] = deque(maxlen=200)
         self._recent: deque[Episode] = deque(maxlen=2000)
         self._episode_status: dict[int, str] = {}
@@ -228,6 +229,7 @@ class Run:
             if svc is not None and hasattr(svc, "add_listener"):
                 svc.add_listener(self._on_service_event)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.events.attach(self.out_dir, append=self.resume_from is not None and self.out_dir.resolve() in self.resume_from.resolve().parents)
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
         self._event("spawned", seconds=round(parts.seconds, 1))
         if self.resume_from is not None:
@@ -854,8 +856,7 @@ class Run:
 
     # ------------------------------------------------------------------ views
     def _event(self, kind: str, **fields: Any) -> None:
-        ev = {"kind": kind, "step": self.step, "time": time.time(), **fields}
-        self.events.append(ev)
+        ev = self.events.emit(kind, step=self.step, **fields)
         for fn in list(self._listeners):
             try:
                 fn({"event": ev})

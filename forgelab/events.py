@@ -1,0 +1,142 @@
+"""A run's history of changes: an append-only event log, in memory and in `events.jsonl`.
+
+    log = EventLog()
+    log.emit("loss_swapped", step=12, loss="dapo", applies_at_step=13)
+    log.attach(run_dir / "events.jsonl")     # earlier events are written out too
+    log[-1]["kind"], len(log), [e for e in log if e["kind"] == "checkpoint"]
+    EventLog.read(run_dir)                   # a finished run's events, from its file
+
+Every event is a plain dict with ``kind``, ``step`` (the run's step when it was
+recorded) and ``time`` (unix seconds), plus its own fields. Each event is
+JSON-round-tripped before it is kept, so the list in memory and the lines in the
+file hold the same values (a value JSON cannot hold is stored as its ``repr``).
+The log is the one owner of a run's history: the timeline, ``forgelab show``,
+replay and the dashboards all read it. Nothing is ever removed or rewritten.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+EVENTS_FILE = "events.jsonl"
+
+
+def _jsonable(value: Any) -> Any:
+    """Fallback for json.dumps: sets/tuples as lists, numbers as numbers, anything else as its repr."""
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, Path):
+        return str(value)
+    for cast in (float, int):
+        try:
+            if hasattr(value, "item"):  # numpy / torch scalars
+                return cast(value.item())
+        except Exception:
+            pass
+    return repr(value)
+
+
+class EventLog(Sequence):
+    """Append-only list of event dicts, mirrored line by line to a JSONL file once attached."""
+
+    def __init__(self, path: str | Path | None = None, *, append: bool = False):
+        self._events: list[dict[str, Any]] = []
+        self._listeners: list[Callable[[dict], None]] = []
+        self._lock = threading.Lock()  # service callbacks may emit from other threads
+        self.path: Path | None = None
+        if path is not None:
+            self.attach(path, append=append)
+
+    # ------------------------------------------------------------------ writing
+    def emit(self, kind: str, *, step: int = 0, **fields: Any) -> dict[str, Any]:
+        """Record one event; returns it as stored (and as written to the file)."""
+        raw = {"kind": str(kind), "step": int(step), "time": time.time(), **fields}
+        line = json.dumps(raw, default=_jsonable)
+        ev = json.loads(line)
+        with self._lock:
+            self._events.append(ev)
+            if self.path is not None:
+                with self.path.open("a") as f:
+                    f.write(line + "\n")
+        for fn in list(self._listeners):
+            try:
+                fn(ev)
+            except Exception:
+                pass
+        return ev
+
+    def attach(self, path: str | Path, *, append: bool = False) -> None:
+        """Mirror the log to `path` (a file, or a run directory holding events.jsonl).
+
+        `append=False` starts the file afresh with the events recorded so far
+        (a new run). `append=True` keeps the file's earlier events (a run resumed
+        in its own directory): they are read back first, so memory and file
+        still agree, followed by the events recorded so far.
+        """
+        path = Path(path)
+        if path.is_dir() or path.suffix != ".jsonl":
+            path = path / EVENTS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            earlier = _read_lines(path) if append and path.is_file() else []
+            self._events = earlier + self._events
+            with path.open("w") as f:
+                for ev in self._events:
+                    f.write(json.dumps(ev, default=_jsonable) + "\n")
+            self.path = path
+
+    def add_listener(self, fn: Callable[[dict], None]) -> None:
+        """fn(event) after each new event (exceptions in fn are ignored)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[dict], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    # ------------------------------------------------------------------ reading
+    @staticmethod
+    def read(path: str | Path) -> list[dict[str, Any]]:
+        """The events of a run directory (or of an events.jsonl file), oldest first."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / EVENTS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no event log at {path} (runs write it when they start)")
+        return _read_lines(path)
+
+    def of_kind(self, *kinds: str) -> list[dict[str, Any]]:
+        return [e for e in self if e["kind"] in kinds]
+
+    def __getitem__(self, i):
+        with self._lock:
+            return self._events[i]
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with self._lock:
+            snapshot = list(self._events)
+        return iter(snapshot)
+
+    def __repr__(self) -> str:
+        kinds = [e["kind"] for e in self._events[-5:]]
+        return f"<EventLog {len(self)} events, last {kinds}{' -> ' + str(self.path) if self.path else ''}>"
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            # a line cut short by a crash while writing: keep what is whole
+            if n < len(path.read_text().splitlines()):
+                raise
+    return out
