@@ -2,11 +2,18 @@
 
 import math
 import random
+import statistics
 
 import pytest
 import torch
 
-from forgelab.algos.advantages import ADVANTAGES, group_mean_centered, group_zscore, leave_one_out
+from forgelab.algos.advantages import (
+    ADVANTAGES,
+    group_mean_centered,
+    group_zscore,
+    group_zscore_unbiased,
+    leave_one_out,
+)
 
 
 def _random_rewards(P=4, G=5, seed=0):
@@ -29,6 +36,33 @@ def test_group_zscore_matches_loop_population_std():
 
 def test_group_zscore_single_sample_group_is_zero_not_nan():
     assert group_zscore(torch.tensor([[3.0], [1.0]])).tolist() == [[0.0], [0.0]]
+
+
+def test_group_zscore_unbiased_matches_statistics_stdev():
+    rows = _random_rewards(seed=3)
+    got = group_zscore_unbiased(torch.tensor(rows))
+    for p, row in enumerate(rows):
+        mean, std = statistics.fmean(row), statistics.stdev(row)  # divides by G-1
+        for g, r in enumerate(row):
+            assert got[p, g].item() == pytest.approx((r - mean) / (std + 1e-4), abs=1e-5)
+    assert torch.equal(got[-1], torch.zeros(5))
+
+
+def test_group_zscore_unbiased_equals_trl_group_normalisation():
+    """TRL's own code path (GRPOTrainer, scale_rewards="group"): nanstd per group, then / (std + 1e-4)."""
+    utils = pytest.importorskip("trl.trainer.utils")
+    rows = _random_rewards(P=6, G=8, seed=4)
+    rewards = torch.tensor(rows).view(-1)
+    G = 8
+    mean = rewards.view(-1, G).mean(dim=1).repeat_interleave(G)
+    std = utils.nanstd(rewards.view(-1, G), dim=1).repeat_interleave(G)
+    trl_adv = (rewards - mean) / (std + 1e-4)
+    assert torch.allclose(group_zscore_unbiased(torch.tensor(rows)).view(-1), trl_adv, atol=1e-6)
+
+
+def test_group_zscore_unbiased_needs_two_samples():
+    with pytest.raises(ValueError, match="G=1"):
+        group_zscore_unbiased(torch.tensor([[1.0]]))
 
 
 def test_group_mean_centered_matches_loop():
@@ -63,4 +97,5 @@ def test_bad_inputs_are_explained(name):
 
 
 def test_registry_names():
-    assert ADVANTAGES == {"grpo": group_zscore, "dr_grpo": group_mean_centered, "rloo": leave_one_out}
+    assert ADVANTAGES == {"grpo": group_zscore, "grpo_unbiased": group_zscore_unbiased, "dr_grpo": group_mean_centered,
+                          "rloo": leave_one_out}

@@ -7,6 +7,9 @@ siblings. No value network is involved. All functions take ``rewards_P_G``
 
 - ``grpo`` (``group_zscore``): ``(r - mean) / (std + eps)``
   (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+- ``grpo_unbiased`` (``group_zscore_unbiased``): ``(r - mean) / (std_unbiased + 1e-4)``,
+  TRL's ``GRPOTrainer`` normalisation (``scale_rewards="group"``), so a comparison
+  with TRL can normalise identically.
 - ``dr_grpo`` (``group_mean_centered``): ``r - mean``, no division by the std,
   which up-weights groups whose rewards barely differ
   (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
@@ -27,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["group_zscore", "group_mean_centered", "leave_one_out", "ADVANTAGES", "AdvantageFn"]
+__all__ = ["group_zscore", "group_zscore_unbiased", "group_mean_centered", "leave_one_out", "ADVANTAGES", "AdvantageFn"]
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -69,6 +72,32 @@ def group_zscore(rewards_P_G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards_P_G - mean_P_1) / (std_P_1 + eps)
 
 
+def group_zscore_unbiased(rewards_P_G: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages as TRL computes them: ``(r - mean_G(r)) / (std_G(r, unbiased) + eps)``, eps 1e-4.
+
+    The std divides by ``G - 1`` (TRL's ``nanstd`` with ``scale_rewards="group"``),
+    so advantages are ``sqrt(G / (G - 1))`` times smaller than ``group_zscore``'s
+    for groups with spread. Needs ``G >= 2``.
+
+        >>> group_zscore_unbiased(torch.tensor([[1.0, 0.0]])).tolist()  # std = sqrt(0.5)
+        [[0.7070068120956421, -0.7070068120956421]]
+
+    Args:
+        rewards_P_G: rewards, ``[P, G]`` with ``G >= 2``.
+        eps: added to the std (TRL: 1e-4).
+
+    Returns:
+        ``advantages_P_G``, fp32.
+    """
+    rewards_P_G = _as_rewards_P_G(rewards_P_G, "group_zscore_unbiased")
+    if rewards_P_G.shape[1] < 2:
+        raise ValueError(f"group_zscore_unbiased needs at least 2 samples per group, got G={rewards_P_G.shape[1]}; "
+                         "use group_size >= 2 or the 'grpo' estimator")
+    mean_P_1 = rewards_P_G.mean(dim=1, keepdim=True)
+    std_P_1 = rewards_P_G.std(dim=1, keepdim=True, unbiased=True)
+    return (rewards_P_G - mean_P_1) / (std_P_1 + eps)
+
+
 def group_mean_centered(rewards_P_G: torch.Tensor) -> torch.Tensor:
     """Dr.GRPO advantages: ``r - mean_G(r)``, no std normalisation.
 
@@ -107,6 +136,7 @@ def leave_one_out(rewards_P_G: torch.Tensor) -> torch.Tensor:
 
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": group_zscore,
+    "grpo_unbiased": group_zscore_unbiased,
     "dr_grpo": group_mean_centered,
     "rloo": leave_one_out,
 }
