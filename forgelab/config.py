@@ -10,8 +10,11 @@ nothing is held in module globals.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,18 @@ SHIPPED_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-llama")
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
+
+
+# The component sections (generator, trainer, reference, envs) are derived from the actors' own config
+# dataclasses: see forgelab/config_sections.py. Importing them loads torch and monarch (~2 s).
+from forgelab.config_sections import (  # noqa: E402
+    EnvsSection,
+    GeneratorSection,
+    ReferenceSection,
+    TrainerSection,
+    build_component,
+    shared_owner,
+)
 
 
 @dataclass(kw_only=True)
@@ -146,6 +161,34 @@ class TrackingConfig:
 
 
 @dataclass(kw_only=True)
+class HostsConfig:
+    """Where the parts run: this host (the default) or host meshes of a `monarch.job` job.
+
+        hosts:
+          job: {kind: process, meshes: {gen: 1, train: 1}}   # two local "hosts" (subprocesses)
+          generator: gen
+          trainer: train
+
+    A part whose mesh is null runs on this host. A service's replicas spread over its mesh's hosts.
+    """
+
+    job: dict[str, Any] | None = None
+    """A `monarch.job` job: `kind` (process, local, ssh, slurm, kubernetes), `meshes` (name -> hosts) and the
+    job's own arguments (see forgelab.runtime.placement.job_from_config). None: everything on this host."""
+    generator: str | None = None
+    """Host mesh (a name in job.meshes) of the generator replicas; None: this host."""
+    trainer: str | None = None
+    """Host mesh of the trainer; None: this host."""
+    reference: str | None = None
+    """Host mesh of the reference replicas; None: this host."""
+    envs: str | None = None
+    """Host mesh of the EnvActor replicas; None: this host."""
+    trainer_hosts: int = 1
+    """Hosts the trainer spans (placement.trainer_procs processes on each); > 1 needs trainer.master_addr
+    to be rank 0's address reachable from the other hosts."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     name: str = "forgelab"
     """Run name (directory under tracking.out_dir)."""
@@ -155,6 +198,15 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    generator: GeneratorSection = field(default_factory=GeneratorSection)
+    """vLLM engine settings (every GeneratorConfig field not set by model/placement/rollout)."""
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    """Trainer settings (every TrainerConfig field not set by model/train)."""
+    reference: ReferenceSection = field(default_factory=ReferenceSection)
+    """Reference model settings (every ReferenceConfig field not set by model)."""
+    envs: EnvsSection = field(default_factory=EnvsSection)
+    """EnvActor settings (every EnvActorConfig field not set by model/placement/rollout)."""
+    hosts: HostsConfig = field(default_factory=HostsConfig)
 
     # -- loading ---------------------------------------------------------
     @classmethod
@@ -180,6 +232,10 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def component(self, section: str) -> Any:
+        """The config object the `section` actor ("generator", "trainer", "reference", "envs") is spawned with."""
+        return build_component(self, section)
 
     # -- validation ------------------------------------------------------
     def validate(self) -> "RunConfig":
@@ -242,6 +298,12 @@ class RunConfig:
             raise ConfigError(f"rollout.advantage: unknown {r.advantage!r}; known: {', '.join(sorted(ADVANTAGES))}")
         if t.loss not in LOSSES:
             raise ConfigError(f"train.loss: unknown loss {t.loss!r}; known: {', '.join(sorted(LOSSES))}")
+        from forgelab.algos.loss_checks import LossError, check_loss_kwargs
+
+        try:
+            check_loss_kwargs(t.loss, t.loss_kwargs)
+        except LossError as e:
+            raise ConfigError(f"train.loss_kwargs: {e}") from None
         for name in ("steps", "batch_size", "max_buffer", "max_consecutive_failures"):
             _positive(f"train.{name}", getattr(t, name))
         if t.batch_size % r.group_size:
@@ -292,7 +354,39 @@ class RunConfig:
         _nonneg("eval.every", e.every)
         _positive("eval.n", e.n)
         _nonneg("tracking.checkpoint_every", self.tracking.checkpoint_every)
+        self._validate_hosts()
+        for section in ("generator", "trainer", "reference", "envs"):
+            try:
+                self.component(section).validate()
+            except (ValueError, TypeError) as err:
+                raise ConfigError(f"{section}: {err}") from None
         return self
+
+    def _validate_hosts(self) -> None:
+        from forgelab.runtime.placement import JOB_KINDS
+
+        h = self.hosts
+        _positive("hosts.trainer_hosts", h.trainer_hosts)
+        used = {part: getattr(h, part) for part in ("generator", "trainer", "reference", "envs") if getattr(h, part)}
+        if h.job is None:
+            if used or h.trainer_hosts > 1:
+                raise ConfigError(
+                    f"hosts: {', '.join(f'hosts.{k}: {v!r}' for k, v in used.items()) or 'hosts.trainer_hosts > 1'} "
+                    "names a host mesh but hosts.job is null; add e.g. hosts.job: {kind: process, meshes: {gen: 1}}"
+                )
+            return
+        if not isinstance(h.job, dict) or h.job.get("kind") not in JOB_KINDS:
+            raise ConfigError(f"hosts.job.kind: must be one of {', '.join(JOB_KINDS)}, got {getattr(h.job, 'get', dict().get)('kind')!r}")
+        meshes = h.job.get("meshes")
+        if not meshes:
+            raise ConfigError("hosts.job.meshes: required, e.g. {gen: 1, train: 1} (mesh name -> hosts)")
+        for part, mesh in used.items():
+            if mesh not in meshes:
+                near = difflib.get_close_matches(str(mesh), list(meshes), n=1)
+                raise ConfigError(
+                    f"hosts.{part}: {mesh!r} is not a mesh of hosts.job.meshes ({', '.join(map(str, meshes))})"
+                    + (f"; did you mean {near[0]!r}?" if near else "")
+                )
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -302,53 +396,83 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
+            owner = shared_owner(cls, key)
+            if owner is not None:
+                raise ConfigError(f"{prefix}{key}: set by {owner} (one value for every component); set it there")
+            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             raise ConfigError(
-                f"{prefix}{key}: unknown field; known fields of {prefix.rstrip('.') or 'the config'}: "
-                f"{', '.join(fields)}"
+                f"{prefix}{key}: unknown field"
+                + (f"; did you mean {prefix}{near[0]}?" if near else "")
+                + f" (known fields of {prefix.rstrip('.') or 'the config'}: {', '.join(fields)})"
             )
         f = fields[key]
         sub = _dataclass_type(cls, f)
         if sub is not None:
             kwargs[key] = _build(sub, value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _coerce(value, f, f"{prefix}{key}")
+            kwargs[key] = _coerce(value, f, f"{prefix}{key}", cls)
     return cls(**kwargs)
 
 
 def _dataclass_type(cls: type, f: dataclasses.Field) -> type | None:
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    t = hints.get(f.name)
+    t = typing.get_type_hints(cls).get(f.name)
     return t if dataclasses.is_dataclass(t) else None
 
 
-def _coerce(value: Any, f: dataclasses.Field, path: str) -> Any:
-    import typing
+def _coerce(value: Any, f: dataclasses.Field, path: str, cls: type | None = None) -> Any:
+    """Check `value` against the field's type annotation; YAML lists become tuples where a tuple is declared."""
+    t = typing.get_type_hints(cls).get(f.name, Any) if cls is not None else Any
+    return _check_type(value, t, path)
 
+
+def _check_type(value: Any, t: Any, path: str) -> Any:
+    origin = typing.get_origin(t)
+    if t is Any or t is object:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(t)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{path}: must not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise errors[0] if len(errors) == 1 else ConfigError(f"{path}: {value!r} matches none of {t}")
     if value is None:
-        if "None" in str(f.type):
-            return None
         raise ConfigError(f"{path}: must not be null")
-    default = f.default if f.default is not dataclasses.MISSING else None
-    if default is None and f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        default = f.default_factory()  # type: ignore[misc]
-    if isinstance(default, bool):
+    if t is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    elif isinstance(default, int) and not isinstance(default, bool):
+    elif t is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    elif isinstance(default, float):
+    elif t is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         value = float(value)
-    elif isinstance(default, str):
+    elif t is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
-    elif isinstance(default, dict):
+    elif t is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    elif t in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = typing.get_args(t)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} values, got {value!r}")
+            return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        items = [_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (t is tuple or origin is tuple) else items
     return value
 
 

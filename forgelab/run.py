@@ -214,6 +214,8 @@ class Run:
         if self.trainer is not None:
             await self.trainer.shutdown()
         self.generators = self.trainer = self.reference = self.envs = None
+        if getattr(self, "parts", None) is not None:
+            await self.parts.shutdown()  # and the hosts job, if the config has one
         if self.tracker is not None:
             self.tracker.finish()
 

@@ -45,47 +45,41 @@ class Parts:
 
 
 def component_configs(cfg: RunConfig) -> dict[str, Any]:
-    """The config object each component is spawned with: {"generator", "trainer", "reference", "env"}."""
-    from forgelab.envs.actor import EnvActorConfig
-    from forgelab.generator import GeneratorConfig, SamplingConfig
-    from forgelab.trainer import ReferenceConfig, TrainerConfig
+    """The config object each component is spawned with: {"generator", "trainer", "reference", "envs"}."""
+    return {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
 
-    p = cfg.placement
-    gcfg = GeneratorConfig(
-        model_dir=cfg.model.path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-        kv_cache_gib=p.kv_cache_gib,
-        sampling=SamplingConfig(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_tokens=cfg.rollout.max_tokens),
-    )
-    tcfg = TrainerConfig(
-        model_dir=cfg.model.path, lr=cfg.train.lr, warmup_steps=cfg.train.warmup_steps,
-        total_steps=cfg.train.steps, min_lr_ratio=cfg.train.min_lr_ratio, weight_decay=cfg.train.weight_decay,
-        max_grad_norm=cfg.train.max_grad_norm, loss=cfg.train.loss, loss_kwargs=dict(cfg.train.loss_kwargs),
-        is_cap=cfg.train.is_cap, seed=cfg.train.seed,
-    )
-    rcfg = ReferenceConfig(model_dir=cfg.model.path)
-    ecfg = EnvActorConfig(model_dir=cfg.model.path, max_concurrent=p.env_max_concurrent)
-    return {"generator": gcfg, "trainer": tcfg, "reference": rcfg, "env": ecfg}
+
+def _where(job: Any, mesh: str | None) -> dict[str, Any]:
+    """Placement keywords putting a part on host mesh `mesh` of `job` (this host when either is None)."""
+    return {"job": job, "mesh": mesh} if job is not None and mesh is not None else {}
 
 
 async def spawn_parts(cfg: RunConfig) -> Parts:
-    """Start every part of `cfg` in parallel; if one fails, stop the others and raise its error."""
+    """Start every part of `cfg` in parallel; if one fails, stop the others (and the job) and raise its error."""
     from forgelab.generator import Generator
     from forgelab.trainer import ReferenceModel, Trainer
 
-    p = cfg.placement
+    p, h = cfg.placement, cfg.hosts
     cc = component_configs(cfg)
+    job = None
+    if h.job is not None:
+        from forgelab.runtime.placement import job_from_config
+
+        job = job_from_config(h.job)
     common = dict(threads=p.threads, with_gpus=p.with_gpus)
+    trainer_hosts = {"hosts": h.trainer_hosts} if h.trainer_hosts > 1 else {}
     jobs = [
-        Generator.options(num_replicas=p.generator_replicas, **common).as_service(cc["generator"]),
-        Trainer.options(procs=p.trainer_procs, **common).as_actor(cc["trainer"]),
+        Generator.options(num_replicas=p.generator_replicas, **common, **_where(job, h.generator)).as_service(cc["generator"]),
+        Trainer.options(procs=p.trainer_procs, **common, **trainer_hosts, **_where(job, h.trainer)).as_actor(cc["trainer"]),
     ]
     if p.reference:
-        jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(cc["reference"]))
+        jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common,
+                                           **_where(job, h.reference)).as_service(cc["reference"]))
     if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
         from forgelab.envs.actor import EnvActor
 
-        jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads).as_service(cc["env"]))
+        jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads,
+                                     **_where(job, h.envs)).as_service(cc["envs"]))
     t0 = time.time()
     results = await asyncio.gather(*jobs, return_exceptions=True)
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -93,10 +87,12 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
         for r in results:
             if not isinstance(r, BaseException):
                 await r.shutdown()
+        if job is not None:
+            job.kill()
         raise failed[0]
     return Parts(
         generators=results[0], trainer=results[1],
         reference=results[2] if p.reference else None,
         envs=results[-1] if cfg.rollout.env is not None else None,
-        seconds=time.time() - t0,
+        job=job, seconds=time.time() - t0,
     )

@@ -96,6 +96,9 @@ class TrainerConfig:
 
     model_dir: str
     """HF model directory (config.json, safetensors, tokenizer) to start from."""
+    dtype: str = "float32"
+    """``"float32"``, ``"bfloat16"`` or ``"float16"``. On CUDA a 16-bit dtype trains with FSDP2 mixed precision
+    (16-bit parameters in forward/backward, float32 master weights and gradient reductions); CPU trains in float32."""
     lr: float = 1e-5
     """Peak AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -196,6 +199,8 @@ class ReferenceConfig:
 
     model_dir: str
     """HF model directory, usually the trainer's starting point."""
+    dtype: str = "float32"
+    """Compute dtype on CUDA (the trainer's forward dtype, so logprobs match); CPU computes in float32."""
     device: str = "auto"
     """``"auto"``, ``"cpu"`` or ``"cuda"``."""
     micro_batch_size: int | None = None
@@ -440,8 +445,11 @@ class ReferenceModel(Component):
     async def setup(self) -> None:
         from forgelab.titan import build_from_hf
 
+        from forgelab.precision import compute_dtype
+
         self.device = resolve_device(self.config.device)
-        model, self.ckpt = build_from_hf(self.config.model_dir, device=self.device)
+        dtype = compute_dtype(self.config.dtype, self.device.type)
+        model, self.ckpt = build_from_hf(self.config.model_dir, device=self.device, dtype=dtype)
         self.model = model.eval().requires_grad_(False)
 
     @endpoint

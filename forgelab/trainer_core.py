@@ -211,8 +211,10 @@ class TrainerState:
         from forgelab.titan import build_from_hf
 
         model, self.ckpt = build_from_hf(config.model_dir, device=self.device)
-        if world > 1:
-            self._shard(model)
+        from forgelab.precision import needs_mixed_precision
+
+        if world > 1 or needs_mixed_precision(getattr(config, "dtype", "float32"), self.device.type):
+            self._shard(model)  # FSDP2; with one rank too when model.dtype asks for 16-bit compute on CUDA
         self.model = model.train()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -257,7 +259,10 @@ class TrainerState:
 
         set_spmd_backend("partial_dtensor")
         mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("fsdp",))
-        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        from forgelab.precision import fsdp_dtypes
+
+        param_dtype, reduce_dtype = fsdp_dtypes(getattr(self.config, "dtype", "float32"), self.device.type)
+        apply_fsdp_to_decoder(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, pp_enabled=False)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # gloo has no AVG/PREMUL_SUM; and each rank's gradient is already its

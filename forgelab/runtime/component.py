@@ -352,3 +352,8 @@ class Component(Actor):
     @endpoint
     async def _forgelab_pid(self) -> int:
         return os.getpid()
+
+    @endpoint
+    async def received_config(self) -> Any:
+        """The config object this actor was constructed with (`self.config`; None if it keeps none)."""
+        return getattr(self, "config", None)
