@@ -153,7 +153,7 @@ def titan_llama3_config_from_hf(hf_config: dict[str, Any], *, attn_backend: str 
 # Everything a trainer needs between a HF directory and a torchtitan model:
 #
 #     model, ckpt = build_from_hf("forgelab/assets/tiny-llama")   # float32, SDPA, meta-built
-#     logprobs_B_T = model_logprobs(model, tokens_B_L)
+#     logprobs_B_T = model_logprobs(model, tokens_B_L)   # chunked over the vocabulary projection
 #     export_hf(model, ckpt, "/tmp/out")      # config.json + safetensors + tokenizer files
 #
 # Export uses the adapter's ``to_hf`` over the plain ``model.state_dict()``
@@ -385,13 +385,54 @@ def export_hf(model: torch.nn.Module, ckpt: TitanCheckpoint, out_dir: str) -> st
     return save_hf(out_dir, to_hf_state_dict(model, ckpt), ckpt)
 
 
-def model_logprobs(model: torch.nn.Module, tokens_B_L: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
-    """fp32 ``logprobs_B_T``: ``[:, t] = log p(tokens[:, t+1] | tokens[:, :t+1])``, ``T = L - 1``.
+def hidden_states(model: torch.nn.Module, inputs_B_T: torch.Tensor) -> torch.Tensor:
+    """The final hidden states ``[B, T, D]`` (after the last norm, before the output projection).
 
-    Causal forward at positions ``0..T-1`` with no mask (right padding only);
-    differentiable when grad is enabled; uses ``forgelab.algos.logprobs.gather_logprobs``.
+    Runs the model's own forward (so FSDP's hooks fire) with torchtitan's
+    ``_skip_lm_head`` set, so no ``[B, T, V]`` logits are ever built.
     """
-    from forgelab.algos.logprobs import gather_logprobs, shift_for_targets
+    skip = model._skip_lm_head
+    model._skip_lm_head = True
+    try:
+        return model(inputs_B_T)
+    finally:
+        model._skip_lm_head = skip
+
+
+def output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The output projection ``[V, D]`` (the embedding itself when tied), as the forward pass just used it.
+
+    Under FSDP, read it right after `hidden_states`: the output unit is not
+    resharded after forward, so this is the gathered parameter that autograd
+    (and FSDP's reduce-scatter) tracks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    weight = model.lm_head.weight
+    if isinstance(weight, DTensor):
+        raise RuntimeError(
+            "lm_head.weight is still sharded after the forward pass: the FSDP unit holding the output projection "
+            "must not reshard after forward (torchtitan's default policy keeps it gathered)"
+        )
+    return weight
+
+
+def model_logprobs_entropy(
+    model: torch.nn.Module, tokens_B_L: torch.Tensor, *, need_entropy: bool = False, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``(logprobs_B_T, entropy_B_T or None)``, never holding more than ``chunk`` rows of full-vocabulary logits.
+
+    ``logprobs[:, t] = log p(tokens[:, t+1] | tokens[:, :t+1])``, ``T = L - 1``; causal
+    forward with no mask (right padding only); differentiable when grad is enabled.
+    """
+    from forgelab.algos.logprobs import DEFAULT_LOGITS_CHUNK, chunked_logprobs_entropy, shift_for_targets
 
     inputs_B_T, targets_B_T = shift_for_targets(tokens_B_L)
-    return gather_logprobs(model(inputs_B_T), targets_B_T, chunk_size=chunk_size)
+    h_B_T_D = hidden_states(model, inputs_B_T)
+    return chunked_logprobs_entropy(h_B_T_D, output_weight(model), targets_B_T,
+                                    chunk=chunk or DEFAULT_LOGITS_CHUNK, need_entropy=need_entropy)
+
+
+def model_logprobs(model: torch.nn.Module, tokens_B_L: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
+    """fp32 ``logprobs_B_T`` by `model_logprobs_entropy` (``chunk_size`` rows of logits at a time)."""
+    return model_logprobs_entropy(model, tokens_B_L, chunk=chunk_size)[0]

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_logprobs", "token_entropy", "shift_for_targets", "masked_sum", "masked_mean"]
+__all__ = [
+    "gather_logprobs", "token_entropy", "shift_for_targets", "masked_sum", "masked_mean",
+    "chunked_logprobs_entropy", "DEFAULT_LOGITS_CHUNK",
+]
 
 
 def shift_for_targets(tokens_B_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,3 +139,122 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] 
     total = masked_sum(x, mask, dim)
     count = mask.expand_as(x).sum() if dim is None else mask.expand_as(x).sum(dim)
     return torch.where(count > 0, total / count.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
+
+
+# --- chunked logprobs and entropy from hidden states -----------------------------
+# With a 151,936-token vocabulary the logits of 16 x 1,024 tokens are ~10 GB in
+# fp32. The model stops before its output projection and hands over the final
+# hidden states; `chunked_logprobs_entropy` projects CHUNK rows at a time, keeps
+# only per-row numbers (target logit, logsumexp, entropy), and in the backward
+# pass recomputes each chunk's logits to form its gradient. Peak logits memory
+# is ``chunk * V`` elements (a few copies), whatever the batch.
+
+#: Rows (tokens) projected onto the vocabulary at a time by default.
+DEFAULT_LOGITS_CHUNK = 1024
+
+
+def _chunk_stats(h_C_D: torch.Tensor, w_V_D: torch.Tensor, y_C: torch.Tensor):
+    """``(z_C_V fp32, logsumexp_C, target logit_C)`` for one chunk of rows."""
+    z_C_V = (h_C_D @ w_V_D.t()).float()
+    return z_C_V, torch.logsumexp(z_C_V, dim=-1), z_C_V.gather(-1, y_C.unsqueeze(-1)).squeeze(-1)
+
+
+def _entropy_from(z_C_V: torch.Tensor, lse_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entropy_C, p_C_V, logp_C_V)``, computed exactly as `token_entropy` does (so the two agree bit for bit)."""
+    logp_C_V = z_C_V - lse_C.unsqueeze(-1)
+    p_C_V = logp_C_V.exp()
+    logp_C_V = logp_C_V.clamp_min(torch.finfo(torch.float32).min)  # a -inf logit contributes 0, not nan
+    return -(p_C_V * logp_C_V).sum(-1), p_C_V, logp_C_V
+
+
+class _ChunkedLogprobsEntropy(torch.autograd.Function):
+    """Differentiable ``(logprobs_N, entropy_N)`` of ``softmax(h @ W.T)`` computed ``chunk`` rows at a time."""
+
+    @staticmethod
+    def forward(ctx, h_N_D, w_V_D, y_N, chunk: int, want_entropy: bool):
+        N = h_N_D.shape[0]
+        lp_N = torch.empty(N, dtype=torch.float32, device=h_N_D.device)
+        lse_N = torch.empty_like(lp_N)
+        ent_N = torch.empty_like(lp_N) if want_entropy else None
+        for s in range(0, N, chunk):
+            z, lse, zy = _chunk_stats(h_N_D[s : s + chunk], w_V_D, y_N[s : s + chunk])
+            lp_N[s : s + chunk] = zy - lse
+            lse_N[s : s + chunk] = lse
+            if want_entropy:
+                ent_N[s : s + chunk] = _entropy_from(z, lse)[0]
+            del z
+        ctx.save_for_backward(h_N_D, w_V_D, y_N, lse_N)
+        ctx.chunk = chunk
+        if ent_N is None:
+            ent_N = torch.zeros_like(lp_N)
+        return lp_N, ent_N
+
+    @staticmethod
+    def backward(ctx, g_lp_N, g_ent_N):
+        h_N_D, w_V_D, y_N, lse_N = ctx.saved_tensors
+        chunk = ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_h = torch.zeros_like(h_N_D) if need_h else None
+        g_w = torch.zeros(w_V_D.shape, dtype=torch.float32, device=w_V_D.device) if need_w else None
+        for s in range(0, h_N_D.shape[0], chunk):
+            h_C_D, y_C, lse_C = h_N_D[s : s + chunk], y_N[s : s + chunk], lse_N[s : s + chunk]
+            z_C_V = (h_C_D @ w_V_D.t()).float()
+            ent_C, p_C_V, logp_C_V = _entropy_from(z_C_V, lse_C)
+            # d logp_y / dz = onehot(y) - p ;  d H / dz = -p * (log p + H)
+            g_z = p_C_V * (-g_lp_N[s : s + chunk].unsqueeze(-1))
+            if g_ent_N is not None and bool((g_ent_N[s : s + chunk] != 0).any()):
+                g_z -= g_ent_N[s : s + chunk].unsqueeze(-1) * p_C_V * (logp_C_V + ent_C.unsqueeze(-1))
+            del logp_C_V
+            g_z.scatter_add_(-1, y_C.unsqueeze(-1), g_lp_N[s : s + chunk].unsqueeze(-1))
+            del z_C_V, p_C_V
+            g_z = g_z.to(h_N_D.dtype)
+            if need_h:
+                g_h[s : s + chunk] = g_z @ w_V_D
+            if need_w:
+                g_w += (g_z.t() @ h_C_D).float()
+        return g_h, (None if g_w is None else g_w.to(w_V_D.dtype)), None, None, None
+
+
+def chunked_logprobs_entropy(
+    hidden_B_T_D: torch.Tensor,
+    weight_V_D: torch.Tensor,
+    targets_B_T: torch.Tensor,
+    *,
+    chunk: int = DEFAULT_LOGITS_CHUNK,
+    need_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target logprobs and entropies of ``logits = hidden @ weight.T``, never holding more than ``chunk`` rows of logits.
+
+    Equal (fp32) to ``gather_logprobs(logits, targets)`` and ``token_entropy(logits)``
+    on the full logits, and so are the gradients with respect to ``hidden`` and
+    ``weight``: the backward pass recomputes each chunk's logits instead of keeping them.
+
+    Args:
+        hidden_B_T_D: final hidden states (after the last norm), ``[B, T, D]``.
+        weight_V_D: the output projection (``lm_head.weight``; the embedding when tied), ``[V, D]``.
+        targets_B_T: target ids, ``[B, T]``.
+        chunk: rows (of ``B * T``) projected at a time; peak logits memory ~ ``chunk * V * 4`` bytes x a few.
+        need_entropy: also return ``entropy_B_T`` (nats); otherwise ``None``.
+
+    Returns:
+        ``(logprobs_B_T, entropy_B_T or None)``, fp32.
+
+    >>> h, w, y = torch.randn(2, 3, 4), torch.randn(7, 4), torch.randint(0, 7, (2, 3))
+    >>> lp, ent = chunked_logprobs_entropy(h, w, y, chunk=2)
+    >>> torch.allclose(lp, gather_logprobs(h @ w.t(), y), atol=1e-6)
+    True
+    >>> torch.allclose(ent, token_entropy(h @ w.t()), atol=1e-5)
+    True
+    """
+    if hidden_B_T_D.shape[:-1] != targets_B_T.shape or hidden_B_T_D.shape[-1] != weight_V_D.shape[-1]:
+        raise ValueError(
+            f"chunked_logprobs_entropy: hidden {tuple(hidden_B_T_D.shape)}, weight {tuple(weight_V_D.shape)} and "
+            f"targets {tuple(targets_B_T.shape)} disagree: expected hidden [B, T, D], weight [V, D], targets [B, T]"
+        )
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    B, T, D = hidden_B_T_D.shape
+    lp_N, ent_N = _ChunkedLogprobsEntropy.apply(
+        hidden_B_T_D.reshape(B * T, D), weight_V_D, targets_B_T.reshape(-1).long(), int(chunk), bool(need_entropy)
+    )
+    return lp_N.view(B, T), (ent_N.view(B, T) if need_entropy else None)
