@@ -46,7 +46,12 @@ class Parts:
 
 def component_configs(cfg: RunConfig) -> dict[str, Any]:
     """The config object each component is spawned with: {"generator", "trainer", "reference", "envs"}."""
-    return {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
+    from forgelab.algos.loss_checks import completion_budget, with_completion_budget
+
+    cc = {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
+    t = cc["trainer"]  # dr_grpo normalises by the completion budget unless loss_kwargs set max_tokens
+    t.loss_kwargs = with_completion_budget(t.loss, t.loss_kwargs, completion_budget(cfg.rollout))
+    return cc
 
 
 def _where(job: Any, mesh: str | None) -> dict[str, Any]:

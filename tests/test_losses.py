@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from forgelab.algos.loss_checks import accepted_loss_kwargs, check_loss_kwargs, with_completion_budget
 from forgelab.algos.losses import LOSSES, LossError, validate_loss_output
 
 B, T = 5, 6
@@ -97,8 +98,14 @@ def ref_dapo(batch, eps_low=0.2, eps_high=0.28):
     return _token_level(batch, eps_low, eps_high, n_tokens)
 
 
+def _widest_trained_span(mask):
+    spans = [max(t for t in range(T) if row[t]) - min(t for t in range(T) if row[t]) + 1 for row in mask if any(row)]
+    return max(spans, default=1)
+
+
 def ref_dr_grpo(batch, eps_low=0.2, eps_high=0.2, max_tokens=None):
-    return _token_level(batch, eps_low, eps_high, B * (max_tokens or T))
+    budget = max_tokens or _widest_trained_span(batch["mask_B_T"].tolist())
+    return _token_level(batch, eps_low, eps_high, B * budget)
 
 
 def ref_gspo(batch, seq_eps_low=3e-4, seq_eps_high=4e-4):
@@ -242,13 +249,6 @@ def test_all_masked_batch_gives_zero_finite_loss_and_grad(name):
     validate_loss_output((loss, metrics), name)
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
-def test_unknown_hparams_are_ignored_and_output_is_valid(name):
-    batch = _batch(seed=8)
-    logp = batch.pop("logp").requires_grad_(True)
-    out = LOSSES[name](logp, **batch, kl_coef=0.1, max_tokens=12, some_future_knob="x")
-    loss, metrics = validate_loss_output(out, name, require_grad=True)
-    assert math.isfinite(loss.item()) and isinstance(metrics, dict)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -325,3 +325,175 @@ def test_random_seeds_smoke():
             batch = _batch(seed=seed)
             loss, _, _ = _call(name, batch)
             assert loss.item() == pytest.approx(REFERENCES[name](batch)[0], rel=1e-4, abs=1e-6)
+
+
+# --- the shared KL-to-reference term ------------------------------------------------
+
+RATIO_LOSSES = ["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+
+
+def _kl_reduction_loop(name, batch, max_tokens=None):
+    """(value, d/dlogp) of each loss's own reduction of the per-token k3, written out with floats."""
+    lp, _, _, m, ref, _ = _lists(batch)
+    rows = [b for b in range(B) if sum(m[b]) > 0]
+    n_tokens = sum(sum(row) for row in m)
+    value, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for b in rows:
+        for t in range(T):
+            if not m[b][t]:
+                continue
+            d = ref[b][t] - lp[b][t]
+            k3, dk3 = math.exp(d) - d - 1, 1 - math.exp(d)
+            if name in ("grpo", "gspo"):  # mean per sequence, then over sequences with tokens
+                scale = 1 / sum(m[b]) / len(rows)
+            elif name == "dr_grpo":  # constant budget: every row counts in B
+                scale = 1 / (B * (max_tokens or _widest_trained_span(m)))
+            else:  # dapo, cispo, reinforce: mean over trained tokens
+                scale = 1 / n_tokens
+            value += k3 * scale
+            grad[b][t] = dk3 * scale
+    return value, grad
+
+
+@pytest.mark.parametrize("name", RATIO_LOSSES + ["reinforce"])
+@pytest.mark.parametrize("kl_coef", [0.5, 0.04])
+def test_kl_coef_adds_exactly_the_kl_term(name, kl_coef):
+    batch = _batch(seed=12)
+    hp = {"max_tokens": 9} if name == "dr_grpo" else {}
+    loss0, metrics0, grad0 = _call(name, batch, kl_coef=0.0, **hp)
+    loss1, metrics1, grad1 = _call(name, batch, kl_coef=kl_coef, **hp)
+    kl, dkl = _kl_reduction_loop(name, batch, hp.get("max_tokens"))
+    assert kl > 1e-3  # the fixture's reference really differs from the policy
+    assert (loss1 - loss0).item() == pytest.approx(kl_coef * kl, rel=1e-4, abs=1e-7)
+    assert torch.allclose(grad1 - grad0, kl_coef * torch.tensor(dkl), rtol=1e-4, atol=1e-7)
+    assert metrics1["kl_ref"] == pytest.approx(metrics0["kl_ref"])  # the metric does not depend on the coefficient
+
+
+@pytest.mark.parametrize("name", RATIO_LOSSES + ["reinforce"])
+def test_kl_defaults_grpo_only(name):
+    batch = _batch(seed=13)
+    loss_default, _, _ = _call(name, batch)
+    loss_zero, _, _ = _call(name, batch, kl_coef=0.0)
+    if name == "grpo":
+        kl, _ = _kl_reduction_loop("grpo", batch)
+        assert (loss_default - loss_zero).item() == pytest.approx(0.04 * kl, rel=1e-4, abs=1e-7)
+    else:
+        assert loss_default.item() == loss_zero.item()
+
+
+@pytest.mark.parametrize("name", RATIO_LOSSES)
+def test_kl_is_skipped_without_reference_and_bad_coefficients_raise(name):
+    batch = _batch(seed=14, ref=False)
+    assert _call(name, batch, kl_coef=0.3)[0].item() == _call(name, batch, kl_coef=0.0)[0].item()
+    for bad in (-0.1, float("nan"), float("inf"), "0.1"):
+        with pytest.raises(LossError, match="kl_coef"):
+            _call(name, _batch(seed=14), kl_coef=bad)
+
+
+# --- keyword validation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_unknown_keyword_raises_naming_it_and_listing_the_accepted(name):
+    batch = _batch(seed=8)
+    logp = batch.pop("logp").requires_grad_(True)
+    accepted = accepted_loss_kwargs(name)
+    assert "kl_coef" in accepted
+    with pytest.raises(LossError) as info:
+        LOSSES[name](logp, **batch, eps_hgih=0.28, some_future_knob="x")
+    text = str(info.value)
+    assert name in text and "eps_hgih" in text and "some_future_knob" in text
+    for ok in accepted:
+        assert ok in text
+    with pytest.raises(LossError, match="eps_hgih"):
+        check_loss_kwargs(name, {"eps_hgih": 0.28})
+    check_loss_kwargs(name, {k: 0.1 for k in accepted if k != "max_tokens"})  # every accepted name passes
+
+
+def test_accepted_keywords_of_each_builtin():
+    assert accepted_loss_kwargs("grpo") == ("eps_high", "eps_low", "kl_coef")
+    assert accepted_loss_kwargs("dr_grpo") == ("eps_high", "eps_low", "kl_coef", "max_tokens")
+    assert accepted_loss_kwargs("gspo") == ("kl_coef", "seq_eps_high", "seq_eps_low")
+    assert accepted_loss_kwargs("cispo") == ("is_eps_high", "is_eps_low", "kl_coef")
+    assert accepted_loss_kwargs("reinforce") == ("kl_coef",)
+
+
+def test_check_loss_kwargs_user_losses_and_batch_names():
+    def takes_anything(logprobs_B_T, *, advantages_B, mask_B_T, **_):
+        return (logprobs_B_T * 0).sum(), {}
+
+    def takes_beta(logprobs_B_T, *, advantages_B, mask_B_T, beta=0.1, generator_logprobs_B_T=None,
+                   ref_logprobs_B_T=None, is_weights_B_T=None):
+        return (logprobs_B_T * 0).sum(), {}
+
+    check_loss_kwargs(takes_anything, {"whatever": 1})
+    check_loss_kwargs(takes_beta, {"beta": 0.2})
+    with pytest.raises(LossError, match=r"takes_beta.*\['bta'\].*accepts: beta"):
+        check_loss_kwargs(takes_beta, {"bta": 0.2})
+    with pytest.raises(LossError, match="mask_B_T.*from the batch"):
+        check_loss_kwargs("grpo", {"mask_B_T": 1})
+    with pytest.raises(LossError, match="unknown loss 'grpoo'"):
+        check_loss_kwargs("grpoo", {})
+    check_loss_kwargs("grpo", None)
+
+
+# --- dr_grpo's completion budget --------------------------------------------------------
+
+
+def test_dr_grpo_divides_by_the_completion_budget_not_the_padded_width():
+    batch = _batch(seed=15)
+    # A long prompt: 20 more positions, never trained. The budget-normalised loss must not move.
+    pad = lambda x, v: torch.cat([torch.full((B, 20), v), x], dim=1)  # noqa: E731
+    wide = {k: (pad(v, 0.0 if k in ("mask_B_T",) else -1.0) if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+            for k, v in batch.items()}
+    narrow_loss, _, _ = _call("dr_grpo", batch, max_tokens=16)
+    wide_loss, _, _ = _call("dr_grpo", wide, max_tokens=16)
+    assert wide_loss.item() == pytest.approx(narrow_loss.item(), rel=1e-6)
+    assert narrow_loss.item() == pytest.approx(ref_dr_grpo(batch, max_tokens=16)[0], rel=1e-4)
+    # Without a budget: the widest trained span (6 here), not the padded width 26.
+    assert _call("dr_grpo", wide)[0].item() == pytest.approx(ref_dr_grpo(batch, max_tokens=6)[0], rel=1e-4)
+
+
+def test_with_completion_budget_fills_max_tokens_only_for_losses_that_take_it():
+    assert with_completion_budget("dr_grpo", {}, 16) == {"max_tokens": 16}
+    assert with_completion_budget("dr_grpo", {"max_tokens": 4, "eps_low": 0.1}, 16) == {"max_tokens": 4, "eps_low": 0.1}
+    assert with_completion_budget("grpo", {"kl_coef": 0.0}, 16) == {"kl_coef": 0.0}
+    assert with_completion_budget(lambda logprobs_B_T, **_: None, {}, 16) == {}
+    assert with_completion_budget("dr_grpo", {}, None) == {}
+
+
+def test_bad_max_tokens_raises():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(LossError, match="max_tokens"):
+            _call("dr_grpo", _batch(seed=16), max_tokens=bad)
+
+
+def test_loss_panel_refuses_an_unknown_keyword_before_calling_the_run():
+    pytest.importorskip("ipywidgets")
+    from types import SimpleNamespace
+
+    from forgelab.lab.loss_panel import LossPanel
+
+    calls = []
+
+    async def set_loss(loss, **kwargs):  # must never be reached
+        calls.append((loss, kwargs))
+        return {"loss": loss, "applies_at_step": 1}
+
+    run = SimpleNamespace(loss_name="grpo", set_loss=set_loss, status=lambda: {}, config=SimpleNamespace(name="t"))
+    panel = LossPanel(run)
+    _ = panel.widget
+    panel.kwargs.value = "eps_hgih=0.28"
+    assert panel.apply("dapo") is None
+    assert calls == []
+    assert panel.outcome["ok"] is False
+    assert "eps_hgih" in panel.outcome["reason"] and "eps_high" in panel.outcome["reason"]
+    assert "eps_hgih" in panel.message.value
+
+
+def test_config_validation_reports_an_unknown_loss_keyword():
+    from forgelab.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=r"train.loss_kwargs: .*'dapo'.*eps_hgih.*eps_high"):
+        RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"eps_hgih": 0.28}}})
+    RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"eps_high": 0.28, "kl_coef": 0.01}}})

@@ -8,6 +8,7 @@ from forgelab.algos.advantages import ADVANTAGES, AdvantageFn, group_mean_center
 from forgelab.algos.batching import collate
 from forgelab.algos.importance import IS_LEVELS, truncated_is_weights
 from forgelab.algos.logprobs import gather_logprobs, masked_mean, masked_sum, shift_for_targets, token_entropy
+from forgelab.algos.loss_checks import accepted_loss_kwargs, check_loss_kwargs
 from forgelab.algos.losses import (
     LOSSES,
     LossError,
@@ -39,6 +40,8 @@ __all__ = [
     "LossFn",
     "LossError",
     "validate_loss_output",
+    "check_loss_kwargs",
+    "accepted_loss_kwargs",
     "grpo",
     "dapo",
     "dr_grpo",

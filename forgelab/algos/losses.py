@@ -9,9 +9,19 @@ Every loss has the signature::
 grad); everything else is a constant (detached here, whatever the caller
 passes). Per-token tensors follow the target alignment of
 ``forgelab.algos.logprobs``; ``mask_B_T`` is 1.0 exactly on trained tokens.
-Unknown hyperparameters are ignored (``**_``), so the trainer can pass one
-uniform set to whichever loss is live. ``loss`` is a scalar tensor to minimise;
-``metrics`` maps names to plain floats.
+The built-in losses reject unknown hyperparameters (``LossError`` naming them
+and listing the accepted ones; ``check_loss_kwargs`` checks the same before a
+run starts). ``loss`` is a scalar tensor to minimise; ``metrics`` maps names
+to plain floats.
+
+KL to the reference: every loss takes ``kl_coef`` and adds ``kl_coef * k3`` per
+trained token before its own reduction (``forgelab.algos.kl``, as TRL's
+``beta``); the default is 0.04 for ``grpo`` and 0 for the others. It is
+skipped when ``ref_logprobs_B_T`` is None.
+
+Rows with no trained token (all-masked) are left out of the per-sequence
+averages (grpo, gspo), contribute nothing to the token counts (dapo, cispo,
+reinforce), and still count in dr_grpo's constant ``B * max_tokens``.
 
 The ratio is taken against the generator's sampling logprobs,
 ``r = exp(logp - generator_logp)``: the behaviour policy is whatever produced
@@ -47,13 +57,16 @@ from typing import NamedTuple
 
 import torch
 
+from forgelab.algos.kl import add_kl, k3_kl
 from forgelab.algos.logprobs import masked_mean, masked_sum
+from forgelab.algos.loss_checks import LossError, check_loss_kwargs, strict_hparams, validate_loss_output
 
 __all__ = [
     "LOSSES",
     "LossFn",
     "LossError",
     "validate_loss_output",
+    "check_loss_kwargs",
     "grpo",
     "dapo",
     "dr_grpo",
@@ -63,10 +76,6 @@ __all__ = [
 ]
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-
-
-class LossError(ValueError):
-    """A loss function was called with bad inputs or returned something the trainer cannot use."""
 
 
 # --- shared pieces -----------------------------------------------------------
@@ -102,12 +111,6 @@ def _prepare(name, logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T,
     return logp_B_T, log_ratio_B_T, adv_B_1, mask_B_T, on_B_T, w_B_T
 
 
-def _k3_kl(logp_B_T, ref_logprobs_B_T, on_B_T):
-    """k3 estimator of KL(current || ref) per token: ``exp(d) - d - 1`` with ``d = ref - logp``; >= 0."""
-    d_B_T = torch.where(on_B_T, ref_logprobs_B_T.detach().float() - logp_B_T, 0.0)
-    return torch.exp(d_B_T) - d_B_T - 1.0
-
-
 def _base_metrics(logp_B_T, log_ratio_B_T, mask_B_T, on_B_T, ref_logprobs_B_T) -> dict[str, float]:
     with torch.no_grad():
         metrics = {
@@ -115,7 +118,7 @@ def _base_metrics(logp_B_T, log_ratio_B_T, mask_B_T, on_B_T, ref_logprobs_B_T) -
             "ratio_mean": masked_mean(torch.exp(log_ratio_B_T), mask_B_T).item(),
         }
         if ref_logprobs_B_T is not None:
-            metrics["kl_ref"] = masked_mean(_k3_kl(logp_B_T, ref_logprobs_B_T, on_B_T), mask_B_T).item()
+            metrics["kl_ref"] = masked_mean(k3_kl(logp_B_T, ref_logprobs_B_T, on_B_T), mask_B_T).item()
     return metrics
 
 
@@ -183,6 +186,7 @@ def _sequence_mean(per_token_B_T, mask_B_T):
 # --- losses ------------------------------------------------------------------
 
 
+@strict_hparams
 def grpo(
     logprobs_B_T: torch.Tensor,
     *,
@@ -194,15 +198,15 @@ def grpo(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     kl_coef: float = 0.04,
-    **_,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO: PPO-clipped surrogate plus a k3 KL penalty, averaged per sequence then over sequences.
 
     ``loss = 1/|S| sum_{i in S} 1/|o_i| sum_t [ -w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)
     + kl_coef * k3_it ]`` with ``r = exp(logp - generator_logp)``,
     ``k3 = exp(ref - logp) - (ref - logp) - 1`` and ``S`` the sequences with at
-    least one trained token. The KL term is skipped when ``ref_logprobs_B_T``
-    is None or ``kl_coef == 0``. Pair with ``grpo`` advantages.
+    least one trained token (all-masked rows are left out of the average).
+    The KL term is skipped when ``ref_logprobs_B_T`` is None or ``kl_coef == 0``.
+    Pair with ``grpo`` advantages.
     Shao et al. 2024, DeepSeekMath, arXiv:2402.03300.
 
     Args:
@@ -217,12 +221,11 @@ def grpo(
     """
     t = _clipped_pg_terms("grpo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
                           mask_B_T, ref_logprobs_B_T, is_weights_B_T, eps_low, eps_high)
-    per_token_B_T = t.pg_B_T
-    if ref_logprobs_B_T is not None and kl_coef != 0:
-        per_token_B_T = per_token_B_T + kl_coef * _k3_kl(t.logp_B_T, ref_logprobs_B_T, t.on_B_T)
+    per_token_B_T = add_kl(t.pg_B_T, t.logp_B_T, ref_logprobs_B_T, t.on_B_T, kl_coef, "grpo")
     return _sequence_mean(per_token_B_T, t.mask_B_T), t.metrics
 
 
+@strict_hparams
 def dapo(
     logprobs_B_T: torch.Tensor,
     *,
@@ -233,15 +236,14 @@ def dapo(
     is_weights_B_T: torch.Tensor | None = None,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
-    **_,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """DAPO: clip-higher PPO surrogate with token-level normalisation and no KL.
+    """DAPO: clip-higher PPO surrogate with token-level normalisation; no KL unless ``kl_coef > 0``.
 
-    ``loss = -1/N sum_{i,t} w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)``
+    ``loss = 1/N sum_{i,t} [ -w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) + kl_coef * k3_it ]``
     with ``N`` the number of trained tokens in the batch, so long sequences
-    weigh in proportion to their length. A larger ``eps_high`` lets
-    low-probability tokens grow (against entropy collapse). ``ref_logprobs_B_T``
-    is used only for the ``kl_ref`` metric.
+    weigh in proportion to their length (all-masked rows add nothing). A larger
+    ``eps_high`` lets low-probability tokens grow (against entropy collapse).
     Yu et al. 2025, "DAPO", arXiv:2503.14476.
 
     Args:
@@ -249,15 +251,18 @@ def dapo(
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
         advantages_B: one advantage per sequence, ``[B]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
-        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
         eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+        kl_coef: weight of the k3 KL-to-reference term (0: none, the DAPO paper's choice).
     """
     t = _clipped_pg_terms("dapo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
                           mask_B_T, ref_logprobs_B_T, is_weights_B_T, eps_low, eps_high)
-    return masked_mean(t.pg_B_T, t.mask_B_T), t.metrics
+    per_token_B_T = add_kl(t.pg_B_T, t.logp_B_T, ref_logprobs_B_T, t.on_B_T, kl_coef, "dapo")
+    return masked_mean(per_token_B_T, t.mask_B_T), t.metrics
 
 
+@strict_hparams
 def dr_grpo(
     logprobs_B_T: torch.Tensor,
     *,
@@ -269,15 +274,18 @@ def dr_grpo(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     max_tokens: int | None = None,
-    **_,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dr.GRPO: PPO-clipped surrogate normalised by a constant, not by sequence length; no KL.
+    """Dr.GRPO: PPO-clipped surrogate normalised by a constant, not by sequence length; no KL unless ``kl_coef > 0``.
 
-    ``loss = -1/(B * max_tokens) sum_{i,t} w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)``.
+    ``loss = 1/(B * max_tokens) sum_{i,t} [ -w_it min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) + kl_coef * k3_it ]``.
     Dividing by each sequence's own length (GRPO) favours long wrong answers
-    and short right ones; a constant removes that bias. Pair with the
-    ``dr_grpo`` advantages (``r - mean``, no std), which remove the other
-    (difficulty) bias. ``ref_logprobs_B_T`` is used only for ``kl_ref``.
+    and short right ones; a constant removes that bias. ``max_tokens`` is the
+    completion budget (TRL: ``max_completion_length``): a ``Run`` passes
+    ``rollout.max_tokens`` (times ``rollout.max_turns`` for environment runs)
+    unless ``loss_kwargs`` sets it. ``B`` counts every row, all-masked ones too
+    (as TRL does). Pair with the ``dr_grpo`` advantages (``r - mean``, no std),
+    which remove the other (difficulty) bias.
     Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783.
 
     Args:
@@ -285,21 +293,37 @@ def dr_grpo(
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
         advantages_B: one advantage per sequence, ``[B]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
-        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
         eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
-        max_tokens: the normalising constant per sequence; default ``T``. Set it
-            to the generation budget so it does not change with batch padding.
+        max_tokens: the normalising constant per sequence, the completion budget. Called
+            without it (outside a run), the widest trained span of the batch (first to
+            last trained position of a row, the largest over rows): never the padded
+            width, which includes prompt positions.
+        kl_coef: weight of the k3 KL-to-reference term (0: none, the paper's choice).
     """
     t = _clipped_pg_terms("dr_grpo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
                           mask_B_T, ref_logprobs_B_T, is_weights_B_T, eps_low, eps_high)
     B, T = logprobs_B_T.shape
-    max_tokens = T if max_tokens is None else max_tokens
-    if max_tokens <= 0:
-        raise LossError(f"loss 'dr_grpo': max_tokens must be positive, got {max_tokens}")
-    return masked_sum(t.pg_B_T, t.mask_B_T) / (max(B, 1) * max_tokens), t.metrics
+    max_tokens = _trained_span(t.on_B_T) if max_tokens is None else max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise LossError(f"loss 'dr_grpo': max_tokens must be a positive integer, got {max_tokens!r}")
+    per_token_B_T = add_kl(t.pg_B_T, t.logp_B_T, ref_logprobs_B_T, t.on_B_T, kl_coef, "dr_grpo")
+    return masked_sum(per_token_B_T, t.mask_B_T) / (max(B, 1) * max_tokens), t.metrics
 
 
+def _trained_span(on_B_T: torch.Tensor) -> int:
+    """Largest ``last - first + 1`` trained position over rows (1 if nothing is trained)."""
+    pos_T = torch.arange(on_B_T.shape[1])
+    has_B = on_B_T.any(dim=1)
+    if not has_B.any():
+        return 1
+    last_B = torch.where(on_B_T, pos_T, -1).amax(dim=1)
+    first_B = torch.where(on_B_T, pos_T, on_B_T.shape[1]).amin(dim=1)
+    return int((last_B - first_B + 1)[has_B].max())
+
+
+@strict_hparams
 def gspo(
     logprobs_B_T: torch.Tensor,
     *,
@@ -310,17 +334,19 @@ def gspo(
     is_weights_B_T: torch.Tensor | None = None,
     seq_eps_low: float = 3e-4,
     seq_eps_high: float = 4e-4,
-    **_,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: one length-normalised importance ratio per sequence, clipped per sequence.
 
     ``s_i = exp(1/|o_i| sum_t (logp_it - generator_logp_it))`` and
-    ``loss = -1/|S| sum_{i in S} w_i min(s_i A_i, clip(s_i, 1-seq_eps_low, 1+seq_eps_high) A_i)``
-    over the sequences ``S`` with at least one trained token. ``w_i`` is the
+    ``loss = 1/|S| sum_{i in S} [ -w_i min(s_i A_i, clip(s_i, 1-seq_eps_low, 1+seq_eps_high) A_i)
+    + kl_coef * 1/|o_i| sum_t k3_it ]`` over the sequences ``S`` with at least
+    one trained token (all-masked rows are left out). ``w_i`` is the
     mean of ``is_weights_B_T`` over the sequence's trained tokens (constant
     along a sequence when it comes from sequence-level truncated IS). The
     clip range is tiny because ``s_i`` is a geometric mean; ``clip_frac`` is
-    the share of sequences clipped. No KL; ``ref_logprobs_B_T`` feeds ``kl_ref`` only.
+    the share of sequences clipped. The KL term (``kl_coef``, default 0) is
+    per token, averaged per sequence like the rest.
     Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
 
     Args:
@@ -328,9 +354,10 @@ def gspo(
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
         advantages_B: one advantage per sequence, ``[B]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
-        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: importance weights, ``[B, T]``, averaged per sequence, or None.
         seq_eps_low, seq_eps_high: sequence-ratio clip range ``[1 - seq_eps_low, 1 + seq_eps_high]``.
+        kl_coef: weight of the k3 KL-to-reference term.
     """
     logp, log_ratio, adv, mask, on, w = _prepare(
         "gspo", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
@@ -342,8 +369,10 @@ def gspo(
     objective_B = torch.minimum(seq_ratio_B * adv_B, clipped_B * adv_B)
     if w is not None:
         objective_B = objective_B * masked_mean(w, mask, dim=1)
-    objective_B = torch.where(has_tokens_B, objective_B, 0.0)
-    loss = -objective_B.sum() / has_tokens_B.sum().clamp_min(1)
+    kl_B_T = add_kl(torch.zeros_like(logp), logp, ref_logprobs_B_T, on, kl_coef, "gspo")
+    seq_B = -objective_B + masked_mean(kl_B_T, mask, dim=1)
+    seq_B = torch.where(has_tokens_B, seq_B, 0.0)
+    loss = seq_B.sum() / has_tokens_B.sum().clamp_min(1)
     with torch.no_grad():
         active_B = ((seq_ratio_B > 1.0 + seq_eps_high) & (adv_B > 0)) | ((seq_ratio_B < 1.0 - seq_eps_low) & (adv_B < 0))
         n_seqs = max(int(has_tokens_B.sum()), 1)
@@ -353,6 +382,7 @@ def gspo(
     return loss, metrics
 
 
+@strict_hparams
 def cispo(
     logprobs_B_T: torch.Tensor,
     *,
@@ -363,17 +393,17 @@ def cispo(
     is_weights_B_T: torch.Tensor | None = None,
     is_eps_low: float = 1.0,
     is_eps_high: float = 2.0,
-    **_,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio; every token keeps its gradient.
 
-    ``loss = -1/N sum_{i,t} sg(clip(r_it, 1-is_eps_low, 1+is_eps_high)) w_it A_i logp_it``
-    with ``N`` the number of trained tokens. Unlike PPO clipping, which zeroes
+    ``loss = 1/N sum_{i,t} [ -sg(clip(r_it, 1-is_eps_low, 1+is_eps_high)) w_it A_i logp_it + kl_coef * k3_it ]``
+    with ``N`` the number of trained tokens (all-masked rows add nothing). Unlike PPO clipping, which zeroes
     the gradient of clipped tokens (often the rare "fork" tokens), CISPO only
     caps their weight. The default ``is_eps_low = 1`` puts the lower bound at
     0, i.e. no lower bound, as in the paper; the default cap is
     ``1 + is_eps_high = 3``. The loss value is on the scale of ``A * logp``;
-    only its gradient is meaningful. No KL; ``ref_logprobs_B_T`` feeds ``kl_ref`` only.
+    only its gradient is meaningful. No KL unless ``kl_coef > 0``.
     MiniMax 2025, "MiniMax-M1", arXiv:2506.13585.
 
     Args:
@@ -381,15 +411,18 @@ def cispo(
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
         advantages_B: one advantage per sequence, ``[B]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
-        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: extra per-token importance weights, ``[B, T]``, or None.
         is_eps_low, is_eps_high: IS-weight clip range ``[1 - is_eps_low, 1 + is_eps_high]``.
+        kl_coef: weight of the k3 KL-to-reference term.
     """
     t = _clipped_pg_terms("cispo", _sg_clipped_token_objective, logprobs_B_T, generator_logprobs_B_T,
                           advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T, is_eps_low, is_eps_high)
-    return masked_mean(t.pg_B_T, t.mask_B_T), t.metrics
+    per_token_B_T = add_kl(t.pg_B_T, t.logp_B_T, ref_logprobs_B_T, t.on_B_T, kl_coef, "cispo")
+    return masked_mean(per_token_B_T, t.mask_B_T), t.metrics
 
 
+@strict_hparams
 def reinforce(
     logprobs_B_T: torch.Tensor,
     *,
@@ -398,9 +431,9 @@ def reinforce(
     mask_B_T: torch.Tensor,
     ref_logprobs_B_T: torch.Tensor | None = None,
     is_weights_B_T: torch.Tensor | None = None,
-    **_,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """REINFORCE with a given advantage: ``loss = -1/N sum_{i,t} w_it A_i logp_it``, token-level mean.
+    """REINFORCE with a given advantage: ``loss = 1/N sum_{i,t} [ -w_it A_i logp_it + kl_coef * k3_it ]``, token-level mean.
 
     No ratio, no clipping: strictly on-policy unless ``is_weights_B_T`` corrects
     for the generator (e.g. truncated IS). ``generator_logprobs_B_T`` feeds
@@ -412,14 +445,16 @@ def reinforce(
         generator_logprobs_B_T: behaviour-policy sampling logprobs (metrics only), ``[B, T]``.
         advantages_B: one advantage per sequence, ``[B]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
-        ref_logprobs_B_T: reference-model logprobs (metrics only), ``[B, T]``, or None.
+        ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
+        kl_coef: weight of the k3 KL-to-reference term.
     """
     logp, log_ratio, adv, mask, on, w = _prepare(
         "reinforce", logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T, ref_logprobs_B_T, is_weights_B_T
     )
     logp_on_B_T = torch.where(on, logp, 0.0)
-    loss = masked_mean(-_weighted(adv * logp_on_B_T, w), mask)
+    per_token_B_T = add_kl(-_weighted(adv * logp_on_B_T, w), logp, ref_logprobs_B_T, on, kl_coef, "reinforce")
+    loss = masked_mean(per_token_B_T, mask)
     return loss, _base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T)
 
 
@@ -432,63 +467,3 @@ LOSSES: dict[str, LossFn] = {
     "reinforce": reinforce,
 }
 """Losses by name. A user's own function with the same signature is a first-class entry."""
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        shown = value.item() if value.numel() == 1 else f"{value.numel()} elements"
-        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, value={shown})"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:120] + '...' if len(text) > 120 else text}"
-
-
-def validate_loss_output(out, name: str, *, require_grad: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-    """Check a loss function's return value; return it as ``(loss, metrics)`` or raise ``LossError``.
-
-    Used by the trainer after every call and by the hot-swap dry run before a
-    new loss goes live. Requires ``(scalar finite floating tensor, dict[str, real number])``;
-    with ``require_grad`` the loss must also be attached to the autograd graph.
-
-    >>> import torch
-    >>> validate_loss_output((torch.tensor(0.5), {"kl_behaviour": 0.0}), "mine")[0].item()
-    0.5
-    >>> validate_loss_output(torch.tensor([0.5, 1.0]), "mine")  # doctest: +IGNORE_EXCEPTION_DETAIL
-    Traceback (most recent call last):
-    LossError: loss 'mine' returned Tensor(shape=(2,), ...), expected a tuple (loss, metrics); ...
-    """
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise LossError(
-            f"loss {name!r} returned {_describe(out)}, expected a tuple (loss, metrics); "
-            'return `loss, {"name": float, ...}`'
-        )
-    loss, metrics = out
-    if not isinstance(loss, torch.Tensor):
-        raise LossError(f"loss {name!r} returned loss={_describe(loss)}, expected a torch.Tensor scalar")
-    if loss.numel() != 1 or loss.dim() > 1:
-        raise LossError(
-            f"loss {name!r} returned loss={_describe(loss)}, expected a scalar; reduce it "
-            "(e.g. forgelab.algos.masked_mean(per_token, mask_B_T))"
-        )
-    if not loss.is_floating_point():
-        raise LossError(f"loss {name!r} returned loss={_describe(loss)}, expected a floating-point tensor")
-    if not torch.isfinite(loss).all():
-        raise LossError(
-            f"loss {name!r} returned a non-finite loss {_describe(loss)}; check for exp() overflow on padding "
-            "positions (mask before exponentiating), division by a zero token count, or log(0)"
-        )
-    if require_grad and not loss.requires_grad:
-        raise LossError(
-            f"loss {name!r} returned a loss with no gradient {_describe(loss)}; it must be computed from "
-            "logprobs_B_T without .detach()/.item()/torch.no_grad()"
-        )
-    if not isinstance(metrics, dict):
-        raise LossError(f"loss {name!r} returned metrics={_describe(metrics)}, expected a dict[str, float]")
-    for key, value in metrics.items():
-        if not isinstance(key, str):
-            raise LossError(f"loss {name!r} returned a metric key {key!r}; metric names must be str")
-        if isinstance(value, torch.Tensor) or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LossError(
-                f"loss {name!r} returned metric {key!r}={_describe(value)}, expected a plain float; "
-                "use .item() on tensors"
-            )
-    return loss.reshape(()), {k: float(v) for k, v in metrics.items()}

@@ -12,6 +12,7 @@ import asyncio
 from typing import Any, Callable
 
 from forgelab.algos import LOSSES
+from forgelab.algos.loss_checks import LossError, check_loss_kwargs
 from forgelab.lab._base import Panel, esc
 from forgelab.lab.summary import _loss_name, state_line
 
@@ -87,6 +88,11 @@ class LossPanel(Panel):
             kwargs = {**parse_kwargs(self.kwargs.value), **loss_kwargs}
         except Exception as e:
             self._refuse(f"kwargs not understood: {e}")
+            return None
+        try:  # a misspelt hyperparameter is refused here, before the dry run
+            check_loss_kwargs(loss, kwargs)
+        except LossError as e:
+            self._refuse(str(e))
             return None
         self.message.value = f"<span style='color:#777'>dry-running {esc(_loss_name(loss))} on the last batch…</span>"
         try:
