@@ -497,3 +497,18 @@ def test_config_validation_reports_an_unknown_loss_keyword():
     with pytest.raises(ConfigError, match=r"train.loss_kwargs: .*'dapo'.*eps_hgih.*eps_high"):
         RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"eps_hgih": 0.28}}})
     RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"eps_high": 0.28, "kl_coef": 0.01}}})
+
+
+def test_run_trainer_config_carries_the_completion_budget_to_dr_grpo():
+    from forgelab.config import RunConfig
+    from forgelab.spawn import component_configs
+
+    cfg = RunConfig.from_dict({"rollout": {"max_tokens": 12}, "train": {"loss": "dr_grpo"}})
+    assert component_configs(cfg)["trainer"].loss_kwargs == {"max_tokens": 12}
+    cfg = RunConfig.from_dict({"rollout": {"max_tokens": 12}, "train": {"loss": "dr_grpo", "loss_kwargs": {"max_tokens": 5}}})
+    assert component_configs(cfg)["trainer"].loss_kwargs == {"max_tokens": 5}
+    cfg = RunConfig.from_dict({"rollout": {"max_tokens": 12, "env": "calculator", "max_turns": 3,
+                                           "task": "multistep"}, "train": {"loss": "dr_grpo"}})
+    assert component_configs(cfg)["trainer"].loss_kwargs == {"max_tokens": 36}
+    cfg = RunConfig.from_dict({"train": {"loss": "grpo", "loss_kwargs": {"kl_coef": 0.0}}})
+    assert component_configs(cfg)["trainer"].loss_kwargs == {"kl_coef": 0.0}
