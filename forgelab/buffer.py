@@ -305,19 +305,90 @@ class ReplayBuffer:
             "episodes": [dataclasses.asdict(ep) for ep in [*self._in_flight.values(), *self._buffered.values()]],
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore from ``state_dict()``; ``batch_size``, ``max_policy_age`` and ``max_size`` stay as constructed."""
-        if state.get("format") != 1:
-            raise ValueError(f"ReplayBuffer.load_state_dict: unknown format {state.get('format')!r}, expected 1")
-        self._generated = int(state["generated"])
-        self._trained = int(state["trained"])
-        self._evicted = int(state["evicted"])
-        self._dropped = int(state["dropped"])
-        self._dropped_reasons = Counter({k: int(v) for k, v in state["dropped_reasons"].items()})
-        self._closed = {int(i): s for i, s in state["closed"]}
+    def load_state_dict(self, state: dict) -> list[Episode]:
+        """Restore from ``state_dict()``; ``batch_size``, ``max_policy_age`` and ``max_size`` stay as constructed.
+
+        Atomic: the whole state is checked first (format, counters, statuses,
+        episodes, the accounting identity) and a bad one raises ``ValueError``
+        naming the problem with the buffer unchanged. If it holds more episodes
+        than this buffer's ``max_size``, the oldest are dropped with reason
+        ``"buffer_full"`` (counted like any other drop) and returned.
+        """
+        checked = _checked_state(state)
+        episodes = checked.pop("episodes")
+        overflow: list[Episode] = []
+        if self.max_size is not None and len(episodes) > self.max_size:
+            overflow, episodes = episodes[: len(episodes) - self.max_size], episodes[len(episodes) - self.max_size:]
+        # Nothing below can raise: install the checked state in one go.
+        self._generated, self._trained = checked["generated"], checked["trained"]
+        self._evicted, self._dropped = checked["evicted"], checked["dropped"]
+        self._dropped_reasons, self._closed = checked["dropped_reasons"], checked["closed"]
+        self._reasons = {}
+        self._reserved = 0
         self._in_flight = {}
-        self._buffered = {}
-        for d in state["episodes"]:
-            ep = Episode(**d)
-            self._buffered[ep.id] = ep
+        self._buffered = {ep.id: ep for ep in episodes}
+        for ep in overflow:
+            self._close_dropped(ep.id, "buffer_full")
         self.check_accounting()
+        return overflow
+
+def _checked_state(state) -> dict:
+    """The fields of a ``ReplayBuffer.state_dict()`` converted and cross-checked, or ``ValueError``; changes nothing."""
+    where = "ReplayBuffer.load_state_dict"
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{where}: {what}; the buffer was left unchanged")
+
+    def count(value, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+            raise bad(f"{name} must be a non-negative integer, got {value!r}")
+        if value < 0:
+            raise bad(f"{name} must be a non-negative integer, got {value!r}")
+        return int(value)
+
+    if not isinstance(state, dict):
+        raise bad(f"expected the dict from state_dict(), got {type(state).__name__}")
+    if state.get("format") != 1:
+        raise bad(f"unknown format {state.get('format')!r}, expected 1")
+    missing = [k for k in ("generated", "trained", "evicted", "dropped", "dropped_reasons", "closed", "episodes")
+               if k not in state]
+    if missing:
+        raise bad(f"missing keys {missing}")
+    out = {k: count(state[k], k) for k in ("generated", "trained", "evicted", "dropped")}
+    reasons = state["dropped_reasons"]
+    if not isinstance(reasons, dict) or not all(isinstance(k, str) for k in reasons):
+        raise bad(f"dropped_reasons must map reason strings to counts, got {reasons!r}")
+    out["dropped_reasons"] = Counter({k: count(v, f"dropped_reasons[{k!r}]") for k, v in reasons.items()})
+    if sum(out["dropped_reasons"].values()) != out["dropped"]:
+        raise bad(f"dropped_reasons sum to {sum(out['dropped_reasons'].values())} but dropped={out['dropped']}")
+    closed: dict[int, str] = {}
+    for item in state["closed"]:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or item[1] not in ("trained", "evicted", "dropped"):
+            raise bad(f"closed entry {item!r} is not [episode_id, 'trained' | 'evicted' | 'dropped']")
+        i = count(item[0], "closed episode id")
+        if i in closed:
+            raise bad(f"episode {i} appears twice in closed")
+        closed[i] = item[1]
+    out["closed"] = closed
+    statuses = Counter(closed.values())
+    for status in ("trained", "evicted"):  # every trained/evicted episode keeps its id
+        if statuses[status] != out[status]:
+            raise bad(f"{status}={out[status]} but {statuses[status]} episodes are closed as {status}")
+    if statuses["dropped"] > out["dropped"]:
+        raise bad(f"dropped={out['dropped']} but {statuses['dropped']} episodes are closed as dropped")
+    episodes: list[Episode] = []
+    held_ids: set[int] = set()
+    for n, d in enumerate(state["episodes"]):
+        try:
+            ep = Episode(**d)
+        except TypeError as e:
+            raise bad(f"episode {n} cannot be rebuilt ({e})") from None
+        if ep.id in closed or ep.id in held_ids:
+            raise bad(f"episode {ep.id} is held twice, or is also closed as {closed.get(ep.id, 'held')}")
+        held_ids.add(ep.id)
+        episodes.append(ep)
+    out["episodes"] = episodes
+    held = out["trained"] + out["evicted"] + out["dropped"] + len(episodes)
+    if out["generated"] != held:
+        raise bad(f"generated={out['generated']} but trained + evicted + dropped + held episodes = {held}")
+    return out

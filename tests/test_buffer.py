@@ -231,6 +231,82 @@ def test_state_dict_roundtrip_restores_counters_and_guards():
     assert again[0] == in_flight[0]  # episodes survive the round trip intact
 
 
+def _saved_buffer():
+    """A buffer with every status: 2 trained, 2 evicted, 1 dropped before the buffer, 6 held (2 of them in flight)."""
+    buf = ReplayBuffer(batch_size=2, max_policy_age=1, max_size=20)
+    buf.add(make_group(0, 2, 0))
+    buf.mark_trained(buf.sample(0))
+    buf.add(make_group(1, 2, 0))
+    buf.drop(make_group(2, 1, 0), "reward_error:f")
+    for g in range(3, 6):
+        buf.add(make_group(g, 2, 2))
+    buf.sample(2)  # group 1 (version 0) is evicted at version 2; group 3 goes in flight
+    return buf, json.loads(json.dumps(buf.state_dict()))
+
+
+def _corrupt(state, how):
+    state = json.loads(json.dumps(state))
+    if how == "format":
+        state["format"] = 2
+    elif how == "missing_key":
+        del state["closed"]
+    elif how == "negative":
+        state["trained"] = -1
+    elif how == "reasons_sum":
+        state["dropped_reasons"]["reward_error:f"] = 5
+    elif how == "closed_status":
+        state["closed"][0][1] = "lost"
+    elif how == "closed_count":
+        state["closed"] = [c for c in state["closed"] if c[1] != "evicted"]
+    elif how == "bad_episode":  # counters are valid and come first: a naive loader installs them before failing here
+        state["episodes"][-1]["not_a_field"] = 1
+    elif how == "duplicate_episode":
+        state["episodes"][-1]["id"] = state["episodes"][0]["id"]
+    elif how == "held_and_closed":
+        state["episodes"][0]["id"] = state["closed"][0][0]
+    elif how == "identity":
+        state["generated"] += 1
+    return state
+
+
+CORRUPTIONS = ["format", "missing_key", "negative", "reasons_sum", "closed_status", "closed_count", "bad_episode",
+               "duplicate_episode", "held_and_closed", "identity"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_load_state_dict_is_atomic(how):
+    _, good = _saved_buffer()
+    target = ReplayBuffer(batch_size=2, max_policy_age=1, max_size=20)
+    target.add(make_group(100, 2, 7))
+    batch = target.sample(7)
+    target.add(make_group(101, 2, 7))
+    before = (target.counts(), [e.id for e in target.buffered()], [e.id for e in target.in_flight()])
+    with pytest.raises(ValueError, match="unchanged"):
+        target.load_state_dict(_corrupt(good, how))
+    assert (target.counts(), [e.id for e in target.buffered()], [e.id for e in target.in_flight()]) == before
+    target.check_accounting()
+    target.mark_trained(batch)  # still a working buffer
+    assert target.counts()["trained"] == 2
+    target.load_state_dict(good)  # and the good state loads into it afterwards
+    assert target.check_accounting()["generated"] == 11
+
+
+def test_load_state_dict_into_a_smaller_buffer_drops_the_oldest_as_buffer_full():
+    buf, state = _saved_buffer()
+    held = [e.id for e in buf.in_flight()] + [e.id for e in buf.buffered()]  # state_dict order: oldest first
+    assert len(held) == 6
+    small = ReplayBuffer(batch_size=2, max_policy_age=1, max_size=4)
+    dropped = small.load_state_dict(state)
+    assert [e.id for e in dropped] == held[:2]
+    assert [e.id for e in small.buffered()] == held[2:]
+    c = small.check_accounting()
+    assert c["generated"] == 11 and c["trained"] == 2 and c["evicted"] == 2 and c["buffered"] == 4
+    assert c["dropped"] == 1 + 2 and c["dropped_reasons"] == {"reward_error:f": 1, "buffer_full": 2}
+    assert all(small.status(i) == "dropped" for i in held[:2])
+    big = ReplayBuffer(batch_size=2, max_policy_age=1, max_size=None)
+    assert big.load_state_dict(state) == [] and len(big) == 6
+
+
 # --- collate ----------------------------------------------------------------------
 
 
