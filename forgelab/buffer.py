@@ -80,11 +80,52 @@ class ReplayBuffer:
         self._buffered: dict[int, Episode] = {}  # insertion order is age order: oldest first
         self._in_flight: dict[int, Episode] = {}
         self._closed: dict[int, str] = {}  # id -> "trained" | "evicted" | "dropped"
+        self._reasons: dict[int, str] = {}  # id -> why it was dropped
         self._generated = 0
         self._trained = 0
         self._evicted = 0
         self._dropped = 0
         self._dropped_reasons: Counter[str] = Counter()
+        self._reserved = 0  # admitted for generation, not yet added or dropped
+        self.served_version = 0  # the policy version the generators serve (last completed weight push)
+
+    # --- admission (what may be generated) -------------------------------------
+
+    def may_admit(self, n: int) -> bool:
+        """Whether ``n`` more episodes may start generating without going stale before they can be trained.
+
+        Episodes started while the generators serve version v can be trained up to
+        step v + max_policy_age, so at most (v + max_policy_age + 1) * batch_size
+        episodes may be live (reserved, buffered, in flight or trained); evicted and
+        dropped ones gave their slot back. With max_policy_age = 0 this is
+        synchronous on-policy RL.
+
+        >>> buf = ReplayBuffer(batch_size=4, max_policy_age=0)
+        >>> buf.admit(4), buf.may_admit(1)
+        (True, False)
+        >>> buf.served_version = 1; buf.may_admit(4)
+        True
+        """
+        live = self._trained + len(self._buffered) + len(self._in_flight) + self._reserved
+        return live + n <= (self.served_version + self.max_policy_age + 1) * self.batch_size
+
+    def admit(self, n: int) -> bool:
+        """Reserve ``n`` episode slots if ``may_admit(n)``; the caller later calls ``release(n)``."""
+        if not self.may_admit(n):
+            return False
+        self._reserved += n
+        return True
+
+    def release(self, n: int) -> None:
+        """Give back ``n`` reserved slots (their episodes were added or dropped, or never generated)."""
+        if n < 0 or n > self._reserved:
+            raise ValueError(f"ReplayBuffer.release: {n} slots released but {self._reserved} are reserved")
+        self._reserved -= n
+
+    def ready(self, current_version: int) -> bool:
+        """Evict stale episodes; True when a batch can be sampled (the staleness bound on the training side)."""
+        self.evict_stale(current_version)
+        return len(self._buffered) >= self.batch_size
 
     # --- status ---------------------------------------------------------------
 
@@ -146,7 +187,12 @@ class ReplayBuffer:
                     "fresh unique id"
                 )
 
+    def drop_reason(self, episode_id: int) -> str:
+        """Why a dropped episode was dropped ("" if it was not, or the reason was not kept across a restore)."""
+        return self._reasons.get(episode_id, "")
+
     def _close_dropped(self, episode_id: int, reason: str) -> None:
+        self._reasons[episode_id] = reason
         self._closed[episode_id] = "dropped"
         self._dropped += 1
         self._dropped_reasons[reason] += 1
@@ -228,17 +274,24 @@ class ReplayBuffer:
         groups: dict[object, list[int]] = {}
         for ep in self._buffered.values():
             groups.setdefault(ep.group_id, []).append(ep.id)
+        order = list(self._buffered)
+        if self.max_policy_age == 0:  # on-policy: groups in admission (id) order, so batches are deterministic
+            try:
+                groups = dict(sorted(groups.items(), key=lambda kv: kv[0]))
+            except TypeError:  # group ids that do not compare: keep age order
+                pass
+            order = [i for ids in groups.values() for i in ids]
         chosen: set[int] = set()
         for ids in groups.values():
             if len(chosen) + len(ids) <= self.batch_size:
                 chosen.update(ids)
             if len(chosen) == self.batch_size:
                 break
-        for i in self._buffered:
+        for i in order:
             if len(chosen) == self.batch_size:
                 break
             chosen.add(i)
-        batch = [ep for i, ep in self._buffered.items() if i in chosen]
+        batch = [self._buffered[i] for i in order if i in chosen]
         for ep in batch:
             del self._buffered[ep.id]
             self._in_flight[ep.id] = ep
@@ -331,6 +384,7 @@ class ReplayBuffer:
             self._close_dropped(ep.id, "buffer_full")
         self.check_accounting()
         return overflow
+
 
 def _checked_state(state) -> dict:
     """The fields of a ``ReplayBuffer.state_dict()`` converted and cross-checked, or ``ValueError``; changes nothing."""

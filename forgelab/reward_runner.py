@@ -1,0 +1,132 @@
+"""Runs the user's reward functions on episodes: one daemon thread per call, a timeout, a cap on hung calls.
+
+A reward is user code: it may raise, return garbage, or hang. `RewardRunner.score`
+scores a list of episodes concurrently and returns the drop reason of each
+episode that could not be scored; the others get `reward += total` and their
+`reward_parts` extended (an environment's own reward, if any, is kept and added to).
+
+- A call that raises or returns a non-finite value fails its episode (the
+  composer names the reward, see `forgelab.rewards`).
+- A call that outlives `timeout_s` is abandoned: its episode is dropped with
+  reason ``reward_timeout``; its thread keeps running (Python cannot kill it) and
+  is counted in `hung`. `hung_message()` says when `MAX_HUNG_REWARD_CALLS` of them
+  are still running, and the run pauses.
+
+A thread per call, not a pool: a hung call then holds only its own thread, never
+a worker that other episodes queue behind (which would also make their timeouts
+count queueing time).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from typing import Any, Callable
+
+from forgelab.rewards import RewardComposer, RewardFailure
+from forgelab.types import Episode
+
+__all__ = ["RewardRunner", "MAX_HUNG_REWARD_CALLS", "DEFAULT_REWARDS", "configured_rewards"]
+
+MAX_HUNG_REWARD_CALLS = 32
+"""Abandoned (timed-out) reward calls still running before the run pauses: each holds a thread."""
+
+
+DEFAULT_REWARDS = {"exact_answer": 1.0, "answer_format": 0.1}
+"""`rollout.rewards: null` on a single-turn run; an environment run adds no reward to the environment's."""
+
+
+def configured_rewards(rollout: Any) -> RewardComposer:
+    """The `RewardComposer` a run starts with: `rollout.rewards`, or its default for the run's kind."""
+    from forgelab.rewards import REWARDS
+
+    weights = rollout.rewards if rollout.rewards is not None else ({} if rollout.env is not None else DEFAULT_REWARDS)
+    return RewardComposer({name: (REWARDS[name], float(w)) for name, w in weights.items()})
+
+
+class RewardRunner:
+    """Scores episodes with a `RewardComposer` in threads under a timeout.
+
+    Args:
+        composer: the run's rewards (changed live by `Run.add_reward` & co.).
+        timeout_s: seconds one episode's scoring may take.
+        on_failure: called as ``on_failure(episode, failure, drop_reason)`` for each episode that failed.
+    """
+
+    def __init__(self, composer: RewardComposer, timeout_s: float,
+                 on_failure: Callable[[Episode, RewardFailure, str], None] | None = None):
+        self.composer = composer
+        self.timeout_s = timeout_s
+        self.on_failure = on_failure
+        self.failures: deque[RewardFailure] = deque(maxlen=200)  # the latest; the event log keeps them all
+        self.hung: list[threading.Thread] = []  # timed-out calls, abandoned but maybe still running
+
+    async def score(self, episodes: list[Episode], composer: RewardComposer | None = None) -> dict[int, str]:
+        """Score every episode (with `composer`, default the runner's); return ``{episode id: drop reason}``
+        for those that failed."""
+        composer = composer or self.composer
+        if not episodes or not composer.names:
+            return {}
+        results = await asyncio.gather(*(self._score_one(ep, composer) for ep in episodes), return_exceptions=True)
+        self.hung = [t for t in self.hung if t.is_alive()]
+        failed: dict[int, str] = {}
+        for ep, res in zip(episodes, results):
+            if isinstance(res, asyncio.TimeoutError):
+                why = f"reward took longer than rollout.reward_timeout_s={self.timeout_s}s"
+                failed[ep.id] = self._fail(ep, RewardFailure("timeout", ep.prompt, ep.completion, ep.target, why),
+                                           "reward_timeout")
+            elif isinstance(res, BaseException):
+                fail = RewardFailure("composer", ep.prompt, ep.completion, ep.target, f"{type(res).__name__}: {res}")
+                failed[ep.id] = self._fail(ep, fail, fail.drop_reason)
+            elif res.failed:
+                self.failures.extend(res.errors[1:])
+                failed[ep.id] = self._fail(ep, res.errors[0], res.drop_reason)
+            else:
+                ep.reward += res.total
+                ep.reward_parts = {**ep.reward_parts, **res.parts}
+        return failed
+
+    def _fail(self, ep: Episode, failure: RewardFailure, reason: str) -> str:
+        self.failures.append(failure)
+        if self.on_failure is not None:
+            self.on_failure(ep, failure, reason)
+        return reason
+
+    async def _score_one(self, ep: Episode, composer: RewardComposer) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not fut.done():  # already cancelled by the timeout
+                fut.set_exception(error) if error is not None else fut.set_result(value)
+
+        def work() -> None:
+            try:
+                value, error = composer.score(ep.prompt, ep.completion, ep.target, **ep.info), None
+            except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine
+                value, error = None, e
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop closed while this call hung
+                pass
+
+        thread = threading.Thread(target=work, name=f"forgelab-reward-{ep.id}", daemon=True)
+        thread.start()
+        try:
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except asyncio.TimeoutError:
+            self.hung.append(thread)
+            raise
+
+    def hung_message(self) -> str | None:
+        """A message for people when too many abandoned calls still run (the run pauses on it), else None."""
+        self.hung = [t for t in self.hung if t.is_alive()]
+        if len(self.hung) < MAX_HUNG_REWARD_CALLS:
+            return None
+        last = self.failures[-1] if self.failures else None
+        return (
+            f"paused: {len(self.hung)} reward calls exceeded rollout.reward_timeout_s={self.timeout_s}s and are "
+            f"still running (each holds a thread); rewards: {self.composer.names}; last input: "
+            f"{getattr(last, 'completion', '')[:80]!r}. Fix or remove the hanging reward "
+            "(run.remove_reward(name) / run.add_reward(name, fn, replace=True)), then run.resume()"
+        )

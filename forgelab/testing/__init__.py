@@ -1,0 +1,1 @@
+"""Helpers for testing forgelab code: in-process fakes of the run's parts (`forgelab.testing.fakes`)."""

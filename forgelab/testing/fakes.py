@@ -1,0 +1,280 @@
+"""In-process fakes of a run's parts, with the interfaces the controller uses (fast, exact, no process).
+
+    run = Run(cfg, spawn=fake_spawn)          # or spawn=FakeParts.factory(trainer=FakeTrainer(...))
+    await run.start(); await run.until(step=3)
+    run.parts.generators.kill(1)              # a replica dies; the fake service respawns it
+
+- `FakeGenerators` is a service (`route`, `handles`, `status`, `set_replica_info`,
+  `add_listener`, `on_respawn`, `wait_healthy`, `shutdown`) over `FakeGenerator`
+  replicas whose `generate(prompt_ids_P, n, sampling, seeds)` answers
+  `Completion`s stamped with the weights version the replica serves. Like the real
+  service, a `generate` that hits a dead replica is retried on a healthy one.
+- `FakeTrainer` answers `call(endpoint, ...)` like the trainer actor (one result per
+  rank): `train_step` (metrics with the loss it used; a swap lands between steps),
+  `push_weights` (sets each replica's version), `set_loss`, `dry_run_loss`, `save`,
+  `load`, `fingerprint`, `info`. `hold()` / `release()` keep a step in flight.
+- `FakeReference` answers `route("logprobs", tokens_B_L)` with zeros.
+
+The real actors are tested on real processes (tests/test_generator.py, test_trainer.py, ...).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import torch
+
+from forgelab.runtime.replicas import NoHealthyReplicaError, ReplicaStatus, ServiceEvent
+from forgelab.types import Completion
+
+__all__ = ["FakeGenerator", "FakeGenerators", "FakeTrainer", "FakeReference", "FakeParts", "fake_spawn"]
+
+
+class FakeGenerator:
+    """One generator replica: answers a problem's target with probability `p_correct`, else a wrong number."""
+
+    def __init__(self, index: int, p_correct: float = 0.5, seed: int = 0, decode: Callable[[list[int]], str] | None = None):
+        self.index, self.p_correct, self.decode = index, p_correct, decode
+        self.version = 0
+        self.alive = True
+        self.rng = random.Random(seed * 7919 + index)
+        self.calls = 0
+        self.loaded: list[int] = []  # versions pushed to this replica, in order
+
+    async def generate(self, prompt_ids_P: list[list[int]], n: int = 1, sampling: Any = None,
+                       seeds: list[list[int]] | None = None) -> list[list[Completion]]:
+        self.calls += 1
+        version = self.version  # read when the requests are taken in, as the engine does
+        await asyncio.sleep(0)  # let other rollouts interleave
+        if not self.alive:
+            raise RuntimeError(f"fake generator replica {self.index} died")
+        greedy = sampling is not None and getattr(sampling, "temperature", 1.0) == 0.0
+        out = []
+        for p, ids in enumerate(prompt_ids_P):
+            target = _target_of(self.decode(ids) if self.decode else "")
+            row = []
+            for g in range(n):
+                rng = random.Random(seeds[p][g]) if seeds is not None else self.rng
+                right = greedy or rng.random() < self.p_correct
+                text = target if right else str(int(target or 0) + 1 + rng.randrange(5))
+                cids = [ord(c) for c in text] + [0]
+                row.append(Completion(prompt_ids=list(ids), completion_ids=cids, logprobs=[-0.5] * len(cids),
+                                      text=text, finish_reason="stop", policy_version=version))
+            out.append(row)
+        return out
+
+
+def _target_of(text: str) -> str:
+    """The fakes' task: the answer of the last 'a+b' in the rendered prompt (the addition task)."""
+    import re
+
+    m = re.findall(r"(\d+)\s*\+\s*(\d+)", text)
+    return str(int(m[-1][0]) + int(m[-1][1])) if m else "0"
+
+
+@dataclass
+class _Handle:
+    actor: FakeGenerator
+    replica_index: int
+
+
+class FakeGenerators:
+    """A service over `FakeGenerator` replicas (round-robin routing, retry on a dead replica, respawn)."""
+
+    def __init__(self, n: int = 1, p_correct: float = 0.5, seed: int = 0, decode: Callable[[list[int]], str] | None = None):
+        self.decode = decode
+        self.replicas = [FakeGenerator(i, p_correct, seed, decode) for i in range(n)]
+        self.info: list[dict] = [{} for _ in range(n)]
+        self.restarts = [0] * n
+        self.on_respawn: Callable[[Any], Awaitable[None]] | None = None
+        self.listeners: list[Callable[[ServiceEvent], None]] = []
+        self.respawns: list[dict] = []  # {"replica", "served", "run_version_hook"} after each respawn
+        self._next = 0
+        self._tasks: list[asyncio.Task] = []
+        self._healthy = asyncio.Event()
+        self._healthy.set()
+
+    def handles(self) -> list[_Handle | None]:
+        return [_Handle(r, i) if r.alive else None for i, r in enumerate(self.replicas)]
+
+    async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        for _ in range(2 * len(self.replicas) + 1):
+            live = [r for r in self.replicas if r.alive]
+            if not live:
+                raise NoHealthyReplicaError("fake generators: no healthy replica")
+            rep = live[self._next % len(live)]
+            self._next += 1
+            try:
+                return await getattr(rep, endpoint)(*args, **kwargs)
+            except RuntimeError:
+                if rep.alive:
+                    raise
+        raise NoHealthyReplicaError("fake generators: replicas kept dying")
+
+    def kill(self, index: int) -> asyncio.Task:
+        """Replica `index` dies now; a fresh one (version 0) is caught up by `on_respawn`, then serves."""
+        self.replicas[index].alive = False
+        self._emit("replica_failed", index, "killed by the test")
+        task = asyncio.ensure_future(self._respawn(index))
+        self._tasks.append(task)
+        return task
+
+    async def _respawn(self, index: int) -> None:
+        fresh = FakeGenerator(index, self.replicas[index].p_correct, len(self.respawns) + 1, self.decode)
+        fresh.alive = False
+        self.replicas[index] = fresh
+        if self.on_respawn is not None:
+            await self.on_respawn(_Handle(fresh, index))
+        fresh.alive = True
+        self.restarts[index] += 1
+        self.respawns.append({"replica": index, "served": fresh.version, "loaded": list(fresh.loaded)})
+        self._emit("replica_restarted", index, "respawned")
+
+    def _emit(self, kind: str, index: int, detail: str) -> None:
+        for fn in list(self.listeners):
+            fn(ServiceEvent(kind, index, time.time(), detail))
+
+    def add_listener(self, fn: Callable[[ServiceEvent], None]) -> None:
+        self.listeners.append(fn)
+
+    def set_replica_info(self, index: int, **fields: Any) -> None:
+        self.info[index].update(fields)
+
+    def status(self) -> list[ReplicaStatus]:
+        return [ReplicaStatus(index=i, healthy=r.alive, state="healthy" if r.alive else "respawning", in_flight=0,
+                              restarts=self.restarts[i], pids=(), last_error=None, info=dict(self.info[i]))
+                for i, r in enumerate(self.replicas)]
+
+    async def wait_healthy(self, count: int | None = None, timeout: float | None = None) -> None:
+        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout)
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class FakeTrainer:
+    """The trainer actor's endpoints, in process. `skip_when(loss_name)` -> True makes a step skipped."""
+
+    def __init__(self, loss: str = "grpo", skip_losses: tuple[str, ...] = ()):
+        self.loss, self.loss_kwargs = loss, {}
+        self._pending: tuple[Any, dict] | None = None
+        self.skip_losses = skip_losses
+        self.steps: list[dict] = []  # per train_step: the loss used and the batch's episode count
+        self.pushes: list[tuple[int, list[int]]] = []  # (version, replica indices)
+        self.in_step = asyncio.Event()
+        self._gate = asyncio.Event()
+        self._gate.set()
+
+    def hold(self) -> None:
+        """The next train_step waits (in flight) until `release()`."""
+        self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    async def call(self, endpoint: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [await getattr(self, "_" + endpoint)(*args, **kwargs)]
+
+    async def _train_step(self, batch: dict) -> dict:
+        if self._pending is not None:  # a swap lands between steps
+            self.loss, self.loss_kwargs = self._pending
+            self._pending = None
+        self.in_step.set()
+        try:
+            await self._gate.wait()
+        finally:
+            self.in_step.clear()
+        name = self.loss if isinstance(self.loss, str) else getattr(self.loss, "name", "custom")
+        self.steps.append({"loss": name, "episodes": int(batch["tokens"].shape[0])})
+        if name in self.skip_losses:
+            return {"skipped": True, "skip_reason": f"loss {name} is non-finite", "loss_name": name}
+        adv = batch["advantages"].float()
+        return {"loss": float(-adv.abs().mean()), "grad_norm": 1.0, "loss_name": name}
+
+    async def _push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> dict:
+        failed = {}
+        for g in generators:
+            g.version = int(version)
+            g.loaded.append(int(version))
+        self.pushes.append((int(version), [getattr(g, "index", -1) for g in generators]))
+        return {"version": int(version), "gather_ms": 1.0, "write_ms": 0.5, "send_ms": 2.0, "bytes": 1024,
+                "sent": len(generators) - len(failed), "failed": failed, "transport": "shm"}
+
+    async def _set_loss(self, loss: Any, loss_kwargs: dict | None = None) -> str:
+        self._pending = (loss, dict(loss_kwargs or {}))
+        return loss if isinstance(loss, str) else "custom"
+
+    async def _dry_run_loss(self, loss: Any, batch: dict, loss_kwargs: dict | None = None) -> dict:
+        return {"ok": "fail" not in (loss_kwargs or {}), "reason": "asked to fail"}
+
+    async def _info(self) -> dict:
+        return {"loss": self.loss if isinstance(self.loss, str) else "custom", "loss_kwargs": self.loss_kwargs}
+
+    async def _fingerprint(self) -> dict:
+        return {"steps": len(self.steps)}
+
+    async def _save(self, path: str) -> str:
+        return path
+
+    async def _load(self, path: str) -> dict:
+        return await self._info()
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class FakeReference:
+    """The reference service: `route("logprobs", tokens_B_L)` -> zeros_B_L."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def route(self, endpoint: str, tokens_B_L: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        await asyncio.sleep(0)
+        return torch.zeros(tokens_B_L.shape, dtype=torch.float32)
+
+    async def wait_healthy(self, count: int | None = None, timeout: float | None = None) -> None:
+        return None
+
+    def status(self) -> list:
+        return []
+
+    async def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class FakeParts:
+    """`forgelab.spawn.Parts` with fakes in it."""
+
+    generators: FakeGenerators = field(default_factory=FakeGenerators)
+    trainer: FakeTrainer = field(default_factory=FakeTrainer)
+    reference: FakeReference | None = None
+    envs: Any = None
+    job: Any = None
+    seconds: float = 0.0
+
+    async def shutdown(self) -> None:
+        await self.generators.shutdown()
+
+    def factory(self) -> Callable[[Any], Awaitable["FakeParts"]]:
+        """A `spawn` for `Run(cfg, spawn=...)` that hands over these parts."""
+        async def spawn(cfg: Any) -> "FakeParts":
+            return self
+        return spawn
+
+
+async def fake_spawn(cfg: Any) -> FakeParts:
+    """Fakes sized from the config: `placement.generator_replicas` replicas, a reference if asked for."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    gens = FakeGenerators(cfg.placement.generator_replicas, seed=cfg.train.seed, decode=tok.decode)
+    return FakeParts(generators=gens,
+                     trainer=FakeTrainer(cfg.train.loss), reference=FakeReference() if cfg.placement.reference else None)

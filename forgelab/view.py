@@ -1,0 +1,81 @@
+"""A typed, read-only view of a run, for widgets and reports.
+
+    snap = run.snapshot()            # RunSnapshot: a frozen copy, safe to keep and compare
+    snap.state, snap.step, snap.reward_weights, snap.accuracy_history
+    [RunEvent.of(e) for e in run.events]   # typed events over the log's dicts
+
+Widgets read this view (and `run.metrics` / `run.rollouts` DataFrames) and act
+through the run's public commands; they never touch the run's parts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["RunSnapshot", "RunEvent"]
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """One entry of a run's event log: `kind`, the `step` it happened at, unix `time`, and its own `fields`."""
+
+    kind: str
+    step: int
+    time: float
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ev: Mapping[str, Any]) -> "RunEvent":
+        return cls(kind=str(ev.get("kind", "")), step=int(ev.get("step", 0)), time=float(ev.get("time", 0.0)),
+                   fields={k: v for k, v in ev.items() if k not in ("kind", "step", "time")})
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """The run's state at one moment (copies: changing the run later does not change a snapshot)."""
+
+    name: str
+    state: str
+    """created, starting, running, paused, stopped, finished or failed."""
+    step: int
+    steps: int
+    version: int
+    loss: str
+    message: str
+    reward_weights: dict[str, float]
+    episodes: dict[str, Any]
+    accuracy_history: tuple[tuple[int, float], ...]
+    services: dict[str, Any]
+    events: int
+    """How many events the log holds (read new ones with `run.events[n:]`)."""
+
+    @property
+    def reward_names(self) -> list[str]:
+        return list(self.reward_weights)
+
+    @property
+    def accuracy(self) -> float | None:
+        """The latest held-out accuracy, or None before the first evaluation."""
+        return self.accuracy_history[-1][1] if self.accuracy_history else None
+
+
+def status_of(run: Any) -> dict:
+    """`run.status()`: state, progress, loss, rewards, message, episode counters and each service's replicas."""
+    g, r, e = run.generators, run.reference, run.envs
+    return {"state": run.state, "step": run.step, "steps": run.config.train.steps, "version": run.version,
+            "loss": run.loss_name, "reward_weights": run.rewards.weights, "message": run.message,
+            "episodes": run.buffer.counts(),
+            "services": {"generator": g.status() if g else [], "reference": r.status() if r else [],
+                         **({"env": e.status()} if e else {})}}
+
+
+def snapshot_of(run: Any) -> RunSnapshot:
+    st = status_of(run)
+    return RunSnapshot(name=run.config.name, state=st["state"], step=st["step"], steps=st["steps"],
+                       version=st["version"], loss=str(st["loss"]), message=st["message"],
+                       reward_weights=st["reward_weights"], episodes=st["episodes"],
+                       accuracy_history=tuple(tuple(x) for x in run.accuracy_history), services=st["services"],
+                       events=len(run.events))

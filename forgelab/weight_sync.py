@@ -1,0 +1,93 @@
+"""Weight sync, controller side: trainer -> every healthy generator replica, with a typed report.
+
+    report = await WeightSync(trainer, generators, emit).push(version)   # PushReport
+    generators.on_respawn = sync.catch_up                                 # a respawned replica gets the weights
+
+The trainer's `push_weights(version, meshes)` endpoint gathers the HF state dict
+and sends it through a transport from `forgelab.weights_transport` (shared
+memory on the same host, messages otherwise); the generator's
+`update_weights` / `update_weights_shared` endpoints load it. This module is the
+controller's view of that: which replicas got which version, what failed, how
+long each part took.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["PushReport", "WeightSync"]
+
+
+@dataclass(frozen=True)
+class PushReport:
+    """What one weight push did. Times in milliseconds; `failed` maps a replica index to its error."""
+
+    version: int
+    gather_ms: float = 0.0
+    write_ms: float = 0.0
+    send_ms: float = 0.0
+    bytes: int = 0
+    sent: int = 0
+    transport: str = "none"
+    """"shm", "message", "mixed" or "none"."""
+    failed: dict[int, str] = field(default_factory=dict)
+    replicas: tuple[int, ...] = ()
+    """The generator replica indices the push was sent to."""
+
+    @property
+    def sync_ms(self) -> float:
+        """Controller-visible cost of the push (gather + shared-memory write + send)."""
+        return self.gather_ms + self.write_ms + self.send_ms
+
+    @classmethod
+    def from_trainer(cls, raw: dict | None, version: int, replicas: tuple[int, ...] = ()) -> "PushReport":
+        """From the trainer's `push_weights` answer (failed keys are positions in the list it was sent)."""
+        raw = raw or {}
+        failed = {replicas[int(k)] if int(k) < len(replicas) else int(k): str(v)
+                  for k, v in (raw.get("failed") or {}).items()}
+        return cls(version=int(raw.get("version", version)), gather_ms=float(raw.get("gather_ms", 0.0)),
+                   write_ms=float(raw.get("write_ms", 0.0)), send_ms=float(raw.get("send_ms", 0.0)),
+                   bytes=int(raw.get("bytes", 0)), sent=int(raw.get("sent", 0)),
+                   transport=str(raw.get("transport", "none")), failed=failed, replicas=tuple(replicas))
+
+
+class WeightSync:
+    """Pushes the trainer's weights to the generator replicas and keeps their served version.
+
+    Args:
+        trainer: the trainer actor handle (`call("push_weights", version, meshes)`).
+        generators: the generator service (`handles()`, `set_replica_info(i, version=...)`).
+        emit: ``emit(kind, **fields)`` records an event in the run's log.
+        current_version: returns the run's policy version now (a respawn catches up to it).
+    """
+
+    def __init__(self, trainer: Any, generators: Any, emit: Callable[..., None], current_version: Callable[[], int]):
+        self.trainer, self.generators, self.emit, self.current_version = trainer, generators, emit, current_version
+
+    async def push(self, version: int) -> PushReport:
+        """Send `version` to every healthy replica; a replica that fails is respawned and caught up later."""
+        live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
+        raw = (await self.trainer.call("push_weights", version, [h.actor for _, h in live]))[0]
+        report = PushReport.from_trainer(raw, version, tuple(i for i, _ in live))
+        for i, _ in live:
+            if i in report.failed:
+                self.emit("weight_push_failed", replica=i, version=version, error=report.failed[i][:300])
+            else:
+                self.generators.set_replica_info(i, version=version)
+        return report
+
+    async def catch_up(self, handle: Any) -> None:
+        """`on_respawn` hook: a fresh replica starts from the checkpoint on disk; give it the current weights
+        before it serves. A step may land while we push (steps push only to healthy replicas): push again."""
+        pushed = 0
+        while self.trainer is not None and self.current_version() > pushed:
+            version = self.current_version()
+            report = PushReport.from_trainer((await self.trainer.call("push_weights", version, [handle.actor]))[0], version)
+            if report.failed:
+                # raising fails this respawn attempt: the service tears the replica down and tries again
+                raise RuntimeError(f"weights v{version} could not be pushed to the respawned generator: "
+                                   f"{next(iter(report.failed.values()))}")
+            pushed = version
+        index = getattr(handle, "replica_index", None)
+        if index is not None:
+            self.generators.set_replica_info(index, version=pushed)
