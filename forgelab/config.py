@@ -330,7 +330,12 @@ class RunConfig:
                      "env_max_concurrent"):
             _positive(f"placement.{name}", getattr(p, name))
         _finite_range("placement.kv_cache_gib", p.kv_cache_gib, 0.0, 1024, low_open=True)
-        if p.with_gpus:
+        if p.kv_cache_gib != int(p.kv_cache_gib):
+            raise ConfigError(f"placement.kv_cache_gib: {p.kv_cache_gib} is not a whole number; vLLM on CPU takes "
+                              "whole GiB (VLLM_CPU_KVCACHE_SPACE), e.g. 1 or 2")
+        if p.with_gpus and self.hosts.job is not None:
+            pass  # the job's hosts have their own GPUs: Monarch places processes on them
+        elif p.with_gpus:
             try:
                 import torch
 
