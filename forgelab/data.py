@@ -4,6 +4,17 @@ A file holds one problem per row with columns `prompt` and `target` (and
 optionally `task` and any other columns, which travel to the rewards as
 `info`). Nothing is downloaded.
 
+Column mapping. Files in GSM8K's format (`question`, and `answer` holding the
+worked solution ending in `#### <value>`) load as they are: with no `prompt`
+/ `target` columns and both `question` and `answer` present,
+`GSM8K_COLUMNS` applies: `prompt <- question`, `target <- the part of answer
+after the last "####"` (spaces and thousands separators removed, so
+`"#### 1,000"` gives `"1000"`), and the full solution travels as
+`info["solution"]`. Other layouts pass `columns={"prompt": "problem",
+"target": "solution"}` to `load_file` (forgelab field -> file column).
+Score such data with `REWARDS["math_answer"]` (answer tags, `\\boxed{}`,
+numeric comparison).
+
 `ProblemStream` hands out training problems in a seeded, epoch-shuffled
 order and remembers its position, so a resumed run continues with exactly
 the problems the interrupted one would have seen next.
@@ -17,8 +28,31 @@ from pathlib import Path
 from forgelab.tasks import TASKS, Problem, get_task
 
 
-def load_file(path: str | Path) -> list[Problem]:
-    """Problems from a local .jsonl or .parquet file (columns: prompt, target[, task, ...])."""
+GSM8K_COLUMNS = {"prompt": "question", "target": "answer"}
+"""The column mapping applied to files with `question`/`answer` columns and no `prompt`/`target`."""
+
+
+def gsm8k_target(answer: str) -> str:
+    """The final value of a GSM8K `answer`: the text after the last ``####``, spaces and commas removed.
+
+    >>> gsm8k_target("She pays 2 * 500 = 1000 dollars.\\n#### 1,000"), gsm8k_target("42")
+    ('1000', '42')
+    """
+    text = str(answer)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    return text.strip().replace(",", "").replace(" ", "")
+
+
+def load_file(path: str | Path, columns: dict[str, str] | None = None) -> list[Problem]:
+    """Problems from a local .jsonl or .parquet file (columns: prompt, target[, task, ...], or GSM8K's).
+
+    Args:
+        path: the file.
+        columns: forgelab field (``prompt``, ``target``) -> the file's column;
+            default: ``prompt``/``target`` if present, else `GSM8K_COLUMNS`
+            when the file has ``question``/``answer`` (see the module docstring).
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
@@ -37,12 +71,22 @@ def load_file(path: str | Path) -> list[Problem]:
         rows = pd.read_parquet(p).to_dict("records")
     else:
         raise ValueError(f"dataset file {str(p)!r}: unsupported suffix {p.suffix!r}; use .jsonl or .parquet")
+    if columns is None and rows and not ({"prompt", "target"} <= set(rows[0])) and {"question", "answer"} <= set(rows[0]):
+        columns = GSM8K_COLUMNS
+    gsm8k = columns == GSM8K_COLUMNS
+    prompt_col, target_col = (columns or {}).get("prompt", "prompt"), (columns or {}).get("target", "target")
     out = []
     for i, row in enumerate(rows):
-        if "prompt" not in row or "target" not in row:
-            raise ValueError(f"{p}: row {i} lacks a 'prompt' or 'target' column (has {sorted(row)})")
-        info = {k: v for k, v in row.items() if k not in ("prompt", "target", "task")}
-        out.append(Problem(prompt=str(row["prompt"]), target=str(row["target"]), task=str(row.get("task", p.stem)), info=info))
+        if prompt_col not in row or target_col not in row:
+            raise ValueError(
+                f"{p}: row {i} lacks a {prompt_col!r} or {target_col!r} column (has {sorted(row)}); "
+                "map yours with load_file(path, columns={'prompt': ..., 'target': ...})"
+            )
+        info = {k: v for k, v in row.items() if k not in (prompt_col, target_col, "task")}
+        target = str(row[target_col])
+        if gsm8k:
+            info["solution"], target = target, gsm8k_target(target)
+        out.append(Problem(prompt=str(row[prompt_col]), target=target, task=str(row.get("task", p.stem)), info=info))
     if not out:
         raise ValueError(f"dataset file {str(p)!r} holds no problems")
     return out

@@ -41,11 +41,16 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from forgelab.rewards_math import math_answer, overlong, think_format
+
 __all__ = [
     "RewardFn",
     "exact_answer",
     "answer_format",
     "extract_answer",
+    "math_answer",
+    "think_format",
+    "overlong",
     "REWARDS",
     "RewardFailure",
     "RewardResult",
@@ -108,8 +113,16 @@ def answer_format(prompt: str, completion: str, target: str, *, answer_pattern: 
 REWARDS: dict[str, RewardFn] = {
     "exact_answer": exact_answer,
     "answer_format": answer_format,
+    "math_answer": math_answer,
+    "think_format": think_format,
+    "overlong": overlong,
 }
-"""Built-in rewards by name; a user's own function is just as good a value."""
+"""Built-in rewards by name; a user's own function is just as good a value.
+
+``math_answer``, ``think_format`` and ``overlong`` (for GSM8K/MATH-style data:
+answer tags, ``\\boxed{}``, think tags, DAPO's overlong shaping) live in
+``forgelab.rewards_math``; ``overlong`` needs its budget bound
+(``forgelab.rewards_math.make_overlong``) or ``max_tokens`` in the problems' info."""
 
 
 # --- calling rewards safely ------------------------------------------------------

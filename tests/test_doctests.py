@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 MODULES = [
-    "forgelab.rewards", "forgelab.buffer", "forgelab.tasks", "forgelab.algos.logprobs",
+    "forgelab.rewards", "forgelab.rewards_math", "forgelab.data", "forgelab.buffer", "forgelab.tasks", "forgelab.algos.logprobs",
     "forgelab.algos.advantages", "forgelab.algos.losses", "forgelab.algos.loss_checks", "forgelab.algos.kl", "forgelab.algos.importance", "forgelab.algos.batching",
     "forgelab.trainer_core", "forgelab.trainer_support",
 ]

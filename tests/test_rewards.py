@@ -181,3 +181,175 @@ def test_validate_with_no_samples_is_not_ok():
     report = validate(exact_answer, [])
     assert not report.ok and "no samples" in str(report)
     assert validate(exact_answer, [("p", "1", "1")]).ok
+
+
+# --- rewards for real data (forgelab.rewards_math) --------------------------------------
+
+import forgelab.rewards_math as rewards_math_module  # noqa: E402
+from forgelab.rewards_math import (  # noqa: E402
+    extract_math_answer,
+    make_overlong,
+    math_answer,
+    overlong,
+    parse_number,
+    think_format,
+)
+
+
+def test_math_doctests_pass():
+    result = doctest.testmod(rewards_math_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 10 and result.failed == 0
+
+
+def test_math_rewards_are_registered():
+    assert REWARDS["math_answer"] is math_answer
+    assert REWARDS["think_format"] is think_format
+    assert REWARDS["overlong"] is overlong
+
+
+@pytest.mark.parametrize(
+    "completion,target,want",
+    [
+        # the cases: exact_answer gives 0.0 on both
+        ("<answer>42</answer>", "42", 1.0),
+        ("$1,000", "1000", 1.0),
+        # answer tags: case, spaces, first block wins, reasoning around it
+        ("<think>6*7</think>\n<answer> 42 </answer>", "42", 1.0),
+        ("<ANSWER>42</Answer>", "42", 1.0),
+        ("< answer >42</ answer >", "42", 1.0),
+        ("<answer>41</answer> <answer>42</answer>", "42", 0.0),
+        ("<answer>\\boxed{42}</answer>", "42", 1.0),
+        ("<answer></answer>", "42", 0.0),
+        # \boxed{}: the last one wins, nested braces
+        ("first \\boxed{41}, corrected: \\boxed{42}", "42", 1.0),
+        ("\\boxed{42} no wait \\boxed{41}", "42", 0.0),
+        ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+        ("\\boxed{\\text{42}}", "42", 1.0),
+        ("\\boxed{42", "42", 0.0),  # unbalanced: no answer
+        # $ , % spaces
+        ("<answer>$1,234.50</answer>", "1234.5", 1.0),
+        ("<answer>12 %</answer>", "12", 1.0),
+        ("<answer>1 000 000</answer>", "1000000", 1.0),
+        ("<answer>\\$5</answer>", "5", 1.0),
+        ("<answer>5.</answer>", "5", 1.0),
+        # decimals
+        ("<answer>0.50</answer>", ".5", 1.0),
+        ("<answer>2.0</answer>", "2", 1.0),
+        ("<answer>2.01</answer>", "2", 0.0),
+        ("<answer>-3.25</answer>", "-3.25", 1.0),
+        # fractions
+        ("<answer>3/4</answer>", "0.75", 1.0),
+        ("<answer>-1/2</answer>", "-0.5", 1.0),
+        ("<answer>\\frac{1}{3}</answer>", "0.3333333333", 1.0),
+        ("<answer>\\dfrac{6}{4}</answer>", "3/2", 1.0),
+        ("<answer>1/0</answer>", "0", 0.0),
+        # scientific
+        ("<answer>1.5e3</answer>", "1500", 1.0),
+        ("<answer>2.5E-2</answer>", "0.025", 1.0),
+        ("<answer>3 \\times 10^{4}</answer>", "30000", 1.0),
+        ("<answer>3\\cdot10^5</answer>", "3e5", 1.0),
+        # targets: GSM8K solutions, unparsable ones
+        ("<answer>72</answer>", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),
+        ("<answer>1000</answer>", "#### 1,000", 1.0),
+        ("<answer>42</answer>", "forty-two", 0.0),
+        ("<answer>x</answer>", "x", 0.0),
+        ("", "", 0.0),
+        # no tags, no box: only a bare number counts
+        ("42", "42", 1.0),
+        (" -7\n", "-7", 1.0),
+        ("The answer is 42", "42", 0.0),
+        ("42 apples", "42", 0.0),
+    ],
+)
+def test_math_answer_cases(completion, target, want):
+    assert math_answer("p", completion, target) == want
+    assert exact_answer("p", completion, target) <= 1.0  # the old reward is unaffected
+
+
+def test_math_answer_tolerance():
+    assert math_answer("", "<answer>3.1416</answer>", "3.14159", tolerance=1e-3) == 1.0
+    assert math_answer("", "<answer>3.1416</answer>", "3.14159") == 0.0
+    assert math_answer("", "<answer>1000000.5</answer>", "1000000") == 1.0  # relative 5e-7 < 1e-6
+    assert math_answer("", "<answer>0.0000001</answer>", "0") == 1.0  # absolute 1e-7 < 1e-6
+
+
+@pytest.mark.parametrize(
+    "completion,target,credit",
+    [
+        ("I get 18 eggs.", "18", 0.3),  # right number, no tags
+        ("<think>so 18</think><answer>17</answer>", "18", 0.3),  # right in the reasoning, wrong in the tags
+        ("it is $1,000 total", "1000", 0.3),
+        ("<answer>18</answer>", "18", 1.0),  # full credit stays full
+        ("<think>17</think><answer>17</answer>", "18", 0.0),  # nowhere right
+        ("<answer>18</answer>", "eighteen", 0.0),  # unparsable target: nothing, not even partial
+        ("I get 180 eggs.", "18", 0.0),  # a number containing the digits is not the number
+    ],
+)
+def test_math_answer_partial_credit(completion, target, credit):
+    assert math_answer("", completion, target, partial_credit=0.3) == credit
+    assert math_answer("", completion, target) == (1.0 if credit == 1.0 else 0.0)  # off by default
+
+
+def test_parse_number_and_extract():
+    assert parse_number("1,234,567.89") == pytest.approx(1234567.89)
+    assert parse_number("$-5") == parse_number("-$5") == -5.0
+    assert parse_number("1e400") is None  # overflow is not a number
+    assert parse_number("abc") is None and parse_number("1.2.3") is None and parse_number("--1") is None
+    assert extract_math_answer("<answer>a</answer> \\boxed{b}") == "a"  # tags take precedence over a box
+    assert extract_math_answer("no answer here") is None
+
+
+@pytest.mark.parametrize(
+    "completion,want",
+    [
+        ("<think>carry the one</think> 42", 1.0),
+        ("<THINK>carry</THINK>42", 1.0),
+        ("<Think >\n  carry\n</ think>42", 1.0),
+        ("   \n<think>x</think>", 1.0),
+        ("<think>\n \n</think> 42", 0.5),  # empty block: tags only
+        ("<think>carry the one 42", 0.25),  # unclosed
+        ("carry the one</think> 42", 0.25),  # unopened
+        ("<think>a</think><think>b</think>", 0.5),  # two blocks are not one
+        ("</think>a<think>", 0.5),  # wrong order: both tags, no block
+        ("<thinking>a</thinking>", 0.0),
+        ("42", 0.0),
+    ],
+)
+def test_think_format_cases(completion, want):
+    assert think_format("p", completion, "42") == want
+
+
+def test_think_format_partial_is_configurable():
+    assert think_format("", "<think>x", "", partial=0.1) == 0.1
+    assert think_format("", "<think>x</think>", "", partial=0.1) == 1.0
+
+
+def test_overlong_soft_penalty_matches_dapo():
+    # DAPO eq. 13 written out: L_max = 20, L_cache = 5 -> 0 up to 15, linear to -1 at 20, -1 beyond.
+    def dapo(length, l_max=20, l_cache=5):
+        if length <= l_max - l_cache:
+            return 0.0
+        if length <= l_max:
+            return ((l_max - l_cache) - length) / l_cache
+        return -1.0
+
+    for n in range(0, 26):
+        assert overlong("", "x" * n, "", max_tokens=20, overlong_cache=5) == pytest.approx(dapo(n)), n
+        assert overlong("", "", "", max_tokens=20, overlong_cache=5, completion_tokens=n) == pytest.approx(dapo(n))
+    assert overlong("", "x" * 16, "", max_tokens=16) == -1.0  # default cache = max_tokens // 4 = 4
+    assert overlong("", "x" * 12, "", max_tokens=16) == 0.0
+    assert overlong("", "x" * 14, "", max_tokens=16) == pytest.approx(-0.5)
+    r = make_overlong(20, 5)
+    assert r("", "x" * 18, "") == pytest.approx(dapo(18)) and r.__name__ == "overlong_20"
+    with pytest.raises(ValueError, match="max_tokens"):
+        overlong("", "x", "")
+    with pytest.raises(ValueError, match="overlong_cache"):
+        overlong("", "x", "", max_tokens=4, overlong_cache=9)
+
+
+def test_math_rewards_compose_and_fail_by_the_rule():
+    c = RewardComposer({"correct": (math_answer, 1.0), "format": (think_format, 0.1)})
+    r = c.score("q", "<think>6 times 7</think><answer>42</answer>", "#### 42")
+    assert r.parts == {"correct": 1.0, "format": 1.0} and r.total == pytest.approx(1.1)
+    r = RewardComposer({"len": (overlong, 1.0)}).score("q", "abc", "1")  # no budget: the episode fails, not 0
+    assert r.failed and r.drop_reason == "reward_error:len" and "max_tokens" in r.errors[0].error_text
