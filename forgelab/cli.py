@@ -3,6 +3,9 @@
     forgelab run CONFIG.yaml [--set train.steps=20 ...]   train from a YAML config
     forgelab demo                                          the `make demo` job
     forgelab check CONFIG.yaml                             validate a config, spawn nothing
+    forgelab show RUN_DIR                                  a run's timeline: config, each change, code diffs
+    forgelab diff RUN_A RUN_B                              config, swapped functions, versions, hardware
+    forgelab replay RUN_DIR [--until N]                    re-run with its recorded changes, compare metrics
 """
 from __future__ import annotations
 
@@ -54,6 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="asynchronous GRPO on the addition task (what `make demo` runs)")
     p_demo.add_argument("--steps", type=int, default=None)
     p_demo.add_argument("--out", default="runs")
+    p_show = sub.add_parser("show", help="a run directory's timeline (config, changes at their steps, code diffs)")
+    p_show.add_argument("run_dir")
+    p_show.add_argument("--no-diffs", action="store_true")
+    p_diff = sub.add_parser("diff", help="what differs between two run directories")
+    p_diff.add_argument("run_a")
+    p_diff.add_argument("run_b")
+    p_rep = sub.add_parser("replay", help="re-execute a run from its manifest and event log; compare its metrics")
+    p_rep.add_argument("run_dir")
+    p_rep.add_argument("--until", type=int, default=None, help="stop after this step")
+    p_rep.add_argument("--out", default=None, help="runs folder for the replay (default: the original's)")
     args = parser.parse_args(argv)
 
     from forgelab.config import ConfigError
@@ -66,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             cfg = _load(args.config, args.set)
             return asyncio.run(_run(cfg, args.resume))
+        if args.cmd in ("show", "diff", "replay"):
+            return _provenance(args)
         if args.cmd == "demo":
             from forgelab.demo import demo
 
@@ -74,6 +89,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"forgelab: bad config: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _provenance(args) -> int:
+    if args.cmd == "show":
+        from forgelab.timeline import format_timeline
+
+        print(format_timeline(args.run_dir, diffs=not args.no_diffs))
+        return 0
+    if args.cmd == "diff":
+        from forgelab.provenance import diff_runs, format_diff
+
+        print(format_diff(diff_runs(args.run_a, args.run_b)))
+        return 0
+    from forgelab.replay import replay_sync
+
+    report = replay_sync(args.run_dir, until=args.until, out_dir=args.out)
+    print(report)
+    return 0 if report.ok else 1
 
 
 async def _run(cfg, resume: str | None) -> int:

@@ -79,10 +79,11 @@ class SamplingConfig:
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"{where}.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
 
-    def to_vllm(self):
+    def to_vllm(self, seed: int | None = None):
         """One-sample `vllm.SamplingParams` returning the sampled token's logprob.
 
-        No `seed`: a fixed seed makes every request replay the same random stream.
+        No `seed` by default: one fixed seed for every request makes them all replay the
+        same random stream. Deterministic runs pass a different seed per sample instead.
         """
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -96,6 +97,7 @@ class SamplingConfig:
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=0,  # 0 extra top tokens: the sampled token's logprob only
             output_kind=RequestOutputKind.FINAL_ONLY,
+            seed=seed,
         )
 
 
@@ -314,15 +316,22 @@ class VLLMEngine:
         return preprocess([prompt])[0] if preprocess is not None else prompt
 
     async def generate(
-        self, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None
+        self, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
     ) -> list[list[Completion]]:
-        """`n` completions of each prompt (text or token ids), in prompt order."""
+        """`n` completions of each prompt (text or token ids), in prompt order.
+
+        `seeds` (seeds_P_G, optional): one vLLM seed per sample, for reproducible sampling
+        (deterministic runs derive them from the run seed and the episode id).
+        """
         sampling = sampling or self.config.sampling
         sampling.validate("generate(sampling=...)")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"generate: n must be a positive integer, got {n!r}")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("generate: prompts must be a list of strings or of token-id lists")
+        if seeds is not None and (len(seeds) != len(prompts) or any(len(s) != n for s in seeds)):
+            raise ValueError(f"generate: seeds must be one list of n={n} ints per prompt ({len(prompts)} prompts)")
         texts = [p if isinstance(p, str) else "" for p in prompts]
         ids_P = [self._prompt_ids(p) for p in prompts]
         for ids in ids_P:
@@ -341,14 +350,14 @@ class VLLMEngine:
         self._end_idle()  # taking in requests is work: an idle period ends here
         t_add = time.perf_counter()
         try:
-            for ids in ids_P:
+            for p, ids in enumerate(ids_P):
                 # One request per sample (not vLLM's n-way parent request): each sample keeps its
                 # own prefix-cache count. The prompt is rendered once per group.
                 rendered = self._render(ids)
                 row = []
-                for _ in range(n):
+                for g in range(n):
                     rid = f"fg{next(self._ids)}"
-                    self.engine.add_request(rid, rendered, params)  # vLLM copies prompt and params
+                    self.engine.add_request(rid, rendered, params if seeds is None else sampling.to_vllm(int(seeds[p][g])))  # vLLM copies prompt and params
                     added.append(rid)
                     row.append(self._pending.setdefault(rid, loop.create_future()))
                 futures_P_G.append(row)
@@ -573,10 +582,11 @@ class Generator(Component):
 
     @endpoint(explicit_response_port=True)
     async def generate(
-        self, port: Port, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None
+        self, port: Port, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """`list[list[Completion]]`: `n` completions per prompt (text or token ids), in order."""
-        _reply(port, lambda: self._engine().generate(prompts, n, sampling), "generate")
+        """`list[list[Completion]]`: `n` completions per prompt (text or token ids), in order; `seeds` per sample."""
+        _reply(port, lambda: self._engine().generate(prompts, n, sampling, seeds), "generate")
 
     @endpoint(explicit_response_port=True)
     async def update_weights(self, port: Port, version: int, weights: dict) -> None:

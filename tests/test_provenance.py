@@ -1,0 +1,258 @@
+"""Provenance and exact replay on real processes: manifest, event log, resume with custom code, replay, diff.
+
+One synchronous run (max_policy_age 0, 20 steps, batch 16) is shared by the module: a custom
+reward is added after step 5 and a custom loss with kwargs swapped in after step 10, both live.
+Its replay must reproduce every learning metric exactly; its step-20 checkpoint is resumed
+(in a fresh Run, after the first one's processes are gone) and must train with that loss,
+those kwargs and that reward. The first tests are pure functions (no processes).
+"""
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+# functions defined here travel by value (as a notebook cell's would), not as an import of this test module
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def short_reward(prompt, completion, target, **info):
+    """1.0 for completions of at most 4 characters."""
+    return 1.0 if len(completion.strip()) <= 4 else 0.0
+
+
+def scaled_grpo(logprobs_B_T, *, scale=1.0, **kwargs):
+    """GRPO with its loss multiplied by `scale` (reported as a metric, so its use is visible)."""
+    from forgelab.algos import LOSSES
+
+    loss, metrics = LOSSES["grpo"](logprobs_B_T, **kwargs)
+    return loss * scale, {**metrics, "loss_scale": float(scale)}
+
+
+# ---------------------------------------------------------------- pure functions
+def test_event_log_memory_and_file_agree(tmp_path):
+    from forgelab.events import EventLog
+
+    log = EventLog()
+    log.emit("early", step=0, value=(1, 2))  # before the file exists
+    log.attach(tmp_path)
+    log.emit("loss_swapped", step=3, kwargs={"scale": 0.5}, obj=object())
+    assert EventLog.read(tmp_path) == list(log)
+    assert [e["kind"] for e in log] == ["early", "loss_swapped"] and log[0]["value"] == [1, 2]
+    resumed = EventLog()
+    resumed.emit("spawned", step=0)
+    resumed.attach(tmp_path / "events.jsonl", append=True)  # a resumed run keeps the history
+    assert [e["kind"] for e in resumed] == ["early", "loss_swapped", "spawned"]
+    assert EventLog.read(tmp_path) == list(resumed)
+
+
+def test_function_records_restore_and_name_what_cannot():
+    import threading
+
+    from forgelab.fncode import FunctionRestoreError, fn_record, restore_fn
+    from forgelab.rewards import REWARDS
+
+    rec = fn_record(short_reward, REWARDS)
+    assert rec["sha256"] == hashlib.sha256(rec["source"].encode()).hexdigest() and "def short_reward" in rec["source"]
+    back = restore_fn(json.loads(json.dumps(rec)), REWARDS)
+    assert back is not short_reward and back("", "12", "12") == 1.0 and back("", "12345", "1") == 0.0
+    builtin = fn_record(REWARDS["exact_answer"], REWARDS)
+    assert builtin["builtin"] == "exact_answer" and restore_fn(builtin, REWARDS) is REWARDS["exact_answer"]
+    lock = threading.Lock()
+    bad = fn_record(lambda p, c, t, **i: float(lock.locked()), REWARDS)  # a lock cannot be pickled
+    with pytest.raises(FunctionRestoreError, match="cannot be restored"):
+        restore_fn(bad, REWARDS, what="reward 'locked'")
+
+
+def test_episode_seeds_differ_per_episode_and_repeat():
+    from forgelab.replay import episode_seed
+
+    seeds = [episode_seed(7, i) for i in range(1000)]
+    assert len(set(seeds)) == 1000 and seeds == [episode_seed(7, i) for i in range(1000)]
+    assert all(0 <= s < 2**31 for s in seeds) and episode_seed(8, 0) != episode_seed(7, 0)
+
+
+def test_compare_metrics_names_first_differing_step_and_metric():
+    import pandas as pd
+
+    from forgelab.replay import compare_metrics
+
+    a = pd.DataFrame({"step": [1, 2, 3], "loss": [0.5, 0.25, 0.125], "kl_behaviour": [0.0, 0.1, 0.2],
+                      "step_time_s": [1.0, 2.0, 3.0], "tokens_per_s": [9.0, 9.0, 9.0]})
+    b = a.copy()
+    b["step_time_s"] = [5.0, 5.0, 5.0]  # timings are not compared
+    assert compare_metrics(a, b) == []
+    b.loc[2, "kl_behaviour"] = 0.2000001
+    b.loc[1, "loss"] = 0.25000000000000006
+    assert compare_metrics(a, b)[0] == (2, "loss", 0.25, 0.25000000000000006)
+    assert compare_metrics(a, b, until=1) == []
+
+
+# ---------------------------------------------------------------- real processes
+def _config(out_dir, name="prov", steps=20):
+    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+
+    return RunConfig(
+        name=name,
+        rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=2, concurrency=2, max_tokens=8),
+        train=TrainConfig(steps=steps, batch_size=16, lr=1e-4, warmup_steps=2, max_policy_age=0, seed=3),
+        eval=EvalConfig(every=0, n=16),
+        tracking=TrackingConfig(out_dir=str(out_dir), wandb=False),
+        placement=PlacementConfig(reference=False),
+    )
+
+
+@pytest.fixture(scope="module")
+def recorded(loop, tmp_path_factory):
+    """The 20-step synchronous run with two live changes, finished, checkpointed and shut down."""
+    from forgelab.run import Run
+
+    run = Run(_config(tmp_path_factory.mktemp("prov")))
+    swaps = []
+
+    def on_row(row):
+        if "step" not in row:
+            return
+        if row["step"] == 5:
+            run.add_reward("short", short_reward, 0.5)
+        if row["step"] == 10:
+            swaps.append(asyncio.ensure_future(run.set_loss(scaled_grpo, scale=0.5)))
+
+    run.add_listener(on_row)
+    loop.run_until_complete(run.start())
+    loop.run_until_complete(run.wait())
+    loop.run_until_complete(asyncio.gather(*swaps))
+    ckpt = loop.run_until_complete(run.save_checkpoint())
+    events = list(run.events)
+    loop.run_until_complete(run.shutdown())
+    assert run.state == "finished", run.message
+    return {"dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics, "config": run.config}
+
+
+@pytest.mark.integration
+def test_manifest_holds_hashes_and_versions(recorded):
+    import platform
+
+    import torch
+    import transformers
+
+    from forgelab.data import load_problems
+
+    m = json.loads((recorded["dir"] / "manifest.json").read_text())
+    assert m["config"] == json.loads(json.dumps(recorded["config"].to_dict()))
+    v = m["versions"]
+    assert v["python"] == platform.python_version() and v["torch"] == torch.__version__
+    assert v["transformers"] == transformers.__version__ and v["vllm"] and v["monarch"] and v["torchtitan"]
+    # the model hash, recomputed here over the checkpoint's files
+    model = Path(m["model"]["path"])
+    h = hashlib.sha256()
+    for p in sorted(x for x in model.rglob("*") if x.is_file()):
+        h.update(str(p.relative_to(model)).encode() + b"\0" + p.read_bytes())
+    assert m["model"]["sha256"] == h.hexdigest()
+    train = load_problems("addition", "train", 4000, 3)
+    h = hashlib.sha256()
+    for p in train:
+        h.update(json.dumps([p.prompt, p.target, dict(p.info)], sort_keys=True, default=repr).encode() + b"\n")
+    assert m["data"]["train_sha256"] == h.hexdigest() and m["data"]["train_n"] == len(train)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    assert m["forgelab"]["git"]["commit"] == head and len(m["forgelab"]["git"]["uncommitted_sha256"]) == 64
+    assert m["hardware"]["cores_usable"] >= 1 and m["seeds"]["train.seed"] == 3 and m["deterministic"] is True
+
+
+@pytest.mark.integration
+def test_event_log_records_each_live_change_with_source(recorded):
+    from forgelab.events import EventLog
+
+    events = recorded["events"]
+    assert EventLog.read(recorded["dir"]) == events  # the file and run.events agree
+    added = [e for e in events if e["kind"] == "reward_added"]
+    assert len(added) == 1 and added[0]["name"] == "short" and "def short_reward" in added[0]["code"]["source"]
+    assert added[0]["code"]["sha256"] == hashlib.sha256(added[0]["code"]["source"].encode()).hexdigest()
+    assert added[0]["code"]["pickle"] and added[0]["step"] == 5
+    effective = [e for e in events if e["kind"] == "reward_effective"]
+    assert effective and effective[0]["rev"] == added[0]["rev"] and effective[0]["rewards"]["short"] == 0.5
+    swaps = [e for e in events if e["kind"] == "loss_swapped"]
+    assert len(swaps) == 1 and swaps[0]["kwargs"] == {"scale": 0.5} and "def scaled_grpo" in swaps[0]["code"]["source"]
+    # where it took effect: the first step the trainer ran it (its metric shows the kwarg)
+    df = recorded["metrics"]
+    first = int(df[df["loss_name"] == "scaled_grpo"]["step"].min())
+    assert swaps[0]["applies_at_step"] == first and (df[df["step"] >= first]["loss_scale"] == 0.5).all()
+    # the first episode scored with the new reward is the first with a reward/short part
+    assert df[df["step"] < effective[0]["step"]]["reward/short"].isna().all()
+    assert [e for e in events if e["kind"] == "checkpoint"][-1]["loss_kwargs"] == {"scale": 0.5}
+
+
+@pytest.mark.integration
+def test_replay_reproduces_learning_metrics_exactly(recorded, loop, tmp_path_factory):
+    from forgelab.run import Run
+
+    report = loop.run_until_complete(Run.replay(recorded["dir"], out_dir=tmp_path_factory.mktemp("replay")))
+    print(report)
+    assert report.steps == 20 and len(report.changes_applied) == 2
+    assert report.ok, str(report)
+    # the replay's own log records the same changes at the same points
+    from forgelab.events import EventLog
+
+    again = EventLog.read(report.replay_dir)
+    for kind, key in (("loss_swapped", "applies_at_step"), ("reward_effective", "first_episode")):
+        assert [e[key] for e in again if e["kind"] == kind] == [e[key] for e in recorded["events"] if e["kind"] == kind]
+
+
+@pytest.mark.integration
+def test_resume_restores_custom_loss_kwargs_and_reward(recorded, loop, tmp_path_factory):
+    from forgelab.run import Run
+
+    cfg = _config(tmp_path_factory.mktemp("resumed"), name="prov-resumed", steps=24)
+    run = Run(cfg, resume_from=recorded["ckpt"])
+    rows = []
+
+    def on_row(row):
+        if "step" in row:
+            rows.append(row)
+            if row["step"] == 22:
+                rows.append(asyncio.ensure_future(run.set_loss("dapo")))
+
+    run.add_listener(on_row)
+    try:
+        loop.run_until_complete(run.start())
+        assert run.step == 20 and run.rewards.weights == {"exact_answer": 1.0, "answer_format": 0.1, "short": 0.5}
+        fn = run.rewards._terms["short"][0]
+        assert fn is not short_reward and fn("", "12", "") == 1.0  # rebuilt from the checkpoint, not shared
+        loop.run_until_complete(run.wait())
+        loop.run_until_complete(asyncio.gather(*[r for r in rows if isinstance(r, asyncio.Future)]))
+        steps = [r for r in rows if isinstance(r, dict)]
+        assert [r["step"] for r in steps] == [21, 22, 23, 24], run.message
+        # trained with the custom loss and its kwargs, and scored with the custom reward, after the resume
+        assert [r["loss_name"] for r in steps[:2]] == ["scaled_grpo", "scaled_grpo"]
+        assert all(r["loss_scale"] == 0.5 for r in steps[:2]) and all("reward/short" in r for r in steps)
+        assert steps[-1]["loss_name"] == "dapo"
+        resumed = [e for e in run.events if e["kind"] == "resumed_from_checkpoint"][0]
+        assert resumed["loss"] == "scaled_grpo" and resumed["loss_kwargs"] == {"scale": 0.5}
+        assert resumed["fingerprint_match"] is True
+    finally:
+        loop.run_until_complete(run.shutdown())
+    # forgelab diff names the changed loss (the resumed run went on to dapo)
+    out = subprocess.run([sys.executable, "-m", "forgelab.cli", "diff", str(recorded["dir"]), str(run.out_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    assert "[loss] differs" in out.stdout and "dapo" in out.stdout and "train.steps: 20 -> 24" in out.stdout
+    assert "[reward:short]" not in out.stdout  # the same reward code in both
+
+
+@pytest.mark.integration
+def test_show_prints_timeline_with_code(recorded):
+    out = subprocess.run([sys.executable, "-m", "forgelab.cli", "show", str(recorded["dir"])],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    lines = out.stdout.splitlines()
+    assert "prov: task addition" in lines[0] and "max_policy_age 0" in lines[0]
+    assert any("reward short added, weight 0.5" in ln for ln in lines)
+    assert any("loss grpo -> scaled_grpo {'scale': 0.5}" in ln for ln in lines)
+    assert any(ln.strip().startswith("+def scaled_grpo") for ln in lines)  # the code diff between versions
