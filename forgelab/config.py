@@ -65,8 +65,9 @@ class RolloutConfig:
     """Sampling temperature (1.0 = the policy itself)."""
     top_p: float = 1.0
     """Nucleus sampling; 1.0 samples from the full policy."""
-    rewards: dict[str, float] = field(default_factory=lambda: {"exact_answer": 1.0, "answer_format": 0.1})
-    """Reward function name -> weight (names from forgelab.rewards.REWARDS)."""
+    rewards: dict[str, float] | None = None
+    """Reward function name -> weight (names from forgelab.rewards.REWARDS). With an env they are added to the
+    environment's reward. None: {exact_answer: 1.0, answer_format: 0.1} for single-turn runs, none with an env."""
     reward_timeout_s: float = 5.0
     """A reward call that takes longer is a failure (the episode is dropped with reason)."""
     advantage: str = "grpo"
@@ -76,7 +77,7 @@ class RolloutConfig:
     env: str | None = None
     """Multi-turn environment (a name in forgelab.envs.ENVS) or None for single-turn rollouts. With an env,
     each problem of `task` starts G episodes played by EnvActor replicas; the episode reward is the
-    environment's (`rewards` are not applied) and `max_tokens` bounds each assistant turn."""
+    environment's plus `rewards` (none by default) and `max_tokens` bounds each assistant turn."""
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's factory."""
     max_turns: int = 4
@@ -283,9 +284,9 @@ class RunConfig:
             _finite_range("rollout.env_step_timeout_s", r.env_step_timeout_s, 1e-3, 3600)
         from forgelab.rewards import REWARDS
 
-        if not r.rewards:
+        if r.rewards is not None and not r.rewards and r.env is None:
             raise ConfigError("rollout.rewards: empty; give at least one reward, e.g. {exact_answer: 1.0}")
-        for name, w in r.rewards.items():
+        for name, w in (r.rewards or {}).items():
             if name not in REWARDS:
                 raise ConfigError(
                     f"rollout.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))} "

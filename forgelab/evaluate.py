@@ -98,3 +98,26 @@ def greedy_accuracy_hf(
         get_task(p.task).reward(p.prompt, c, p.target, **p.info) for p, c in zip(problems, completions)
     ]
     return sum(rewards) / len(rewards)
+
+
+async def heldout_accuracy(source, problems: Sequence[Problem], tokenizer, sampling, reward) -> float:
+    """Greedy accuracy of the generator's current weights, played through the run's rollout `source`.
+
+    One path for single-turn and multi-turn runs: each problem is one episode of
+    the run's environment (`forgelab.rollout.SingleTurn` or `EnvEpisodes`), and
+    its final answer (the last assistant turn) is scored by ``reward`` (the
+    task's exact-answer reward); > 0.5 counts as correct, a reward that raises
+    as wrong.
+    """
+    from forgelab.rollout import final_answer
+
+    if not problems:
+        return 0.0
+    groups = await source.play(list(problems), 1, sampling)
+    correct = 0
+    for p, (ep,) in zip(problems, groups):
+        try:
+            correct += float(reward(p.prompt, final_answer(ep, tokenizer), p.target, **p.info)) > 0.5
+        except Exception:
+            pass
+    return correct / len(problems)

@@ -315,7 +315,7 @@ def test_hung_env_step_times_out_and_is_counted(loop, finished_run):
     before = run.buffer.check_accounting()
     r = run.config.rollout
     r.env, r.env_kwargs, r.env_step_timeout_s = "echo", {"think_s": 3600.0}, 0.5
-    loop.run_until_complete(run._one_rollout())
+    loop.run_until_complete(run.rollout.one())
     after = run.buffer.check_accounting()
     per_call = r.prompts_per_rollout * r.group_size
     assert after["generated"] == before["generated"] + per_call

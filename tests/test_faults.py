@@ -260,7 +260,7 @@ def test_reward_that_fails_everything_is_refused(loop, faulty):
     from forgelab.run import RewardChangeRefused
 
     run = faulty.run
-    drive(loop, run, lambda: len(run._recent) >= 16, "first rollout scored")
+    drive(loop, run, lambda: len(run.rollout.recent) >= 16, "first rollout scored")
     for name, fn in [("always_raises", lambda p, c, t, **i: 1 / 0), ("always_nan", lambda p, c, t, **i: float("nan"))]:
         with pytest.raises(RewardChangeRefused, match=name):
             run.add_reward(name, fn, 1.0)
@@ -379,7 +379,7 @@ def test_reward_faults_drop_episodes_and_are_recorded(loop, faulty):
     assert {e["reason"] for e in events} == {"reward_timeout", "reward_error:flaky"}
     assert all(e["completion"] is not None and e["prompt"] for e in events)
     # the hung calls are still blocked, yet the run trained to its last step: they starved nothing
-    assert all(t.is_alive() for t in run._hung_rewards) and len(run._hung_rewards) == len(fr.hung)
+    assert all(t.is_alive() for t in run.reward_runner.hung) and len(run.reward_runner.hung) == len(fr.hung)
     # no step trained on a corrupt value
     ro = run.rollouts
     trained = ro[ro["status"] == "trained"]
@@ -389,7 +389,7 @@ def test_reward_faults_drop_episodes_and_are_recorded(loop, faulty):
     bad_inputs = set(fr.raised) | set(fr.nan)  # flaky fails by input; sleepy hung by call order, not input
     assert not any((p, c) in bad_inputs for p, c in zip(trained["prompt"], trained["completion"]))
     SUMMARY["reward_faults"] = {"raised": len(fr.raised), "nan": len(fr.nan), "hung": len(fr.hung),
-                                "abandoned_threads_alive_at_end": len(run._hung_rewards)}
+                                "abandoned_threads_alive_at_end": len(run.reward_runner.hung)}
 
 
 def test_run_a_survived_with_every_episode_accounted_for(loop, faulty):
@@ -399,14 +399,14 @@ def test_run_a_survived_with_every_episode_accounted_for(loop, faulty):
     acc = accounting(run)
     assert acc["trained"] == run.step * run.config.train.batch_size  # no episode trained twice, none missing
     # every episode the controller ever made is in the ledger: none vanished in a failed rollout
-    assert acc["generated"] == run._next_episode_id
+    assert acc["generated"] + run.rollout.ids_unused == run.rollout.next_episode_id
     for reason in acc["dropped_reasons"]:
         assert reason.split(":")[0] in {"reward_timeout", "reward_error", "group_too_small", "step_skipped",
                                          "rollout_error", "zero_variance_group", "buffer_full", "rollout_cancelled"}
     SUMMARY["run_a"] = {"finished": run.state == "finished", "steps": run.step, "episodes": acc,
                         "episodes_lost": acc["generated"] - (acc["trained"] + acc["evicted"] + acc["dropped"]
                                                              + acc["buffered"] + acc["in_flight"]),
-                        "episodes_never_accounted": run._next_episode_id - acc["generated"],
+                        "episodes_never_accounted": run.rollout.next_episode_id - run.rollout.ids_unused - acc["generated"],
                         "rollout_errors": [e["message"][:200] for e in run.events if e["kind"] == "rollout_error"],
                         "service_events": [(e["kind"], e.get("replica")) for e in run.events
                                            if e["kind"] in ("replica_failed", "replica_restarted")]}

@@ -190,10 +190,10 @@ class FakeTrainer:
         finally:
             self.in_step.clear()
         name = self.loss if isinstance(self.loss, str) else getattr(self.loss, "name", "custom")
-        self.steps.append({"loss": name, "episodes": int(batch["tokens"].shape[0])})
+        self.steps.append({"loss": name, "episodes": int(batch["tokens_B_L"].shape[0])})
         if name in self.skip_losses:
             return {"skipped": True, "skip_reason": f"loss {name} is non-finite", "loss_name": name}
-        adv = batch["advantages"].float()
+        adv = batch["advantages_B"].float()
         return {"loss": float(-adv.abs().mean()), "grad_norm": 1.0, "loss_name": name}
 
     async def _push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> dict:

@@ -1,0 +1,331 @@
+"""The controller's loop against in-process fakes of the generator, trainer and reference (forgelab.testing.fakes).
+
+Fast and exact: no process starts, so these pin the loop's logic (staleness, accounting, pause/resume, the loss
+swap's step boundary, failing rewards, a replica death, `until`). The real actors keep their own integration tests.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+from forgelab.run import Run
+from forgelab.testing.fakes import FakeGenerators, FakeParts, FakeReference, FakeTrainer, fake_spawn
+
+
+def config(tmp_path, name="unit", steps=6, max_policy_age=1, **placement) -> RunConfig:
+    return RunConfig(
+        name=name,
+        rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=2, concurrency=2, max_tokens=6,
+                              reward_timeout_s=5.0),
+        train=TrainConfig(steps=steps, batch_size=8, warmup_steps=1, max_policy_age=max_policy_age),
+        eval=EvalConfig(every=0, n=8),
+        tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False),
+        placement=PlacementConfig(**placement),
+    )
+
+
+def run_to_end(run: Run) -> Run:
+    async def go():
+        await run.start()
+        await asyncio.wait_for(run.wait(), 60)
+        await run.shutdown()
+    asyncio.run(go())
+    return run
+
+
+def check_accounting(run: Run) -> dict:
+    c = run.buffer.check_accounting()
+    # every episode id handed out at admission either became an episode (generated) or was never generated
+    assert c["generated"] + run.rollout.ids_unused == run.rollout.next_episode_id
+    return c
+
+
+def test_accounting_and_metrics_columns(tmp_path):
+    held = {}
+
+    async def spawn(cfg):
+        held["parts"] = await fake_spawn(cfg)
+        return held["parts"]
+
+    run = run_to_end(Run(config(tmp_path, reference=True), spawn=spawn))
+    assert run.state == "finished" and run.step == 6 and run.version == 6
+    c = check_accounting(run)
+    assert c["trained"] == 6 * 8 and c["in_flight"] == 0
+    df = run.metrics
+    assert list(df["step"]) == [1, 2, 3, 4, 5, 6]
+    for col in ("reward_mean", "reward/exact_answer", "reward/answer_format", "policy_age_mean", "policy_age_max",
+                "completion_len", "loss", "loss_name", "tokens_per_s", "step_time_s", "train_time_s",
+                "weight_sync_ms", "episodes_generated", "episodes_trained", "episodes_dropped"):
+        assert col in df.columns, col
+    assert (df["weight_sync_ms"] == 3.5).all()  # the fake trainer's gather 1 + write 0.5 + send 2 ms
+    kinds = [e["kind"] for e in run.events]
+    assert kinds[0] == "spawned" and kinds[1] == "eval" and kinds[-1] == "finished"
+    # the greedy fake answers every held-out problem right: evaluation scored the final answers
+    assert run.accuracy_history == [(0, 1.0), (6, 1.0)]
+    trained = run.rollouts[run.rollouts["status"] == "trained"]
+    assert len(trained) > 0 and trained["ref_logprobs"].map(lambda x: x is not None and all(v == 0.0 for v in x)).all()
+    # every generator replica got every version, in order
+    assert held["parts"].generators.replicas[0].loaded == [1, 2, 3, 4, 5, 6]
+    assert held["parts"].reference.calls > 0
+
+
+@pytest.mark.parametrize("age", [0, 1, 2])
+def test_staleness_bound(tmp_path, age):
+    parts = FakeParts(generators=None, trainer=FakeTrainer())
+    seen = []
+
+    async def spawn(cfg):
+        from transformers import AutoTokenizer
+
+        parts.generators = FakeGenerators(1, decode=AutoTokenizer.from_pretrained(cfg.model.path).decode)
+        return parts
+
+    run = Run(config(tmp_path, steps=8, max_policy_age=age), spawn=spawn)
+    run.add_listener(lambda row: seen.append(row) if "step" in row else None)
+    run_to_end(run)
+    ages = [r["policy_age_max"] for r in seen]
+    assert len(ages) == 8 and max(ages) <= age
+    if age == 0:
+        assert set(ages) == {0}
+    # admission bound: episodes started under version v are at most (v + age + 1) * batch_size in all
+    c = check_accounting(run)
+    assert c["generated"] - c["evicted"] - c["dropped"] <= (run.version + age + 1) * 8
+
+
+def test_pause_and_resume(tmp_path):
+    run = Run(config(tmp_path, steps=8), spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        await run.until(step=2, timeout=30)
+        run.pause()
+        assert run.state == "paused" and run.events[-1]["kind"] == "paused"
+        at_pause = run.step
+        for _ in range(500):  # give every task many turns of the loop: nothing may train while paused
+            await asyncio.sleep(0)
+        assert run.step <= at_pause + 1  # the step in flight when pausing may finish
+        held = run.step
+        for _ in range(500):
+            await asyncio.sleep(0)
+        assert run.step == held and run.state == "paused"
+        run.resume()
+        await run.until(predicate=lambda r: r.state == "finished", timeout=30)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.step == 8 and [e["kind"] for e in run.events].count("resumed") == 1
+    check_accounting(run)
+
+
+def test_loss_swap_lands_at_a_step_boundary(tmp_path):
+    trainer = FakeTrainer()
+    run = Run(config(tmp_path, steps=6), spawn=FakeParts(generators=None, trainer=trainer).factory())
+
+    async def go():
+        from transformers import AutoTokenizer
+
+        run.parts = None
+        await run.start()
+        await run.until(step=2, timeout=30)
+        trainer.hold()
+        await asyncio.wait_for(trainer.in_step.wait(), 30)  # step 3 is in flight with the old loss
+        swap = await run.set_loss("dapo")
+        assert swap == {"loss": "dapo", "applies_at_step": run.step + 2}
+        trainer.release()
+        await asyncio.wait_for(run.wait(), 30)
+        await run.shutdown()
+        return swap
+
+    parts = FakeParts(trainer=trainer)
+
+    async def spawn(cfg):
+        from transformers import AutoTokenizer
+
+        parts.generators = FakeGenerators(1, decode=AutoTokenizer.from_pretrained(cfg.model.path).decode)
+        return parts
+
+    run._spawn_parts = spawn
+    swap = asyncio.run(go())
+    names = dict(zip(run.metrics["step"], run.metrics["loss_name"]))
+    at = swap["applies_at_step"]
+    assert names[at - 1] == "grpo" and names[at] == "dapo" and names[6] == "dapo"
+    assert [s["loss"] for s in trainer.steps] == ["grpo"] * (at - 1) + ["dapo"] * (6 - at + 1)
+    ev = [e for e in run.events if e["kind"] == "loss_swapped"]
+    assert len(ev) == 1 and ev[0]["applies_at_step"] == at
+
+
+def test_loss_swap_refused_keeps_the_old_loss(tmp_path):
+    from forgelab.run import LossSwapRefused
+
+    run = Run(config(tmp_path, steps=3), spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        await run.until(step=1, timeout=30)
+        with pytest.raises(LossSwapRefused, match="no_such_loss"):
+            await run.set_loss("no_such_loss")
+        with pytest.raises(LossSwapRefused):
+            await run.set_loss("grpo", not_a_keyword=1.0)
+        await asyncio.wait_for(run.wait(), 30)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert set(run.metrics["loss_name"]) == {"grpo"}
+
+
+def test_failing_reward_drops_its_episodes(tmp_path):
+    run = Run(config(tmp_path, steps=5), spawn=fake_spawn)
+    bad = set()
+
+    def picky(prompt, completion, target, **info):
+        if completion != target:  # the fake answers wrong half the time: those calls fail
+            bad.add((prompt, completion))
+            raise ValueError("picky reward cannot parse")
+        return 1.0
+
+    run.rewards.add("picky", picky, 0.5)  # before start: validation on recent rollouts would refuse it
+    run_to_end(run)
+    assert run.state == "finished"
+    c = check_accounting(run)
+    assert bad and c["dropped_reasons"].get("reward_error:picky", 0) > 0
+    errors = [e for e in run.events if e["kind"] == "reward_error"]
+    assert {e["reason"] for e in errors} == {"reward_error:picky"}
+    assert {(e["prompt"], e["completion"]) for e in errors} <= bad
+    ro = run.rollouts
+    trained = ro[ro["status"] == "trained"]
+    assert len(trained) > 0 and (trained["completion"] == trained["target"]).all()
+    assert (trained["reward/picky"] == 1.0).all()
+    assert any("picky reward cannot parse" in f.error_text for f in run.reward_failures)
+
+
+def test_reward_refused_on_recent_rollouts_and_removed(tmp_path):
+    from forgelab.run import RewardChangeRefused
+
+    run = Run(config(tmp_path, steps=8), spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        await run.until(predicate=lambda r: len(r.rollout.recent) >= 8, timeout=30)
+        with pytest.raises(RewardChangeRefused, match="always_raises"):
+            run.add_reward("always_raises", lambda p, c, t, **i: 1 / 0)
+        assert "always_raises" not in run.snapshot().reward_names
+        run.remove_reward("answer_format")
+        with pytest.raises(KeyError):
+            run.remove_reward("answer_format")
+        await run.until(predicate=lambda r: any(e["kind"] == "reward_effective" for e in r.events), timeout=30)
+        await asyncio.wait_for(run.wait(), 30)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.snapshot().reward_names == ["exact_answer"]
+    kinds = [e["kind"] for e in run.events]
+    assert "reward_removed" in kinds and kinds.index("reward_removed") < kinds.index("reward_effective")
+    effective = next(e for e in run.events if e["kind"] == "reward_effective")
+    assert effective["rewards"] == {"exact_answer": 1.0}
+    # episodes scored from then on carry no answer_format part
+    ro = run.rollouts
+    assert not ro[ro["id"] >= effective["first_episode"]]["reward/answer_format"].notna().any()
+
+
+def test_generator_replica_death(tmp_path):
+    run = Run(config(tmp_path, steps=8, generator_replicas=2), spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        await run.until(step=3, timeout=30)
+        respawn = run.parts.generators.kill(1)
+        await asyncio.wait_for(respawn, 30)
+        await asyncio.wait_for(run.wait(), 30)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.state == "finished" and run.step == 8
+    gens = run.parts is None  # shut down: parts released
+    assert gens
+    kinds = [e["kind"] for e in run.events]
+    assert "replica_failed" in kinds and "replica_restarted" in kinds
+    check_accounting(run)
+
+
+def test_respawned_replica_is_caught_up_before_it_serves(tmp_path):
+    gens: dict = {}
+
+    async def spawn(cfg):
+        parts = await fake_spawn(cfg)
+        gens["g"] = parts.generators
+        return parts
+
+    run = Run(config(tmp_path, steps=8, generator_replicas=2), spawn=spawn)
+
+    async def go():
+        await run.start()
+        await run.until(step=3, timeout=30)
+        version = run.version
+        await asyncio.wait_for(gens["g"].kill(0), 30)
+        info = gens["g"].respawns[-1]
+        assert info["served"] >= version and info["loaded"][-1] == info["served"]
+        await asyncio.wait_for(run.wait(), 30)
+        assert gens["g"].replicas[0].version == run.version  # and it kept receiving later pushes
+        await run.shutdown()
+
+    asyncio.run(go())
+
+
+def test_until_raises_when_the_run_ends_first(tmp_path):
+    run = Run(config(tmp_path, steps=2), spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        with pytest.raises(RuntimeError, match="before the awaited condition"):
+            await run.until(step=50, timeout=30)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.state == "finished"
+
+
+def test_skipped_steps_pause_the_run_with_a_message(tmp_path):
+    trainer = FakeTrainer(skip_losses=("dapo",))
+    parts = FakeParts(trainer=trainer)
+
+    async def spawn(cfg):
+        from transformers import AutoTokenizer
+
+        parts.generators = FakeGenerators(1, decode=AutoTokenizer.from_pretrained(cfg.model.path).decode)
+        return parts
+
+    cfg = config(tmp_path, steps=6)
+    run = Run(cfg, spawn=spawn)
+
+    async def go():
+        await run.start()
+        await run.until(step=1, timeout=30)
+        await run.set_loss("dapo")
+        await run.until(predicate=lambda r: r.state == "paused", timeout=30)
+        assert "run.set_loss" in run.message
+        await run.set_loss("grpo")
+        run.resume()
+        await asyncio.wait_for(run.wait(), 30)
+        await run.shutdown()
+
+    asyncio.run(go())
+    c = check_accounting(run)
+    assert c["dropped_reasons"]["step_skipped"] == cfg.train.max_consecutive_failures * 8
+    assert run.step == 6 and run.state == "finished"
+
+
+def test_hung_reward_message_points_at_public_commands():
+    from forgelab.reward_runner import MAX_HUNG_REWARD_CALLS, RewardRunner
+    from forgelab.rewards import RewardComposer
+
+    runner = RewardRunner(RewardComposer(), 1.0)
+
+    class Alive:
+        def is_alive(self):
+            return True
+
+    runner.hung = [Alive()] * MAX_HUNG_REWARD_CALLS
+    msg = runner.hung_message()
+    assert "run.remove_reward" in msg and "run.rewards" not in msg
