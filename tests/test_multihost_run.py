@@ -1,0 +1,82 @@
+"""A Run across hosts: configured from YAML, its generator and trainer on two hosts of a `monarch.job` job.
+
+`monarch.job.ProcessJob` stands in for two machines: each "host" is a worker process of this test
+(on a cluster it would be a node; only `hosts.job` changes). The parts are spawned under their host's
+worker, so a part's host is its process's parent, which the test compares with the job's workers.
+"""
+from __future__ import annotations
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.integration
+
+YAML = """
+name: multihost
+rollout: {task: addition, group_size: 4, prompts_per_rollout: 4, concurrency: 1, max_tokens: 8}
+train: {steps: 3, batch_size: 16, lr: 0.0001, warmup_steps: 1}
+eval: {every: 0, n: 8}
+placement: {reference: false}
+tracking: {wandb: false, out_dir: OUT}
+hosts:
+  job: {kind: process, meshes: {gen: 1, train: 1}}
+  generator: gen
+  trainer: train
+"""
+
+
+def _host_workers() -> set[int]:
+    """The job's host processes (Monarch's worker loop), children of this process."""
+    return {p.pid for p in psutil.Process().children()
+            if "run_worker_loop_forever" in " ".join(p.cmdline())}
+
+
+@pytest.fixture(scope="module")
+def multihost(loop, tmp_path_factory):
+    from forgelab.config import RunConfig
+    from forgelab.run import Run
+
+    tmp = tmp_path_factory.mktemp("multihost")
+    path = tmp / "run.yaml"
+    path.write_text(YAML.replace("OUT", str(tmp / "runs")))
+    run = Run(RunConfig.from_yaml(path))
+    try:
+        loop.run_until_complete(run.start())
+        workers = _host_workers()
+        gen_pids = [s.pid for s in run.parts.generators.status()]
+        trainer_pids = loop.run_until_complete(run.parts.trainer.pids())
+        job = run.parts.job
+        loop.run_until_complete(run.wait())
+        yield run, job, workers, gen_pids, trainer_pids
+    finally:
+        loop.run_until_complete(run.shutdown())
+
+
+def test_generator_and_trainer_run_on_different_hosts(multihost):
+    run, job, workers, gen_pids, trainer_pids = multihost
+    from monarch.job import ProcessJob
+
+    assert isinstance(job, ProcessJob) and job._meshes == {"gen": 1, "train": 1}
+    assert len(workers) == 2, f"expected the job's 2 host workers, found {workers}"
+    gen_hosts = {psutil.Process(p).ppid() for p in gen_pids}
+    trainer_hosts = {psutil.Process(p).ppid() for p in trainer_pids}
+    assert len(gen_hosts) == 1 and len(trainer_hosts) == 1
+    assert gen_hosts | trainer_hosts == workers  # each part under one of the job's hosts, not this process
+    assert gen_hosts != trainer_hosts, "generator and trainer share a host"
+
+
+def test_the_run_trains_across_hosts(multihost):
+    run = multihost[0]
+    assert run.state == "finished", run.message
+    df = run.metrics
+    assert len(df) == run.config.train.steps
+    assert df["loss"].notna().all() and (df["grad_norm"] > 0).all()
+    # weights went from the trainer's host to the generator's host after every step
+    assert run.version == run.config.train.steps
+
+
+def test_shutdown_kills_the_job_hosts(multihost, loop):
+    run, job, workers, *_ = multihost
+    loop.run_until_complete(run.shutdown())
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
+    assert not alive, f"host workers still running after shutdown: {[p.pid for p in alive]}"
