@@ -2,7 +2,7 @@
 
     forgelab run CONFIG.yaml [--set train.steps=20 ...]   train from a YAML config
     forgelab demo                                          the `make demo` job
-    forgelab check CONFIG.yaml                             validate a config, spawn nothing
+    forgelab check CONFIG.yaml [--components]              validate a config, print it resolved, spawn nothing
     forgelab show RUN_DIR                                  a run's timeline: config, each change, code diffs
     forgelab diff RUN_A RUN_B                              config, swapped functions, versions, hardware
     forgelab replay RUN_DIR [--until N]                    re-run with its recorded changes, compare metrics
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p_chk = sub.add_parser("check", help="validate a config without spawning anything")
     p_chk.add_argument("config")
     p_chk.add_argument("--set", action="append", default=[])
+    p_chk.add_argument("--components", action="store_true",
+                       help="also print the config object each part (generator, trainer, ...) is spawned with")
     p_demo = sub.add_parser("demo", help="asynchronous GRPO on the addition task (what `make demo` runs)")
     p_demo.add_argument("--steps", type=int, default=None)
     p_demo.add_argument("--out", default="runs")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "check":
             cfg = _load(args.config, args.set)
             print(f"config ok: {cfg.name}: task {cfg.rollout.task}, loss {cfg.train.loss}, {cfg.train.steps} steps")
+            print(cfg.to_yaml(components=args.components), end="")
             return 0
         if args.cmd == "run":
             cfg = _load(args.config, args.set)

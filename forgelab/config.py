@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +233,18 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_yaml(self, *, components: bool = False) -> str:
+        """The whole resolved config as YAML (every default filled in); with `components`, also the
+        config object each part is spawned with (shared values resolved), under `components:`."""
+        import yaml
+
+        data = self.to_dict()
+        if components:
+            data["components"] = {s: dataclasses.asdict(self.component(s)) for s in ("generator", "trainer", "reference", "envs")}
+        plain = lambda v: {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else (  # noqa: E731
+            [plain(x) for x in v] if isinstance(v, (list, tuple)) else v)
+        return yaml.safe_dump(plain(data), sort_keys=False)
+
     def component(self, section: str) -> Any:
         """The config object the `section` actor ("generator", "trainer", "reference", "envs") is spawned with."""
         return build_component(self, section)
@@ -427,59 +438,13 @@ def _dataclass_type(cls: type, f: dataclasses.Field) -> type | None:
 
 def _coerce(value: Any, f: dataclasses.Field, path: str, cls: type | None = None) -> Any:
     """Check `value` against the field's type annotation; YAML lists become tuples where a tuple is declared."""
+    from forgelab.config_types import check_type
+
     t = typing.get_type_hints(cls).get(f.name, Any) if cls is not None else Any
-    return _check_type(value, t, path)
-
-
-def _check_type(value: Any, t: Any, path: str) -> Any:
-    origin = typing.get_origin(t)
-    if t is Any or t is object:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(t)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise ConfigError(f"{path}: must not be null")
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check_type(value, option, path)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise errors[0] if len(errors) == 1 else ConfigError(f"{path}: {value!r} matches none of {t}")
-    if value is None:
-        raise ConfigError(f"{path}: must not be null")
-    if t is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    elif t is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-    elif t is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        value = float(value)
-    elif t is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-    elif t is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-    elif t in (list, tuple) or origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
-        args = typing.get_args(t)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{path}: expected {len(args)} values, got {value!r}")
-            return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        items = [_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if (t is tuple or origin is tuple) else items
-    return value
+    try:
+        return check_type(value, t, path)
+    except TypeError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _positive(path: str, value: Any) -> None:

@@ -77,3 +77,52 @@ def test_cli_check_reports_bad_config(tmp_path, model_dir, capsys):
     assert main(["check", str(p)]) == 2
     assert "train.loss" in capsys.readouterr().err
     assert main(["check", str(p), "--set", "train.loss=dapo"]) == 0
+
+
+def test_cli_check_prints_the_resolved_nested_config(tmp_path, model_dir, capsys):
+    import yaml
+
+    from forgelab.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: {{path: {model_dir}, dtype: bfloat16}}\ngenerator: {{max_num_seqs: 64}}\n"
+                 "trainer: {micro_batch_size: 8, betas: [0.9, 0.95]}\n")
+    assert main(["check", str(p), "--components"]) == 0
+    first, rest = capsys.readouterr().out.split("\n", 1)
+    assert first.startswith("config ok:")
+    shown = yaml.safe_load(rest)
+    assert shown["generator"]["max_num_seqs"] == 64 and shown["generator"]["enforce_eager"] is True  # default filled
+    assert shown["trainer"]["micro_batch_size"] == 8 and shown["trainer"]["betas"] == [0.9, 0.95]
+    # components: what each part is spawned with, shared values resolved from model / train
+    assert shown["components"]["trainer"]["dtype"] == shown["components"]["reference"]["dtype"] == "bfloat16"
+    assert shown["components"]["trainer"]["total_steps"] == shown["train"]["steps"]
+    # the printed config (without components) loads back to the same config
+    del shown["components"]
+    assert RunConfig.from_dict(shown) == RunConfig.from_yaml(p)
+
+
+def test_unknown_key_names_its_dotted_path_and_the_nearest_valid_key(model_dir):
+    with pytest.raises(ConfigError, match=r"^train\.warmup_step: unknown field; did you mean train\.warmup_steps\?"):
+        RunConfig.from_dict(cfg(model_dir, train={"warmup_step": 1}))
+    with pytest.raises(ConfigError, match=r"^generator\.sampling\.top_kk: unknown field; did you mean generator\.sampling\.top_k\?"):
+        RunConfig.from_dict(cfg(model_dir, generator={"sampling": {"top_kk": 3}}))
+    with pytest.raises(ConfigError, match=r"^placment: unknown field; did you mean placement\?"):
+        RunConfig.from_dict({**cfg(model_dir), "placment": {}})
+
+
+def test_hosts_section(model_dir):
+    job = {"kind": "process", "meshes": {"gen": 1, "train": 1}}
+    c = RunConfig.from_dict(cfg(model_dir, hosts={"job": job, "generator": "gen", "trainer": "train"}))
+    assert (c.hosts.generator, c.hosts.trainer, c.hosts.reference) == ("gen", "train", None)
+    with pytest.raises(ConfigError, match=r"hosts\.job\.kind: must be one of"):
+        RunConfig.from_dict(cfg(model_dir, hosts={"job": {"kind": "mainframe", "meshes": {"gen": 1}}}))
+    with pytest.raises(ConfigError, match=r"hosts\.job\.meshes: required"):
+        RunConfig.from_dict(cfg(model_dir, hosts={"job": {"kind": "process"}}))
+    with pytest.raises(ConfigError, match=r"hosts\.generator: 'gen' names a host mesh but hosts\.job is null"):
+        RunConfig.from_dict(cfg(model_dir, hosts={"generator": "gen"}))
+
+
+@pytest.mark.parametrize("path", sorted(__import__("pathlib").Path(__file__).resolve().parents[1].glob("configs/*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    RunConfig.from_yaml(path)

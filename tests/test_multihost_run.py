@@ -6,23 +6,19 @@ worker, so a part's host is its process's parent, which the test compares with t
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import pytest
+import yaml
 
 pytestmark = pytest.mark.integration
 
-YAML = """
-name: multihost
-rollout: {task: addition, group_size: 4, prompts_per_rollout: 4, concurrency: 1, max_tokens: 8}
-train: {steps: 3, batch_size: 16, lr: 0.0001, warmup_steps: 1}
-eval: {every: 0, n: 8}
-placement: {reference: false}
-tracking: {wandb: false, out_dir: OUT}
-hosts:
-  job: {kind: process, meshes: {gen: 1, train: 1}}
-  generator: gen
-  trainer: train
-"""
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "two_hosts.yaml"
+# The shipped example, shrunk to a few small steps.
+SMALL = {"rollout": {"group_size": 4, "prompts_per_rollout": 4, "concurrency": 1},
+         "train": {"steps": 3, "batch_size": 16, "warmup_steps": 1}, "eval": {"every": 0, "n": 8},
+         "tracking": {"wandb": False}}
 
 
 def _host_workers() -> set[int]:
@@ -37,8 +33,12 @@ def multihost(loop, tmp_path_factory):
     from forgelab.run import Run
 
     tmp = tmp_path_factory.mktemp("multihost")
+    data = yaml.safe_load(CONFIG.read_text())
+    for section, values in SMALL.items():
+        data.setdefault(section, {}).update(values)
+    data["tracking"]["out_dir"] = str(tmp / "runs")
     path = tmp / "run.yaml"
-    path.write_text(YAML.replace("OUT", str(tmp / "runs")))
+    path.write_text(yaml.safe_dump(data))
     run = Run(RunConfig.from_yaml(path))
     try:
         loop.run_until_complete(run.start())
@@ -57,6 +57,7 @@ def test_generator_and_trainer_run_on_different_hosts(multihost):
     from monarch.job import ProcessJob
 
     assert isinstance(job, ProcessJob) and job._meshes == {"gen": 1, "train": 1}
+    assert (run.config.hosts.generator, run.config.hosts.trainer) == ("gen", "train")
     assert len(workers) == 2, f"expected the job's 2 host workers, found {workers}"
     gen_hosts = {psutil.Process(p).ppid() for p in gen_pids}
     trainer_hosts = {psutil.Process(p).ppid() for p in trainer_pids}
