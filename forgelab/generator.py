@@ -21,21 +21,15 @@ sampling settings were used; it is the *sampling* probability only when
 temperature=1, top_k=0, top_p=1 (set `logprobs_mode="processed_logprobs"` to get
 the log-probability under the temperature/top-k/top-p-processed distribution).
 
-Weight updates: `update_weights(version, weights)` checks every HF name and
-shape against the checkpoint first (a bad update is refused and the old weights
-keep serving), stops admitting requests, lets the in-flight ones finish on the
-old weights, reloads in place with `reload_weights`, resets the prefix cache and
-bumps the version. Every `Completion.policy_version` names the weights that
-produced all of its tokens. A trainer on the same host sends only a handle to
-`update_weights_shared`: the weights sit in a shared-memory safetensors file
-(`forgelab.weights_transport`) that the generator maps and reloads from in
-place, with the same checks; a generator that cannot see the file answers why,
-and the trainer falls back to sending the tensors.
+Weight updates (`update_weights`, `update_weights_shared` for a same-host
+shared-memory handle) are checked, then loaded in place between batches, in
+`forgelab.weights.receiver`: a bad update is refused and the old weights keep
+serving; every `Completion.policy_version` names the weights that produced all
+of its tokens.
 """
 from __future__ import annotations
 
 import asyncio
-import glob
 import itertools
 import operator
 import os
@@ -48,6 +42,7 @@ from monarch.actor import Port, endpoint
 from forgelab.runtime.component import Component
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
+from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared  # noqa: F401
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -173,64 +168,6 @@ class GeneratorConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape of a checkpoint, read from safetensors headers (no tensor data)."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    if shapes:
-        return shapes
-    # No safetensors (e.g. pytorch_model.bin): build the model on the meta device.
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Problems with an HF-named state dict against `expected` shapes (empty list: fine)."""
-    import torch
-
-    if not isinstance(weights, dict):
-        return [f"weights must be a dict of HF name -> torch.Tensor, got {type(weights).__name__}"]
-    problems = []
-    unknown = [k for k in weights if k not in expected]
-    if unknown:
-        problems.append(f"unknown names {unknown[:5]} (expected HF names such as {sorted(expected)[:3]})")
-    missing = [k for k in expected if k not in weights]
-    if missing:
-        problems.append(f"missing names {missing[:5]} ({len(missing)} of {len(expected)} missing; send the full state dict)")
-    for name, value in weights.items():
-        if name not in expected:
-            continue
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            problems.append(f"{name}: expected a floating-point torch.Tensor, got {type(value).__name__}"
-                            + (f" of dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""))
-        elif tuple(value.shape) != expected[name]:
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected[name]}")
-    return problems
-
-
-class WeightUpdateExtension:
-    """vLLM worker extension (mixed into the worker class) that reloads weights in place."""
-
-    def forgelab_reload_weights(self, items: Any) -> int:
-        """Load `items` (HF (name, tensor) pairs, or safetensors bytes) in checkpoint format."""
-        if isinstance(items, (bytes, bytearray)):  # multi-process engines cannot receive tensors
-            from safetensors.torch import load
-
-            items = list(load(bytes(items)).items())
-        self.reload_weights(weights_iterator=items)
-        return len(items)
-
-
 class VLLMEngine:
     """A `vllm.LLM` driven by an asyncio loop: concurrent `generate` calls share one batch.
 
@@ -261,7 +198,7 @@ class VLLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_seqs=config.max_num_seqs,
             logprobs_mode=config.logprobs_mode,
-            worker_extension_cls="forgelab.generator.WeightUpdateExtension",
+            worker_extension_cls="forgelab.weights.receiver.WeightUpdateExtension",
         )
         block_size = config.block_size or (32 if self.device == "cpu" else None)
         if block_size is not None:
@@ -283,7 +220,7 @@ class VLLMEngine:
         self._admitting = asyncio.Event()  # cleared while weights are swapped
         self._admitting.set()
         self._update_lock = asyncio.Lock()
-        self._shared: Any = None  # forgelab.weights_transport.SharedWeightsReader, made on first use
+        self._shared: Any = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
         self._loop_task: asyncio.Task | None = None
         self._last_add = 0.0
         self._idle_since: float | None = None  # when the engine loop last ran out of requests
@@ -463,57 +400,7 @@ class VLLMEngine:
             if not fut.done():
                 fut.set_exception(RuntimeError(f"vLLM engine step failed: {error!r}"))
 
-    # -- weights --------------------------------------------------------------
-    async def update_weights(self, version: int, weights: Any) -> int:
-        """Swap in `weights` as `version`; returns the new version.
-
-        `weights`: a dict of HF name -> tensor, or a `forgelab.weights_transport.SharedWeights`
-        handle, whose file (same host) is mapped and read in place; that raises
-        `SharedWeightsUnavailable` when the file cannot be reached from here.
-        """
-        from forgelab.weights_transport import SharedWeights, SharedWeightsReader
-
-        async with self._update_lock:
-            if not isinstance(version, int) or version <= self.version:
-                raise ValueError(
-                    f"update_weights: version must be an int greater than the serving version "
-                    f"{self.version}, got {version!r}; the generator keeps serving version {self.version}"
-                )
-            if isinstance(weights, SharedWeights):
-                self._shared = self._shared or SharedWeightsReader()
-                try:
-                    weights = self._shared.open(weights)  # views of the trainer's file, no copy
-                except ValueError as e:
-                    raise ValueError(f"update_weights(version={version}) refused: {e}. Nothing was loaded: "
-                                     f"the generator keeps serving version {self.version} with its old weights.") from None
-            problems = check_weights(weights, self.expected_shapes)
-            if problems:
-                raise ValueError(
-                    f"update_weights(version={version}) refused: " + "; ".join(problems[:8])
-                    + f". Nothing was loaded: the generator keeps serving version {self.version} "
-                    "with its old weights."
-                )
-            self._admitting.clear()
-            try:
-                await self._idle.wait()  # in-flight requests finish on the old weights
-                t0 = time.perf_counter()
-                self.llm.collective_rpc("forgelab_reload_weights", args=(list(weights.items()),))
-                self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-                self.version = version
-                self._stats["weight_updates"] += 1
-                self._stats["last_update_ms"] = (time.perf_counter() - t0) * 1e3
-            finally:
-                self._admitting.set()
-            return self.version
-
-    async def update_weights_shared(self, handle: Any) -> int | str:
-        """`update_weights(handle.version, handle)`, or the reason (a str) when its file is not reachable here."""
-        from forgelab.weights_transport import SharedWeightsUnavailable
-
-        try:
-            return await self.update_weights(handle.version, handle)
-        except SharedWeightsUnavailable as e:
-            return f"shared-memory weights not reachable from this generator: {e}"
+    # weights: forgelab.weights.receiver.receive(engine, version, weights) / receive_shared(engine, handle)
 
     # -- introspection --------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -525,13 +412,8 @@ class VLLMEngine:
         return s
 
     def status(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "in_flight_requests": len(self._pending),
-            "admitting": self._admitting.is_set(),
-            "device": self.device,
-            "stats": self.stats(),
-        }
+        return {"version": self.version, "in_flight_requests": len(self._pending),
+                "admitting": self._admitting.is_set(), "device": self.device, "stats": self.stats()}
 
 
 _replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -591,18 +473,13 @@ class Generator(Component):
     @endpoint(explicit_response_port=True)
     async def update_weights(self, port: Port, version: int, weights: dict) -> None:
         """Load HF-named `weights` as `version` (strictly increasing); answers the new version."""
-        _reply(port, lambda: self._engine().update_weights(version, weights), "update_weights")
+        _reply(port, lambda: receive(self._engine(), version, weights), "update_weights")
 
     @endpoint(explicit_response_port=True)
     async def update_weights_shared(self, port: Port, handle: Any) -> None:
-        """Load the weights a trainer on this host wrote to shared memory (a `SharedWeights` handle).
-
-        Answers the new version (an int), or a str saying why the file cannot be
-        reached from this process (another host or /dev/shm): the trainer then sends
-        the tensors with `update_weights`. Bad names/shapes and stale versions are
-        refused exactly as by `update_weights`.
-        """
-        _reply(port, lambda: self._engine().update_weights_shared(handle), "update_weights_shared")
+        """Load the weights a trainer on this host wrote to shared memory: the new version (an int), or a str
+        saying why the file cannot be reached from here (the trainer then sends the tensors)."""
+        _reply(port, lambda: receive_shared(self._engine(), handle), "update_weights_shared")
 
     @endpoint
     async def version(self) -> int:
@@ -617,7 +494,5 @@ class Generator(Component):
         return self._engine().stats()
 
 
-__all__ = [
-    "Generator", "GeneratorConfig", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension",
-    "check_weights", "checkpoint_shapes",
-]
+__all__ = ["Generator", "GeneratorConfig", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",
+           "checkpoint_shapes"]

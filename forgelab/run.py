@@ -44,7 +44,7 @@ from forgelab.tasks import TASKS, get_task
 from forgelab.tracking import Tracker, plot_learning_curve
 from forgelab.training import TokenRate, train_loop
 from forgelab.view import RunSnapshot, snapshot_of, status_of
-from forgelab.weight_sync import PushReport, WeightSync
+from forgelab.weights.sync import PushReport, WeightSync
 
 log = logging.getLogger("forgelab.run")
 

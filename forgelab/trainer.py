@@ -38,7 +38,7 @@ there for callers that want the bytes explicitly (e.g. to store them).
 
 **Weight push.** ``push_weights`` gathers the HF state dict on rank 0. By
 default (``weight_transport="auto"``) rank 0 writes it once into a
-shared-memory safetensors file (``forgelab.weights_transport``; the same file
+shared-memory safetensors file (``forgelab.weights.sender`` / ``.shm``; the same file
 is overwritten in place on later pushes) and each generator on this host gets
 only a handle, maps the file and reloads from it; generators that cannot see the
 file get the tensors in a Monarch message, which pickles the whole state dict
@@ -48,11 +48,9 @@ The state and the step itself (no actors) live in ``forgelab.trainer_core``.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,7 +59,7 @@ import torch
 from monarch.actor import endpoint
 
 from forgelab.runtime.component import ActorHandle, Component, Configured, Placement
-from forgelab.weights_transport import SharedWeights, SharedWeightsWriter, default_shm_root
+from forgelab.weights.sender import TRANSPORTS, WeightSender
 from forgelab.trainer_core import (
     PackedLoss,
     TrainerState,
@@ -87,7 +85,7 @@ __all__ = [
 
 # --- configuration ------------------------------------------------------------
 
-WEIGHT_TRANSPORTS = ("auto", "message")
+WEIGHT_TRANSPORTS = tuple(TRANSPORTS)
 
 
 @dataclass(kw_only=True)
@@ -265,8 +263,7 @@ class Trainer(Component):
     def __init__(self, config: TrainerConfig):
         config.validate()
         self.config = config
-        self._shm: SharedWeightsWriter | None = None  # rank 0's shared-memory weights file, made on first push
-        self._shm_reusable = False  # True when no generator can still be reading that file
+        self._sender = WeightSender(config.shm_dir)  # rank 0's sends and shared-memory file (forgelab.weights.sender)
 
     @classmethod
     def options(cls, **kwargs: Any) -> _TrainerConfigured:
@@ -334,58 +331,10 @@ class Trainer(Component):
         "shm" | "message" | "mixed" | "none", "transports": [per generator: "shm",
         "message" or None when failed], "fallback": {index: why not shm}}``.
         """
-        transport = transport or self.config.weight_transport
-        if transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"push_weights: transport={transport!r} must be one of {WEIGHT_TRANSPORTS}")
-        t0 = time.perf_counter()
-        sd = self.state.hf_state_dict()
-        gather_ms = (time.perf_counter() - t0) * 1e3
-        nbytes = sum(v.numel() * v.element_size() for v in sd.values())
-        out: dict[str, Any] = {"version": int(version), "gather_ms": gather_ms, "write_ms": 0.0, "send_ms": 0.0,
-                               "bytes": nbytes, "sent": 0, "failed": {}, "transport": "none", "transports": [],
-                               "fallback": {}}
-        if self.state.rank == 0 and generators:
-            meshes = [getattr(g, "actor", g) for g in generators]
-            handle, why_not = None, None
-            if transport == "auto":
-                t1 = time.perf_counter()
-                handle, why_not = self._write_shared(int(version), sd)
-                out["write_ms"] = (time.perf_counter() - t1) * 1e3
-            t1 = time.perf_counter()
-            results = await asyncio.gather(
-                *(_send_weights(m, int(version), sd, handle, why_not) for m in meshes), return_exceptions=True
-            )
-            out["send_ms"] = (time.perf_counter() - t1) * 1e3
-            for i, r in enumerate(results):
-                if isinstance(r, BaseException):
-                    text = str(r)  # a remote error's own message comes last, after its traceback
-                    out["failed"][i] = f"{type(r).__name__}: {text if len(text) <= 800 else '...' + text[-800:]}"
-                    out["transports"].append(None)
-                else:
-                    out["sent"] += 1
-                    out["transports"].append(r[0])
-                    if r[1] is not None and transport == "auto":
-                        out["fallback"][i] = r[1]
-            used = {t for t in out["transports"] if t is not None}
-            out["transport"] = used.pop() if len(used) == 1 else ("mixed" if used else "none")
-            if handle is not None:
-                # Overwrite the file in place next time only if every generator answered (none still reads it).
-                self._shm_reusable = not out["failed"]
+        out = await self._sender.push(self.state.hf_state_dict, self.state.rank == 0, int(version), generators,
+                                      transport or self.config.weight_transport)
         self.state.policy_version = int(version)
         return out
-
-    def _write_shared(self, version: int, sd: dict[str, torch.Tensor]) -> tuple[SharedWeights | None, str | None]:
-        """Write ``sd`` to this trainer's shared-memory file: ``(handle, None)``, or ``(None, why not)``."""
-        root = self.config.shm_dir or default_shm_root()
-        if root is None:
-            return None, "the trainer's host has no writable /dev/shm"
-        reuse, self._shm_reusable = self._shm_reusable, False  # not while this handle is out (or half written)
-        try:
-            if self._shm is None:
-                self._shm = SharedWeightsWriter(root)
-            return self._shm.write(version, sd, reuse=reuse), None
-        except Exception as e:  # e.g. a full tmpfs: this push goes by message
-            return None, f"could not write the shared-memory weights file in {root}: {type(e).__name__}: {e}"
 
     @endpoint
     async def export_hf(self, path: str) -> str:
@@ -408,28 +357,6 @@ class Trainer(Component):
     async def fingerprint(self) -> dict[str, Any]:
         """SHA-256 of this rank's parameters and optimizer state, and the schedule/step: for bit-exact checks."""
         return self.state.fingerprint()
-
-
-async def _send_weights(mesh: Any, version: int, sd: dict, handle: SharedWeights | None,
-                        why_not: str | None) -> tuple[str, str | None]:
-    """Load ``sd`` as ``version`` into one generator mesh: ``(transport used, why not shm or None)``.
-
-    With a ``handle``, the mesh maps the shared-memory file; a mesh that answers
-    that it cannot see it (a str) gets the tensors as a message instead.
-    """
-    if handle is not None:
-        if not hasattr(mesh, "update_weights_shared"):
-            why_not = "the generator has no update_weights_shared endpoint"
-        else:
-            answers = [v for _, v in (await mesh.update_weights_shared.call(handle)).items()]
-            reasons = [a for a in answers if isinstance(a, str)]
-            if not reasons:
-                return "shm", None
-            if len(reasons) < len(answers):
-                raise RuntimeError(f"only some ranks of the generator mesh could map the weights file: {reasons[0]}")
-            why_not = reasons[0]
-    await mesh.update_weights.call(version, sd)
-    return "message", why_not
 
 
 class ReferenceModel(Component):

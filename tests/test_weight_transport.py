@@ -23,7 +23,7 @@ import torch
 from monarch.actor import endpoint
 
 from forgelab.runtime import Component
-from forgelab.weights_transport import (
+from forgelab.weights.shm import (
     SharedWeightsReader,
     SharedWeightsUnavailable,
     SharedWeightsWriter,
@@ -112,7 +112,7 @@ def test_close_sweep_and_process_exit_leave_nothing(shm_root):
     w.close()
     assert os.listdir(shm_root) == []
     # A process that exits without close(): its finalizer removes the directory.
-    code = ("import sys, torch; from forgelab.weights_transport import SharedWeightsWriter as W;"
+    code = ("import sys, torch; from forgelab.weights.shm import SharedWeightsWriter as W;"
             "w = W(sys.argv[1]); w.write(1, {'a': torch.ones(4)}); print(w.dir)")
     out = subprocess.run([sys.executable, "-c", code, shm_root], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,8 +1,9 @@
 """The live lab: Jupyter widgets over a running `forgelab.run.Run`.
 
-Widgets are views: they read `run.metrics`, `run.rollouts`, `run.events` and
+Widgets are views: they read the run's typed view (`run.snapshot()`, a
+`forgelab.view.RunSnapshot`), `run.metrics`, `run.rollouts`, `run.events` and
 `run.status()`, and act only through the run's public methods (`pause`,
-`set_loss`, `set_reward_weights`, `add_reward`, ...). Nothing here imports
+`set_loss`, `set_reward_weights`, `add_reward`, `remove_reward`, ...). Nothing here imports
 Monarch or talks to an actor.
 
     lab = run.dashboard()                 # or forgelab.lab.dashboard(run)

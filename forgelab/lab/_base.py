@@ -1,7 +1,7 @@
 """What every lab panel shares: a lazily built widget, display hooks, the run listener and a throttle.
 
-A panel is a view over a `Run`: it reads `run.metrics`, `run.rollouts`,
-`run.events` and `run.status()` and sends commands through the run's public
+A panel is a view over a `Run`: it reads `run.snapshot()`, `run.metrics`,
+`run.rollouts`, `run.events` and `run.status()` and sends commands through the run's public
 methods. The widget is built on first use of `.widget` (or on display in a
 notebook); only then does the panel listen to the run, so a panel that is
 only printed costs nothing while training.

@@ -65,7 +65,7 @@ class LossPanel(Panel):
     def refresh(self) -> None:
         if self._widget is None:
             return
-        self.current.value = f"current loss: <b>{esc(_loss_name(self.run.loss_name))}</b>"
+        self.current.value = f"current loss: <b>{esc(_loss_name(self.run.snapshot().loss))}</b>"
 
     def register(self, fn: Callable, name: str | None = None) -> None:
         """Offer a loss function defined in a cell (signature of `forgelab.algos.LOSSES` entries) in the dropdown."""

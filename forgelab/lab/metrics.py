@@ -136,7 +136,7 @@ class MetricsPanel(Panel):
         t0, c0 = time.perf_counter(), time.thread_time()
         df = self.run.metrics
         events = [e for e in list(self.run.events) if e.get("kind") in EVENT_COLOURS]
-        acc_hist = list(getattr(self.run, "accuracy_history", []) or [])
+        acc_hist = list(self.run.snapshot().accuracy_history)
         if not force and len(df) == self._n_rows_drawn and len(events) == self._n_events_drawn \
                 and len(acc_hist) == self._acc_drawn:
             return False

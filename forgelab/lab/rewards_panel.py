@@ -56,7 +56,7 @@ class RewardPanel(Panel):
             return
         import ipywidgets as W
 
-        weights = self.run.rewards.weights
+        weights = self.run.snapshot().reward_weights
         self._syncing = True
         try:
             if list(weights) != list(self.sliders):

@@ -71,7 +71,7 @@ def _loss_name(loss: Any) -> str:
 
 
 def rewards_line(run: Any) -> str:
-    w = _safe(lambda: run.rewards.weights, {})
+    w = _safe(lambda: run.snapshot().reward_weights, {})
     return "rewards: " + (", ".join(f"{k}={v:g}" for k, v in w.items()) or "(none)")
 
 

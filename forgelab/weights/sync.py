@@ -4,7 +4,7 @@
     generators.on_respawn = sync.catch_up                                 # a respawned replica gets the weights
 
 The trainer's `push_weights(version, meshes)` endpoint gathers the HF state dict
-and sends it through a transport from `forgelab.weights_transport` (shared
+and sends it through a transport from `forgelab.weights.sender` (shared
 memory on the same host, messages otherwise); the generator's
 `update_weights` / `update_weights_shared` endpoints load it. This module is the
 controller's view of that: which replicas got which version, what failed, how

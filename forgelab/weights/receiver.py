@@ -1,0 +1,132 @@
+"""Weight sync, generator side: check an incoming state dict, pause admission, reload in place, bump the version.
+
+    await receive(engine, version, weights)     # VLLMEngine.update_weights
+    await receive_shared(engine, handle)        # VLLMEngine.update_weights_shared (a same-host shm handle)
+
+`receive` checks every HF name and shape against the checkpoint first (a bad
+update is refused and the old weights keep serving), stops admitting requests,
+lets the in-flight ones finish on the old weights, reloads in place through the
+vLLM worker extension `WeightUpdateExtension` (`reload_weights`), resets the
+prefix cache and bumps the version. A shared-memory handle
+(`forgelab.weights.shm.SharedWeights`) is mapped and read in place; one whose
+file cannot be reached from here makes `receive_shared` answer why (a str), and
+the trainer then sends the tensors (`forgelab.weights.sender`).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import Any
+
+from forgelab.weights.shm import SharedWeights, SharedWeightsReader, SharedWeightsUnavailable
+
+__all__ = ["checkpoint_shapes", "check_weights", "WeightUpdateExtension", "receive", "receive_shared"]
+
+
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape of a checkpoint, read from safetensors headers (no tensor data)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if shapes:
+        return shapes
+    # No safetensors (e.g. pytorch_model.bin): build the model on the meta device.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Problems with an HF-named state dict against `expected` shapes (empty list: fine)."""
+    import torch
+
+    if not isinstance(weights, dict):
+        return [f"weights must be a dict of HF name -> torch.Tensor, got {type(weights).__name__}"]
+    problems = []
+    unknown = [k for k in weights if k not in expected]
+    if unknown:
+        problems.append(f"unknown names {unknown[:5]} (expected HF names such as {sorted(expected)[:3]})")
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        problems.append(f"missing names {missing[:5]} ({len(missing)} of {len(expected)} missing; send the full state dict)")
+    for name, value in weights.items():
+        if name not in expected:
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            problems.append(f"{name}: expected a floating-point torch.Tensor, got {type(value).__name__}"
+                            + (f" of dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""))
+        elif tuple(value.shape) != expected[name]:
+            problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected[name]}")
+    return problems
+
+
+class WeightUpdateExtension:
+    """vLLM worker extension (mixed into the worker class) that reloads weights in place."""
+
+    def forgelab_reload_weights(self, items: Any) -> int:
+        """Load `items` (HF (name, tensor) pairs, or safetensors bytes) in checkpoint format."""
+        if isinstance(items, (bytes, bytearray)):  # multi-process engines cannot receive tensors
+            from safetensors.torch import load
+
+            items = list(load(bytes(items)).items())
+        self.reload_weights(weights_iterator=items)
+        return len(items)
+
+
+async def receive(engine: Any, version: int, weights: Any) -> int:
+    """Swap `weights` into a `VLLMEngine` as `version`; returns the new version.
+
+    `weights`: a dict of HF name -> tensor, or a `forgelab.weights.shm.SharedWeights`
+    handle, whose file (same host) is mapped and read in place; that raises
+    `SharedWeightsUnavailable` when the file cannot be reached from here.
+    """
+    async with engine._update_lock:
+        if not isinstance(version, int) or version <= engine.version:
+            raise ValueError(
+                f"update_weights: version must be an int greater than the serving version "
+                f"{engine.version}, got {version!r}; the generator keeps serving version {engine.version}"
+            )
+        if isinstance(weights, SharedWeights):
+            engine._shared = engine._shared or SharedWeightsReader()
+            try:
+                weights = engine._shared.open(weights)  # views of the trainer's file, no copy
+            except ValueError as e:
+                raise ValueError(f"update_weights(version={version}) refused: {e}. Nothing was loaded: "
+                                 f"the generator keeps serving version {engine.version} with its old weights.") from None
+        problems = check_weights(weights, engine.expected_shapes)
+        if problems:
+            raise ValueError(
+                f"update_weights(version={version}) refused: " + "; ".join(problems[:8])
+                + f". Nothing was loaded: the generator keeps serving version {engine.version} "
+                "with its old weights."
+            )
+        engine._admitting.clear()
+        try:
+            await engine._idle.wait()  # in-flight requests finish on the old weights
+            t0 = time.perf_counter()
+            engine.llm.collective_rpc("forgelab_reload_weights", args=(list(weights.items()),))
+            engine.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+            engine.version = version
+            engine._stats["weight_updates"] += 1
+            engine._stats["last_update_ms"] = (time.perf_counter() - t0) * 1e3
+        finally:
+            engine._admitting.set()
+        return engine.version
+
+
+async def receive_shared(engine: Any, handle: Any) -> int | str:
+    """`receive(engine, handle.version, handle)`, or the reason (a str) when its file is not reachable here."""
+    try:
+        return await receive(engine, handle.version, handle)
+    except SharedWeightsUnavailable as e:
+        return f"shared-memory weights not reachable from this generator: {e}"
+
