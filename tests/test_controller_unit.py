@@ -11,7 +11,7 @@ import pytest
 
 from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 from forgelab.run import Run
-from forgelab.testing.fakes import FakeGenerators, FakeParts, FakeReference, FakeTrainer, fake_spawn
+from forgelab.testing.fakes import FakeParts, FakeTrainer, fake_generators, fake_spawn
 
 
 def config(tmp_path, name="unit", steps=6, max_policy_age=1, **placement) -> RunConfig:
@@ -77,9 +77,7 @@ def test_staleness_bound(tmp_path, age):
     seen = []
 
     async def spawn(cfg):
-        from transformers import AutoTokenizer
-
-        parts.generators = FakeGenerators(1, decode=AutoTokenizer.from_pretrained(cfg.model.path).decode)
+        parts.generators = fake_generators(cfg, 1)
         return parts
 
     run = Run(config(tmp_path, steps=8, max_policy_age=age), spawn=spawn)
@@ -121,16 +119,13 @@ def test_pause_and_resume(tmp_path):
 
 def test_loss_swap_lands_at_a_step_boundary(tmp_path):
     trainer = FakeTrainer()
-    run = Run(config(tmp_path, steps=6), spawn=FakeParts(generators=None, trainer=trainer).factory())
+    run = Run(config(tmp_path, steps=6))
 
     async def go():
-        from transformers import AutoTokenizer
-
-        run.parts = None
         await run.start()
         await run.until(step=2, timeout=30)
         trainer.hold()
-        await asyncio.wait_for(trainer.in_step.wait(), 30)  # step 3 is in flight with the old loss
+        await asyncio.wait_for(trainer.in_step.wait(), 30)  # a step is in flight with the old loss
         swap = await run.set_loss("dapo")
         assert swap == {"loss": "dapo", "applies_at_step": run.step + 2}
         trainer.release()
@@ -141,9 +136,7 @@ def test_loss_swap_lands_at_a_step_boundary(tmp_path):
     parts = FakeParts(trainer=trainer)
 
     async def spawn(cfg):
-        from transformers import AutoTokenizer
-
-        parts.generators = FakeGenerators(1, decode=AutoTokenizer.from_pretrained(cfg.model.path).decode)
+        parts.generators = fake_generators(cfg, 1)
         return parts
 
     run._spawn_parts = spawn
@@ -291,9 +284,7 @@ def test_skipped_steps_pause_the_run_with_a_message(tmp_path):
     parts = FakeParts(trainer=trainer)
 
     async def spawn(cfg):
-        from transformers import AutoTokenizer
-
-        parts.generators = FakeGenerators(1, decode=AutoTokenizer.from_pretrained(cfg.model.path).decode)
+        parts.generators = fake_generators(cfg, 1)
         return parts
 
     cfg = config(tmp_path, steps=6)

@@ -20,6 +20,7 @@ The real actors are tested on real processes (tests/test_generator.py, test_trai
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import torch
 from forgelab.runtime.replicas import NoHealthyReplicaError, ReplicaStatus, ServiceEvent
 from forgelab.types import Completion
 
-__all__ = ["FakeGenerator", "FakeGenerators", "FakeTrainer", "FakeReference", "FakeParts", "fake_spawn"]
+__all__ = ["FakeGenerator", "FakeGenerators", "FakeTrainer", "FakeReference", "FakeParts", "fake_generators", "fake_spawn"]
 
 
 class FakeGenerator:
@@ -270,11 +271,20 @@ class FakeParts:
         return spawn
 
 
-async def fake_spawn(cfg: Any) -> FakeParts:
-    """Fakes sized from the config: `placement.generator_replicas` replicas, a reference if asked for."""
+@functools.lru_cache(maxsize=4)
+def _decoder(model_dir: str) -> Callable[[list[int]], str]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    gens = FakeGenerators(cfg.placement.generator_replicas, seed=cfg.train.seed, decode=tok.decode)
+    return AutoTokenizer.from_pretrained(model_dir).decode
+
+
+def fake_generators(cfg: Any, n: int | None = None, p_correct: float = 0.5) -> FakeGenerators:
+    """`FakeGenerators` for a run config (`placement.generator_replicas` replicas unless `n`)."""
+    return FakeGenerators(n or cfg.placement.generator_replicas, p_correct, cfg.train.seed, _decoder(cfg.model.path))
+
+
+async def fake_spawn(cfg: Any) -> FakeParts:
+    """Fakes sized from the config: `placement.generator_replicas` replicas, a reference if asked for."""
+    gens = fake_generators(cfg)
     return FakeParts(generators=gens,
                      trainer=FakeTrainer(cfg.train.loss), reference=FakeReference() if cfg.placement.reference else None)
