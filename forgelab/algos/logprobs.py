@@ -153,17 +153,23 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] 
 DEFAULT_LOGITS_CHUNK = 1024
 
 
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 (so gradcheck can check the maths)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _chunk_stats(h_C_D: torch.Tensor, w_V_D: torch.Tensor, y_C: torch.Tensor):
     """``(z_C_V fp32, logsumexp_C, target logit_C)`` for one chunk of rows."""
-    z_C_V = (h_C_D @ w_V_D.t()).float()
+    z_C_V = (h_C_D @ w_V_D.t()).to(_acc_dtype(h_C_D))
     return z_C_V, torch.logsumexp(z_C_V, dim=-1), z_C_V.gather(-1, y_C.unsqueeze(-1)).squeeze(-1)
 
 
-def _entropy_from(z_C_V: torch.Tensor, lse_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(entropy_C, p_C_V, logp_C_V)``, computed exactly as `token_entropy` does (so the two agree bit for bit)."""
-    logp_C_V = z_C_V - lse_C.unsqueeze(-1)
-    p_C_V = logp_C_V.exp()
-    logp_C_V = logp_C_V.clamp_min(torch.finfo(torch.float32).min)  # a -inf logit contributes 0, not nan
+def _entropy_from(z_C_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entropy_C, p_C_V, logp_C_V)``, computed as `token_entropy` does (the max-shifted softmax, so the
+    probabilities carry no rounding from subtracting a large logsumexp)."""
+    logp_C_V = torch.log_softmax(z_C_V, dim=-1)
+    p_C_V = torch.softmax(z_C_V, dim=-1)
+    logp_C_V = logp_C_V.clamp_min(torch.finfo(logp_C_V.dtype).min)  # a -inf logit contributes 0, not nan
     return -(p_C_V * logp_C_V).sum(-1), p_C_V, logp_C_V
 
 
@@ -173,7 +179,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_N_D, w_V_D, y_N, chunk: int, want_entropy: bool):
         N = h_N_D.shape[0]
-        lp_N = torch.empty(N, dtype=torch.float32, device=h_N_D.device)
+        lp_N = torch.empty(N, dtype=_acc_dtype(h_N_D), device=h_N_D.device)
         lse_N = torch.empty_like(lp_N)
         ent_N = torch.empty_like(lp_N) if want_entropy else None
         for s in range(0, N, chunk):
@@ -181,7 +187,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             lp_N[s : s + chunk] = zy - lse
             lse_N[s : s + chunk] = lse
             if want_entropy:
-                ent_N[s : s + chunk] = _entropy_from(z, lse)[0]
+                ent_N[s : s + chunk] = _entropy_from(z)[0]
             del z
         ctx.save_for_backward(h_N_D, w_V_D, y_N, lse_N)
         ctx.chunk = chunk
@@ -195,11 +201,11 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         chunk = ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_h = torch.zeros_like(h_N_D) if need_h else None
-        g_w = torch.zeros(w_V_D.shape, dtype=torch.float32, device=w_V_D.device) if need_w else None
+        g_w = torch.zeros(w_V_D.shape, dtype=lse_N.dtype, device=w_V_D.device) if need_w else None
         for s in range(0, h_N_D.shape[0], chunk):
-            h_C_D, y_C, lse_C = h_N_D[s : s + chunk], y_N[s : s + chunk], lse_N[s : s + chunk]
-            z_C_V = (h_C_D @ w_V_D.t()).float()
-            ent_C, p_C_V, logp_C_V = _entropy_from(z_C_V, lse_C)
+            h_C_D, y_C = h_N_D[s : s + chunk], y_N[s : s + chunk]
+            z_C_V = (h_C_D @ w_V_D.t()).to(lse_N.dtype)
+            ent_C, p_C_V, logp_C_V = _entropy_from(z_C_V)
             # d logp_y / dz = onehot(y) - p ;  d H / dz = -p * (log p + H)
             g_z = p_C_V * (-g_lp_N[s : s + chunk].unsqueeze(-1))
             if g_ent_N is not None and bool((g_ent_N[s : s + chunk] != 0).any()):
@@ -211,7 +217,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             if need_h:
                 g_h[s : s + chunk] = g_z @ w_V_D
             if need_w:
-                g_w += (g_z.t() @ h_C_D).float()
+                g_w += (g_z.t() @ h_C_D).to(g_w.dtype)
         return g_h, (None if g_w is None else g_w.to(w_V_D.dtype)), None, None, None
 
 
