@@ -51,7 +51,7 @@ import asyncio
 import os
 import time
 
-from forgelab.bench.common import emit_json, print_table
+from forgelab.bench.common import emit_json, print_machine, print_table
 
 PER_CALL = 64  # episodes per steady-state run_groups call: a Run's rollout (8 prompts x group 8)
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
@@ -229,7 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.steady_s is None:
         args.steady_s = 8.0 if args.quick else 20.0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    emit_json(asyncio.run(_main(args)))
+    start = print_machine("start")
+    result = asyncio.run(_main(args))
+    end = print_machine("end")
+    emit_json({"suite": "envs", **result, "goal": "generator_busy_fraction >= 0.9",
+               "goal_met": result["generator_busy_fraction"] >= 0.9,
+               "machine": {**start, "loadavg_end": end["loadavg"]}})
 
 
 if __name__ == "__main__":

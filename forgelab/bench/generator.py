@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from forgelab.bench.common import Worker, emit_json, print_table
+from forgelab.bench.common import Worker, emit_json, print_machine, print_table
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
 
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    start = print_machine("start")
     n, max_tokens = 8, 16
     configs = [("tiny", args.model, 64 if args.quick else 256, 2 if args.quick else 7)]
     tmp = None
@@ -250,6 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
         "pair_ratios": pair_ratios,
         "weight_update_ms": update_ms,
         "tokens_per_s": tokens_per_s,
+        "quick": args.quick,
+        "goal": "actor_over_bare_vllm >= 0.95",
+        "goal_met": ratios["tiny"] >= 0.95,
+        "machine": {**start, "loadavg_end": print_machine("end")["loadavg"]},
     }
     emit_json(result)
     return result

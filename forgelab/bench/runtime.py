@@ -15,7 +15,7 @@ import os
 
 from monarch.actor import endpoint
 
-from forgelab.bench.common import Timer, emit_json, median_ms, now_ns, print_table
+from forgelab.bench.common import Timer, emit_json, median_ms, now_ns, print_machine, print_table
 from forgelab.runtime import Component
 
 
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="500 calls, 5 moves (default 2000, 20)")
     args = parser.parse_args(argv or [])
     calls, moves = (500, 5) if args.quick else (2000, 20)
+    start = print_machine("start")
     result = asyncio.run(_run(calls, moves))
+    end = print_machine("end")
+    result.update({"quick": args.quick, "goal": "route_over_raw <= 1.2", "goal_met": result["route_over_raw"] <= 1.2,
+                   "machine": {**start, "loadavg_end": end["loadavg"]}})
     print(f"runtime bench: {calls} interleaved calls each, {moves} state-dict moves, pid {os.getpid()}")
     print_table(
         [
