@@ -10,6 +10,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from forgelab import quiet as _quiet  # noqa: E402
+
+_quiet.install()  # targeted filters for known third-party noise (see forgelab.quiet); FORGELAB_VERBOSE=1 keeps it
+
 _LAZY = {
     "Run": "forgelab.run",
     "LossSwapRefused": "forgelab.run",
@@ -22,6 +26,8 @@ _LAZY = {
     "EvalConfig": "forgelab.config",
     "TrackingConfig": "forgelab.config",
     "ConfigError": "forgelab.config",
+    "ProcessPool": "forgelab.pool",
+    "rescore": "forgelab.rollout_log",
 }
 
 __all__ = sorted(_LAZY)

@@ -199,6 +199,7 @@ class VLLMEngine:
             max_num_seqs=config.max_num_seqs,
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls="forgelab.weights.receiver.WeightUpdateExtension",
+            use_tqdm_on_load=False,  # a progress bar per replica start is noise in a notebook cell
         )
         block_size = config.block_size or (32 if self.device == "cpu" else None)
         if block_size is not None:
@@ -484,6 +485,11 @@ class Generator(Component):
     @endpoint
     async def version(self) -> int:
         return self._engine().version
+
+    @endpoint
+    async def reset_version(self, version: int = -1) -> int:
+        """Forget the served version (a warm pool's next run): the next weight push may carry any later one."""
+        self._engine().version = int(version); return self._engine().version  # noqa: E702
 
     @endpoint
     async def status(self) -> dict[str, Any]:

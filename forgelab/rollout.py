@@ -35,6 +35,7 @@ import torch
 
 from forgelab.algos import ADVANTAGES
 from forgelab.buffer import ReplayBuffer
+from forgelab.quiet import RepeatLimiter
 from forgelab.reward_runner import RewardRunner
 from forgelab.types import Episode
 
@@ -173,6 +174,7 @@ class Rollouts:
         self.next_group_id = 0
         self.next_episode_id = 0
         self.ids_unused = 0  # ids admitted for episodes that were never generated (the rollout failed first)
+        self.failure_log = RepeatLimiter(log)  # a respawn fails every retry the same way: one line and a count
         self.tokens = 0  # generated tokens not yet counted by a metrics row
         r = config.rollout
         self.per_call = r.prompts_per_rollout * r.group_size
@@ -204,6 +206,7 @@ class Rollouts:
                 admitted = self.admit()
             try:
                 await self.one(admitted)
+                self.failure_log.flush()
             except asyncio.CancelledError:
                 self._drop_unaccounted(admitted, "rollout_cancelled")
                 self.ids_unused += self.per_call - len(admitted.created)
@@ -212,7 +215,7 @@ class Rollouts:
                 lost = self._drop_unaccounted(admitted, f"rollout_error:{type(e).__name__}")
                 self.ids_unused += self.per_call - len(admitted.created)
                 self.emit("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost)
-                log.warning("forgelab: rollout failed: %s", e)
+                self.failure_log.warning("forgelab: rollout failed: %s", e)
                 await asyncio.sleep(0.5)  # back off before the next attempt (a dying replica, a respawn)
             finally:
                 async with self.gate.changed:
