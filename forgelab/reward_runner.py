@@ -50,14 +50,14 @@ class RewardRunner:
     Args:
         composer: the run's rewards (changed live by `Run.add_reward` & co.).
         timeout_s: seconds one episode's scoring may take.
-        on_failure: called as ``on_failure(episode, failure, drop_reason)`` for each episode that failed.
+        emit: ``emit(kind, **fields)`` records an event; each failed episode is a ``reward_error`` event
+            with its reason, its input (prompt, completion, target) and the error's text.
     """
 
-    def __init__(self, composer: RewardComposer, timeout_s: float,
-                 on_failure: Callable[[Episode, RewardFailure, str], None] | None = None):
+    def __init__(self, composer: RewardComposer, timeout_s: float, emit: Callable[..., None] | None = None):
         self.composer = composer
         self.timeout_s = timeout_s
-        self.on_failure = on_failure
+        self.emit = emit
         self.failures: deque[RewardFailure] = deque(maxlen=200)  # the latest; the event log keeps them all
         self.hung: list[threading.Thread] = []  # timed-out calls, abandoned but maybe still running
 
@@ -88,8 +88,9 @@ class RewardRunner:
 
     def _fail(self, ep: Episode, failure: RewardFailure, reason: str) -> str:
         self.failures.append(failure)
-        if self.on_failure is not None:
-            self.on_failure(ep, failure, reason)
+        if self.emit is not None:
+            self.emit("reward_error", reason=reason, prompt=ep.prompt, completion=ep.completion, target=ep.target,
+                      error=failure.error_text[-500:])
         return reason
 
     async def _score_one(self, ep: Episode, composer: RewardComposer) -> Any:

@@ -9,6 +9,7 @@
     await run.wait(); await run.shutdown()
 
     asyncio.run(Run(cfg).run())  # the same thing from a script
+
 `Run` is a thin facade (lifecycle, live controls, views) over parts, each in its
 own module (docs/architecture.md draws the whole data flow):
 
@@ -16,8 +17,7 @@ own module (docs/architecture.md draws the whole data flow):
         buffer.admit -> problems -> SingleTurn | EnvEpisodes -> RewardRunner -> advantages
         -> reference logprobs -> buffer.add          (forgelab/buffer.py, forgelab/reward_runner.py)
     train_loop                                       forgelab/training.py
-        buffer.sample -> trainer.train_step -> WeightSync.push -> metrics_row
-                                                     (forgelab/weight_sync.py)
+        buffer.sample -> trainer.train_step -> WeightSync.push -> metrics_row   (forgelab/weights/sync.py)
     evaluate, checkpoint, events, spawn, view, controls: forgelab/<that name>.py
 
 `train.max_policy_age` bounds staleness (0: synchronous on-policy, seeded per episode; k: generation up to k
@@ -31,7 +31,7 @@ import logging
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from forgelab import checkpoint, controls, provenance
+from forgelab import checkpoint, controls, experiments, provenance
 from forgelab.buffer import ReplayBuffer
 from forgelab.config import ConfigError, RunConfig
 from forgelab.data import ProblemStream, load_problems
@@ -59,7 +59,7 @@ def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
     raise ConfigError(f"Run(config): expected a RunConfig, a dict or a YAML path, got {type(config).__name__}")
 
 
-class Run:
+class Run(experiments.Experiments):
     """One training run: its parts, its background tasks, its metrics and its controls.
 
     `spawn` (default `forgelab.spawn.spawn_parts`) starts the parts from the config; the controller's
@@ -75,7 +75,7 @@ class Run:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.out_dir = Path(cfg.tracking.out_dir) / cfg.name
         self.rewards: RewardComposer = configured_rewards(cfg.rollout)
-        self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self._reward_failed)
+        self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self._event)
         self.loss_name: str = cfg.train.loss
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
         self.stream = ProblemStream(load_problems(cfg.rollout.task, "train", 4000, cfg.train.seed), seed=cfg.train.seed)
@@ -83,7 +83,8 @@ class Run:
         self._task_reward = get_task(cfg.rollout.task).reward if cfg.rollout.task in TASKS else REWARDS["exact_answer"]
         self.resume_from = Path(resume_from) if resume_from else None
         self._spawn_parts = spawn
-        self.step = self.version = 0; self.state, self.message = "created", ""  # noqa: E702
+        self.step = self.version = 0
+        self.state, self.message = "created", ""
         self.events = EventLog()  # mirrored to out_dir/events.jsonl once the run directory exists
         self.accuracy_history: list[tuple[int, float]] = []
         self.parts = self.tracker = self.rollout = self.weights = None
@@ -104,14 +105,15 @@ class Run:
     reference = property(lambda self: self.parts.reference if self.parts else None)
     envs = property(lambda self: self.parts.envs if self.parts else None)
     reward_failures = property(lambda self: self.reward_runner.failures)
-    deterministic = property(lambda self: bool(self.rollout and self.rollout.deterministic))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Run":
         """Spawn the processes (if not yet) and start training in the background. Returns at once."""
         if self._main is not None and not self._main.done():
             return self
-        self.gate = Gate()
+        self.gate = Gate()  # asyncio primitives belong to the loop that starts the run
+        if self.rollout is not None:
+            self.rollout.gate = self.gate
         if self.parts is None:
             self.state = "starting"
             await self._spawn()
@@ -270,14 +272,11 @@ class Run:
         self._reward_changed("reward_removed", name=name)
 
     def _reward_changed(self, kind: str, **fields: Any) -> None:
-        self._reward_rev += 1; self._event(kind, **fields, rev=self._reward_rev)  # noqa: E702
+        self._reward_rev += 1
+        self._event(kind, **fields, rev=self._reward_rev)
 
     def _rewards_for(self, flat: list) -> RewardComposer:
         return controls.rewards_for(self, flat)
-
-    def _reward_failed(self, ep: Any, failure: Any, reason: str) -> None:
-        self._event("reward_error", reason=reason, prompt=ep.prompt, completion=ep.completion, target=ep.target,
-                    error=failure.error_text[-500:])
 
     async def set_loss(self, loss: str | Callable, **loss_kwargs: Any) -> dict:
         """Hot-swap the loss: dry-run it on the last batch, then apply at the next step boundary."""

@@ -320,3 +320,26 @@ def test_hung_reward_message_points_at_public_commands():
     runner.hung = [Alive()] * MAX_HUNG_REWARD_CALLS
     msg = runner.hung_message()
     assert "run.remove_reward" in msg and "run.rewards" not in msg
+
+
+def test_stop_then_start_again_continues_in_a_new_event_loop(tmp_path):
+    run = Run(config(tmp_path, steps=6), spawn=fake_spawn)
+
+    async def first():
+        await run.start()
+        await run.until(step=2, timeout=30)
+        await run.stop()
+
+    asyncio.run(first())
+    assert run.state == "stopped" and 2 <= run.step < 6
+    stopped_at = run.step
+
+    async def second():
+        await run.start()  # the parts stay up across stop(); only the loops restart
+        await asyncio.wait_for(run.wait(), 30)
+        await run.shutdown()
+
+    asyncio.run(second())
+    assert run.state == "finished" and run.step == 6 and list(run.metrics["step"]) == list(range(1, 7))
+    assert [e["kind"] for e in run.events].count("stopped") == 1 and stopped_at < 6
+    check_accounting(run)
