@@ -122,6 +122,11 @@ class ReplayBuffer:
             raise ValueError(f"ReplayBuffer.release: {n} slots released but {self._reserved} are reserved")
         self._reserved -= n
 
+    @property
+    def reserved(self) -> int:
+        """Slots admitted for generation whose episodes are not yet added or dropped (rollouts being played)."""
+        return self._reserved
+
     def ready(self, current_version: int) -> bool:
         """Evict stale episodes; True when a batch can be sampled (the staleness bound on the training side)."""
         self.evict_stale(current_version)
@@ -265,7 +270,10 @@ class ReplayBuffer:
 
         Oldest first, whole groups preferred: groups that fit in what is left of
         the batch are taken whole, in age order; only then is the batch filled
-        with the oldest remaining episodes (splitting a group). The returned
+        with the oldest remaining episodes (splitting a group). With
+        ``max_policy_age == 0`` "oldest" is admission order (group ids), not
+        arrival order, so the batches do not depend on which rollout finished
+        first (deterministic synchronous runs). The returned
         episodes are in flight until ``mark_trained``, ``mark_dropped`` or ``requeue``.
         """
         self.evict_stale(current_version)
