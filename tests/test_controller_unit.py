@@ -343,3 +343,28 @@ def test_stop_then_start_again_continues_in_a_new_event_loop(tmp_path):
     assert run.state == "finished" and run.step == 6 and list(run.metrics["step"]) == list(range(1, 7))
     assert [e["kind"] for e in run.events].count("stopped") == 1 and stopped_at < 6
     check_accounting(run)
+
+
+@pytest.mark.parametrize("rewards", [None, {"answer_format": 0.5}])
+def test_env_episode_reward_is_the_envs_plus_the_listed_rewards(tmp_path, rewards):
+    import dataclasses
+
+    cfg = config(tmp_path, steps=3)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, env="arithmetic_tutor", max_turns=2,
+                                                               rewards=rewards)).validate()
+    run = run_to_end(Run(cfg, spawn=fake_spawn))
+    assert run.state == "finished" and run.step == 3
+    check_accounting(run)
+    ro = run.rollouts
+    scored = ro[ro["status"].isin(["trained", "buffered", "in_flight"])]
+    assert len(scored) > 0
+    for _, ep in scored.iterrows():
+        env_part = ep["reward/correct"] + ep["reward/hint_cost"]  # the environment's own reward parts
+        if rewards is None:  # the default list adds nothing to an environment run
+            assert ep["reward"] == pytest.approx(env_part)
+            assert "reward/answer_format" not in ro.columns or ep["reward/answer_format"] != ep["reward/answer_format"]
+        else:
+            assert ep["reward"] == pytest.approx(env_part + 0.5 * ep["reward/answer_format"])
+    if rewards is not None:
+        assert "reward/answer_format" in run.metrics.columns and "reward/correct" in run.metrics.columns
+    assert run.rewards.names == ([] if rewards is None else ["answer_format"])

@@ -31,7 +31,7 @@ import torch
 from forgelab.runtime.replicas import NoHealthyReplicaError, ReplicaStatus, ServiceEvent
 from forgelab.types import Completion
 
-__all__ = ["FakeGenerator", "FakeGenerators", "FakeTrainer", "FakeReference", "FakeParts", "fake_generators", "fake_spawn"]
+__all__ = ["FakeGenerator", "FakeGenerators", "FakeTrainer", "FakeReference", "FakeEnvs", "FakeParts", "fake_generators", "fake_spawn"]
 
 
 class FakeGenerator:
@@ -250,6 +250,49 @@ class FakeReference:
         pass
 
 
+class FakeEnvs:
+    """The EnvActor service in process: `route("run_groups", ...)` plays the episodes with the real episode
+    loop (`forgelab.envs.actor.run_groups_local`, the real environments) against the fake generator replicas."""
+
+    def __init__(self, model_dir: str, max_concurrent: int = 64):
+        from transformers import AutoTokenizer
+
+        from forgelab.envs.episode import ChatFormat
+
+        self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+        self.max_concurrent = max_concurrent
+        self.calls = 0
+
+    async def route(self, endpoint: str, env: Any, tasks: list, n: int, generators: list, sampling: Any,
+                    env_kwargs: dict | None = None, max_turns: int | None = None, max_total_tokens: int | None = None,
+                    step_timeout_s: float | None = None) -> list:
+        from forgelab.envs.actor import run_groups_local
+        from forgelab.envs.episode import EpisodeLimits
+
+        if endpoint != "run_groups":
+            raise ValueError(f"FakeEnvs: no endpoint {endpoint!r}")
+        self.calls += 1
+        limits = EpisodeLimits(max_turns=max_turns or 4, max_total_tokens=max_total_tokens or 256,
+                               step_timeout_s=step_timeout_s or 10.0)
+        picks = iter(range(10**9))
+
+        def generate_for():
+            g = generators[next(picks) % len(generators)]
+
+            async def generate(ids: list[int], sampling: Any) -> Completion:
+                return (await g.generate([ids], 1, sampling))[0][0]
+            return generate
+
+        return await run_groups_local(env, tasks, n, generate_for, self.fmt, sampling, limits,
+                                      asyncio.Semaphore(self.max_concurrent), env_kwargs)
+
+    def status(self) -> list:
+        return []
+
+    async def shutdown(self) -> None:
+        pass
+
+
 @dataclass
 class FakeParts:
     """`forgelab.spawn.Parts` with fakes in it."""
@@ -286,5 +329,6 @@ def fake_generators(cfg: Any, n: int | None = None, p_correct: float = 0.5) -> F
 async def fake_spawn(cfg: Any) -> FakeParts:
     """Fakes sized from the config: `placement.generator_replicas` replicas, a reference if asked for."""
     gens = fake_generators(cfg)
-    return FakeParts(generators=gens,
+    envs = FakeEnvs(cfg.model.path) if cfg.rollout.env is not None else None
+    return FakeParts(generators=gens, envs=envs,
                      trainer=FakeTrainer(cfg.train.loss), reference=FakeReference() if cfg.placement.reference else None)
