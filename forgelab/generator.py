@@ -21,11 +21,8 @@ sampling settings were used; it is the *sampling* probability only when
 temperature=1, top_k=0, top_p=1 (set `logprobs_mode="processed_logprobs"` to get
 the log-probability under the temperature/top-k/top-p-processed distribution).
 
-Weight updates (`update_weights`, `update_weights_shared` for a same-host
-shared-memory handle) are checked, then loaded in place between batches, in
-`forgelab.weights.receiver`: a bad update is refused and the old weights keep
-serving; every `Completion.policy_version` names the weights that produced all
-of its tokens.
+Weight updates (`update_weights`; `update_weights_shared` for a same-host shm handle) are checked and loaded
+in place between batches by `forgelab.weights.receiver`; `Completion.policy_version` names the weights.
 """
 from __future__ import annotations
 
@@ -421,11 +418,8 @@ _replies: set[asyncio.Task] = set()  # strong references: the loop keeps only we
 
 
 def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
-    """Run `start()` in the background; answer `port` with its value or its error.
-
-    An explicit-port endpoint that raised would leave its caller waiting forever,
-    so every error, including one from `start()` itself, goes to the port.
-    """
+    """Run `start()` in the background; answer `port` with its value or its error (every error goes to the
+    port: an explicit-port endpoint that raised would leave its caller waiting forever)."""
 
     async def run() -> None:
         try:
