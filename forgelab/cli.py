@@ -2,7 +2,8 @@
 
     forgelab run CONFIG.yaml [--set train.steps=20 ...]   train from a YAML config
     forgelab demo                                          the `make demo` job
-    forgelab check CONFIG.yaml [--components]              validate a config, print it resolved, spawn nothing
+    forgelab check CONFIG.yaml [--components]              validate a config, print it resolved and its memory plan
+    forgelab plan CONFIG.yaml [--gpus N --gpu-mem GiB]     each process's planned peak memory; does it fit?
     forgelab show RUN_DIR                                  a run's timeline: config, each change, code diffs
     forgelab diff RUN_A RUN_B                              config, swapped functions, versions, hardware
     forgelab replay RUN_DIR [--until N]                    re-run with its recorded changes, compare metrics
@@ -44,6 +45,20 @@ def _load(path: str, sets: list[str]):
     return RunConfig.from_dict(_apply_overrides(data, sets))
 
 
+def _print_plan(cfg, *, strict: bool = False, **where) -> int:
+    """Print `forgelab.plan.plan_memory`'s table; 1 if it does not fit (0 for `check`, which only informs)."""
+    from forgelab.plan import plan_memory
+
+    try:
+        plan = plan_memory(cfg, **where)
+    except (OSError, KeyError, ValueError) as e:  # e.g. a model path that is not there yet
+        print(f"memory plan: not available ({type(e).__name__}: {e})")
+        return 1 if strict else 0
+    print(f"memory plan ({cfg.model.path}):")
+    print(plan.table())
+    return 0 if plan.fits or not strict else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="forgelab", description="RL for language models, Jupyter-first.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -56,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     p_chk.add_argument("--set", action="append", default=[])
     p_chk.add_argument("--components", action="store_true",
                        help="also print the config object each part (generator, trainer, ...) is spawned with")
+    p_plan = sub.add_parser("plan", help="each process's planned peak memory and whether the placement fits")
+    p_plan.add_argument("config")
+    p_plan.add_argument("--gpus", type=int, default=None, help="GPUs available (each process on its own)")
+    p_plan.add_argument("--gpu-mem", type=float, default=None, help="memory per GPU, GiB")
+    p_plan.add_argument("--host-mem", type=float, default=None, help="host memory, GiB (default: this machine's)")
+    p_plan.add_argument("--set", action="append", default=[])
     p_demo = sub.add_parser("demo", help="asynchronous GRPO on the addition task (what `make demo` runs)")
     p_demo.add_argument("--steps", type=int, default=None)
     p_demo.add_argument("--out", default="runs")
@@ -78,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _load(args.config, args.set)
             print(f"config ok: {cfg.name}: task {cfg.rollout.task}, loss {cfg.train.loss}, {cfg.train.steps} steps")
             print(cfg.to_yaml(components=args.components), end="")
+            _print_plan(cfg)
             return 0
+        if args.cmd == "plan":
+            return _print_plan(_load(args.config, args.set), gpus=args.gpus, gpu_mem_gib=args.gpu_mem,
+                               host_mem_gib=args.host_mem, strict=True)
         if args.cmd == "run":
             cfg = _load(args.config, args.set)
             return asyncio.run(_run(cfg, args.resume))

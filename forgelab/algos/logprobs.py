@@ -150,7 +150,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] 
 # is ``chunk * V`` elements (a few copies), whatever the batch.
 
 #: Rows (tokens) projected onto the vocabulary at a time by default.
-DEFAULT_LOGITS_CHUNK = 1024
+DEFAULT_LOGITS_CHUNK = 256
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -158,66 +158,77 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _chunk_stats(h_C_D: torch.Tensor, w_V_D: torch.Tensor, y_C: torch.Tensor):
-    """``(z_C_V fp32, logsumexp_C, target logit_C)`` for one chunk of rows."""
-    z_C_V = (h_C_D @ w_V_D.t()).to(_acc_dtype(h_C_D))
-    return z_C_V, torch.logsumexp(z_C_V, dim=-1), z_C_V.gather(-1, y_C.unsqueeze(-1)).squeeze(-1)
+def _rowdot(a_C_V: torch.Tensor, b_C_V: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)``; torch's pairwise sum (an einsum/bmm would save the ``[C, V]`` temporary but sums
+    152k terms in a straight line, and the entropy gradient ``-p (log p + H)`` cancels what it gets wrong)."""
+    return (a_C_V * b_C_V).sum(-1)
 
 
-def _entropy_from(z_C_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(entropy_C, p_C_V, logp_C_V)``, computed as `token_entropy` does (the max-shifted softmax, so the
-    probabilities carry no rounding from subtracting a large logsumexp)."""
+def _logits(h_C_D: torch.Tensor, w_V_D: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (h_C_D @ w_V_D.t()).to(dtype)
+
+
+def _logp_p_entropy(z_C_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp_C_V, p_C_V, entropy_C)`` from logits (consumed), as `token_entropy` computes them: the max-shifted
+    log-softmax, ``p = exp(logp)``, ``H = -sum p log p`` with -inf log-probabilities contributing 0."""
     logp_C_V = torch.log_softmax(z_C_V, dim=-1)
-    p_C_V = torch.softmax(z_C_V, dim=-1)
-    logp_C_V = logp_C_V.clamp_min(torch.finfo(logp_C_V.dtype).min)  # a -inf logit contributes 0, not nan
-    return -(p_C_V * logp_C_V).sum(-1), p_C_V, logp_C_V
+    del z_C_V
+    p_C_V = logp_C_V.exp()
+    logp_C_V.clamp_min_(torch.finfo(logp_C_V.dtype).min)
+    return logp_C_V, p_C_V, -_rowdot(p_C_V, logp_C_V)
 
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
-    """Differentiable ``(logprobs_N, entropy_N)`` of ``softmax(h @ W.T)`` computed ``chunk`` rows at a time."""
+    """Differentiable ``(logprobs_N, entropy_N)`` of ``softmax(h @ W.T)`` computed ``chunk`` rows at a time.
+
+    Forward keeps only ``h``, ``W`` and the targets; backward recomputes each chunk's logits.
+    At most ~3 ``[chunk, V]`` blocks are alive at once, in either pass.
+    """
 
     @staticmethod
     def forward(ctx, h_N_D, w_V_D, y_N, chunk: int, want_entropy: bool):
-        N = h_N_D.shape[0]
-        lp_N = torch.empty(N, dtype=_acc_dtype(h_N_D), device=h_N_D.device)
-        lse_N = torch.empty_like(lp_N)
-        ent_N = torch.empty_like(lp_N) if want_entropy else None
+        N, acc = h_N_D.shape[0], _acc_dtype(h_N_D)
+        lp_N = torch.empty(N, dtype=acc, device=h_N_D.device)
+        ent_N = torch.zeros_like(lp_N)
         for s in range(0, N, chunk):
-            z, lse, zy = _chunk_stats(h_N_D[s : s + chunk], w_V_D, y_N[s : s + chunk])
-            lp_N[s : s + chunk] = zy - lse
-            lse_N[s : s + chunk] = lse
+            z_C_V = _logits(h_N_D[s : s + chunk], w_V_D, acc)
+            # log p(y) = z_y - logsumexp(z), exactly as gather_logprobs computes it
+            lp_N[s : s + chunk] = z_C_V.gather(-1, y_N[s : s + chunk].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+                z_C_V, dim=-1)
             if want_entropy:
-                ent_N[s : s + chunk] = _entropy_from(z)[0]
-            del z
-        ctx.save_for_backward(h_N_D, w_V_D, y_N, lse_N)
+                ent_N[s : s + chunk] = _logp_p_entropy(z_C_V)[2]
+            del z_C_V
+        ctx.save_for_backward(h_N_D, w_V_D, y_N)
         ctx.chunk = chunk
-        if ent_N is None:
-            ent_N = torch.zeros_like(lp_N)
         return lp_N, ent_N
 
     @staticmethod
     def backward(ctx, g_lp_N, g_ent_N):
-        h_N_D, w_V_D, y_N, lse_N = ctx.saved_tensors
-        chunk = ctx.chunk
+        h_N_D, w_V_D, y_N = ctx.saved_tensors
+        chunk, acc = ctx.chunk, _acc_dtype(h_N_D)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_h = torch.zeros_like(h_N_D) if need_h else None
-        g_w = torch.zeros(w_V_D.shape, dtype=lse_N.dtype, device=w_V_D.device) if need_w else None
+        g_w = torch.zeros(w_V_D.shape, dtype=acc, device=w_V_D.device) if need_w else None
         for s in range(0, h_N_D.shape[0], chunk):
-            h_C_D, y_C = h_N_D[s : s + chunk], y_N[s : s + chunk]
-            z_C_V = (h_C_D @ w_V_D.t()).to(lse_N.dtype)
-            ent_C, p_C_V, logp_C_V = _entropy_from(z_C_V)
+            h_C_D, y_C, g_lp_C = h_N_D[s : s + chunk], y_N[s : s + chunk], g_lp_N[s : s + chunk]
+            logp_C_V, g_z, ent_C = _logp_p_entropy(_logits(h_C_D, w_V_D, acc))
             # d logp_y / dz = onehot(y) - p ;  d H / dz = -p * (log p + H)
-            g_z = p_C_V * (-g_lp_N[s : s + chunk].unsqueeze(-1))
-            if g_ent_N is not None and bool((g_ent_N[s : s + chunk] != 0).any()):
-                g_z -= g_ent_N[s : s + chunk].unsqueeze(-1) * p_C_V * (logp_C_V + ent_C.unsqueeze(-1))
+            g_ent_C = None if g_ent_N is None else g_ent_N[s : s + chunk]
+            if g_ent_C is not None and bool((g_ent_C != 0).any()):
+                logp_C_V.add_(ent_C.unsqueeze(-1)).mul_(g_z).mul_(-g_ent_C.unsqueeze(-1))
+            else:
+                logp_C_V = None
+            g_z.mul_(-g_lp_C.unsqueeze(-1))  # p is consumed: g_z = -g_lp * p
+            if logp_C_V is not None:
+                g_z.add_(logp_C_V)
             del logp_C_V
-            g_z.scatter_add_(-1, y_C.unsqueeze(-1), g_lp_N[s : s + chunk].unsqueeze(-1))
-            del z_C_V, p_C_V
+            g_z.scatter_add_(-1, y_C.unsqueeze(-1), g_lp_C.unsqueeze(-1).to(acc))
             g_z = g_z.to(h_N_D.dtype)
             if need_h:
                 g_h[s : s + chunk] = g_z @ w_V_D
             if need_w:
-                g_w += (g_z.t() @ h_C_D).to(g_w.dtype)
+                g_w.addmm_(g_z.t().to(acc), h_C_D.to(acc))
+            del g_z
         return g_h, (None if g_w is None else g_w.to(w_V_D.dtype)), None, None, None
 
 

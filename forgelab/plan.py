@@ -1,0 +1,271 @@
+"""A memory planner: each process's peak memory for a run config, before anything is spawned.
+
+    forgelab plan CONFIG.yaml [--gpus N --gpu-mem GiB] [--host-mem GiB]
+
+Counted per process, from the model's ``config.json`` (no weights are read) and the
+component configs a `Run` would spawn (`forgelab.spawn.component_configs`):
+
+- generator (vLLM): weights in the engine dtype, KV cache (``kv_cache_gib`` on CPU;
+  ``gpu_memory_utilization`` x GPU memory on a GPU, which vLLM reserves whole),
+  the sampler's logits for a full batch of sequences, and the runtime;
+- trainer (each FSDP rank): fp32 parameters, gradients and AdamW's two moments
+  (16 bytes a parameter, divided over the ranks), the largest gathered FSDP unit,
+  activations kept for backward (one micro-batch of ``max_model_len`` tokens), the
+  chunked logits (``logits_chunk`` rows x vocabulary, a few fp32 copies), the
+  output-projection gradient buffer, the HF export copy made at a weight push, the runtime;
+- reference: weights, one micro-batch's forward temporaries, chunked logits, the runtime;
+- the shared-memory weights file (same-host weight sync): counted once, not per process.
+
+The per-token activation and runtime constants were fitted on CPU measurements
+(`python -m forgelab.bench realmodel` reports planned vs measured); they are estimates:
+the planner's job is to name the term that will not fit, not to be exact.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1024**3
+
+#: Resident memory of an idle process, bytes: python + torch + monarch (trainer, reference), plus vLLM's engine.
+RUNTIME_BYTES = {"trainer": 0.55 * GiB, "reference": 0.55 * GiB, "generator": 1.1 * GiB}
+#: Copies of a ``chunk x V`` fp32 block alive at once in the chunked logprobs/entropy backward.
+LOGITS_COPIES = 5
+#: Activation values kept for backward per token and layer: ``a*D + b*(q+kv dims) + c*I`` (fp32 each).
+ACT_D, ACT_QKV, ACT_I = 6, 4, 4
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if str(dtype) in ("bfloat16", "float16", "bf16", "fp16") else 4
+
+
+@dataclass
+class ModelShape:
+    """What the planner needs from a HF ``config.json``."""
+
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelShape":
+        heads = int(hf["num_attention_heads"])
+        return cls(vocab=int(hf["vocab_size"]), dim=int(hf["hidden_size"]), layers=int(hf["num_hidden_layers"]),
+                   heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),
+                   head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+                   ffn=int(hf["intermediate_size"]), tied=bool(hf.get("tie_word_embeddings", False)),
+                   qk_norm=hf.get("model_type") == "qwen3")
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.dim * (q + 2 * kv) + q * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        return attn + 3 * self.dim * self.ffn + 2 * self.dim
+
+    @property
+    def params(self) -> int:
+        emb = self.vocab * self.dim
+        return emb * (1 if self.tied else 2) + self.layers * self.layer_params + self.dim
+
+    def act_bytes_per_token(self, value_bytes: int = 4) -> int:
+        """Activations autograd keeps for backward, per token, all layers (plus embedding and final norm)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = ACT_D * self.dim + ACT_QKV * (q + kv) + ACT_I * self.ffn
+        return value_bytes * (self.layers * per_layer + 3 * self.dim)
+
+
+@dataclass
+class ProcessPlan:
+    """One process's peak, as named terms in bytes."""
+
+    name: str
+    count: int
+    """Identical processes of this kind (replicas, ranks)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    on_gpu: bool = False
+
+    @property
+    def peak(self) -> float:
+        return float(sum(self.terms.values()))
+
+    @property
+    def largest(self) -> tuple[str, float]:
+        return max(self.terms.items(), key=lambda kv: kv[1])
+
+
+@dataclass
+class MemoryPlan:
+    processes: list[ProcessPlan]
+    shared_bytes: float
+    """The shared-memory weights file (host memory, counted once)."""
+    gpus: int | None = None
+    gpu_mem_gib: float | None = None
+    host_mem_gib: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def by_name(self) -> dict[str, ProcessPlan]:
+        return {p.name: p for p in self.processes}
+
+    def table(self) -> str:
+        """The plan as text: one line per process with its terms, the shared file, the verdict."""
+        lines = []
+        for p in self.processes:
+            where = "GPU" if p.on_gpu else "host"
+            terms = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(p.terms.items(), key=lambda kv: -kv[1]) if v)
+            lines.append(f"  {p.name:<10} x{p.count} [{where}] peak {p.peak / GiB:6.2f} GiB  ({terms})")
+        lines.append(f"  {'shared':<10} x1 [host] weights file {self.shared_bytes / GiB:.2f} GiB (counted once)")
+        host = sum(p.peak * p.count for p in self.processes if not p.on_gpu) + self.shared_bytes
+        lines.append(f"  host total {host / GiB:.2f} GiB" + (f" of {self.host_mem_gib:.1f}" if self.host_mem_gib else ""))
+        if self.fits:
+            lines.append("  fits: yes")
+        else:
+            lines += [f"  does NOT fit: {msg}" for msg in self.problems]
+        return "\n".join(lines)
+
+
+def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None = None,
+                host_mem_gib: float | None = None, seq_len: int | None = None,
+                hf_config: dict[str, Any] | None = None) -> MemoryPlan:
+    """Each process's planned peak for `RunConfig` ``cfg``.
+
+    Args:
+        gpus, gpu_mem_gib: place every generator replica, trainer rank and reference replica on its own GPU of
+            this size (``placement.with_gpus``); None: the config's own placement, on the host.
+        host_mem_gib: host memory to check against (default: this machine's MemTotal).
+        seq_len: tokens per training sequence (default ``model.max_model_len``, the worst case).
+        hf_config: the model's ``config.json`` dict (default: read from ``model.path``).
+    """
+    from forgelab.spawn import component_configs
+    from forgelab.titan import read_hf_config
+
+    cc = component_configs(cfg)
+    gen, tr, ref = cc["generator"], cc["trainer"], cc["reference"]
+    shape = ModelShape.from_hf(hf_config or read_hf_config(cfg.model.path))
+    pl = cfg.placement
+    on_gpu = gpus is not None or bool(pl.with_gpus)
+    P, V, D = shape.params, shape.vocab, shape.dim
+    L = int(seq_len or cfg.model.max_model_len)
+    T = max(1, L - 1)
+    world = int(pl.trainer_procs) * int(getattr(cfg.hosts, "trainer_hosts", 1) or 1)
+    from forgelab.algos.logprobs import DEFAULT_LOGITS_CHUNK
+
+    chunk = int(getattr(tr, "logits_chunk", None) or DEFAULT_LOGITS_CHUNK)
+
+    # generator
+    wb = _bytes(gen.dtype)
+    seqs = min(int(gen.max_num_seqs), cfg.rollout.group_size * cfg.rollout.prompts_per_rollout * cfg.rollout.concurrency)
+    g_terms = {"weights": P * wb, "runtime": RUNTIME_BYTES["generator"], "sampler logits": seqs * V * 4 * 2}
+    if on_gpu and gpu_mem_gib:
+        g_terms = {"vLLM reservation (weights + KV + activations)": gen.gpu_memory_utilization * gpu_mem_gib * GiB,
+                   "runtime": 0.0}
+    else:
+        g_terms["KV cache"] = float(gen.kv_cache_gib) * GiB
+    generator = ProcessPlan("generator", int(pl.generator_replicas), g_terms, on_gpu)
+
+    # trainer (one rank)
+    rows_local = math.ceil(cfg.train.batch_size / world)
+    rows = min(int(tr.micro_batch_size or rows_local), rows_local)
+    tokens = rows * T
+    emb_bytes = V * D * 4
+    # compute dtype: FSDP2 mixed precision gathers and computes in bf16 on CUDA, fp32 on CPU
+    cb = _bytes(tr.dtype) if on_gpu else 4
+    largest_unit = (V * D * cb * (1 if shape.tied else 2) if world > 1 else 0)
+    t_terms = {
+        "parameters": 4 * P / world,
+        "gradients": 4 * P / world,
+        "optimizer (AdamW)": 8 * P / world,
+        "gathered FSDP unit": largest_unit,
+        "activations": tokens * shape.act_bytes_per_token(cb),
+        "logits chunks": min(chunk, tokens) * V * 4 * LOGITS_COPIES,
+        "projection grad": emb_bytes,
+        "weight export": 4 * P,
+        "runtime": RUNTIME_BYTES["trainer"],
+    }
+    trainer = ProcessPlan("trainer", world, t_terms, on_gpu)
+    processes = [generator, trainer]
+
+    if pl.reference:
+        rrows = int(ref.micro_batch_size or cfg.train.batch_size)
+        rtok = rrows * T
+        r_terms = {
+            "weights": 4 * P if _bytes(ref.dtype) == 4 else 2 * P,
+            "forward temporaries": rtok * 4 * (4 * D + 3 * shape.ffn),
+            "logits chunks": min(chunk, rtok) * V * 4 * 3,
+            "runtime": RUNTIME_BYTES["reference"],
+        }
+        processes.append(ProcessPlan("reference", int(pl.reference_replicas), r_terms, on_gpu))
+
+    transport = getattr(tr, "weight_transport", "auto")
+    shared = 0.0 if (on_gpu or transport == "message") else 4.0 * P
+    plan = MemoryPlan(processes, shared, gpus=gpus, gpu_mem_gib=gpu_mem_gib,
+                      host_mem_gib=host_mem_gib if host_mem_gib is not None else _host_mem_gib())
+    _check(plan)
+    return plan
+
+
+def _host_mem_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 / GiB
+    except OSError:
+        pass
+    return None
+
+
+def _check(plan: MemoryPlan) -> None:
+    gpu_procs = [p for p in plan.processes if p.on_gpu]
+    if gpu_procs and plan.gpus is not None:
+        need = sum(p.count for p in gpu_procs)
+        if need > plan.gpus:
+            plan.problems.append(f"{need} processes each need their own GPU ({', '.join(f'{p.name} x{p.count}' for p in gpu_procs)}), "
+                                 f"only {plan.gpus} GPUs: lower replicas/procs or add GPUs")
+    if gpu_procs and plan.gpu_mem_gib:
+        for p in gpu_procs:
+            if p.peak > plan.gpu_mem_gib * GiB:
+                name, value = p.largest
+                plan.problems.append(f"{p.name} needs {p.peak / GiB:.1f} GiB on a {plan.gpu_mem_gib:g} GiB GPU; "
+                                     f"largest term: {name} {value / GiB:.1f} GiB")
+    host = sum(p.peak * p.count for p in plan.processes if not p.on_gpu) + plan.shared_bytes
+    if plan.host_mem_gib and host > plan.host_mem_gib * GiB:
+        terms = [(f"{p.name} {k}", v * p.count) for p in plan.processes if not p.on_gpu for k, v in p.terms.items()]
+        terms.append(("shared weights file", plan.shared_bytes))
+        name, value = max(terms, key=lambda kv: kv[1])
+        plan.problems.append(f"host processes need {host / GiB:.1f} GiB, the host has {plan.host_mem_gib:.1f} GiB; "
+                             f"largest term: {name} {value / GiB:.1f} GiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="forgelab plan", description="each process's planned peak memory for a config")
+    ap.add_argument("config")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs available (each process on its own)")
+    ap.add_argument("--gpu-mem", type=float, default=None, help="memory per GPU, GiB")
+    ap.add_argument("--host-mem", type=float, default=None, help="host memory, GiB (default: this machine's)")
+    ap.add_argument("--set", action="append", default=[])
+    args = ap.parse_args(argv)
+    from forgelab.cli import _load
+
+    cfg = _load(args.config, args.set)
+    plan = plan_memory(cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem)
+    print(f"memory plan for {cfg.name} ({os.path.basename(cfg.model.path.rstrip('/'))}):")
+    print(plan.table())
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
