@@ -126,3 +126,12 @@ def test_hosts_section(model_dir):
                          ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
     RunConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize("name", ["forgelab.config_types", "forgelab.precision"])
+def test_doctests_of_config_helpers(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, name
