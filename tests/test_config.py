@@ -90,7 +90,7 @@ def test_cli_check_prints_the_resolved_nested_config(tmp_path, model_dir, capsys
     assert main(["check", str(p), "--components"]) == 0
     first, rest = capsys.readouterr().out.split("\n", 1)
     assert first.startswith("config ok:")
-    shown = yaml.safe_load(rest)
+    shown = yaml.safe_load(rest.split("\nmemory plan")[0])  # the config, then `forgelab plan`'s table
     assert shown["generator"]["max_num_seqs"] == 64 and shown["generator"]["enforce_eager"] is True  # default filled
     assert shown["trainer"]["micro_batch_size"] == 8 and shown["trainer"]["betas"] == [0.9, 0.95]
     # components: what each part is spawned with, shared values resolved from model / train
