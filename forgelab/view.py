@@ -2,7 +2,7 @@
 
     snap = run.snapshot()            # RunSnapshot: a frozen copy, safe to keep and compare
     snap.state, snap.step, snap.reward_weights, snap.accuracy_history
-    [RunEvent.of(e) for e in run.events]   # typed events over the log's dicts
+    events_of(run, since=0)          # [RunEvent]: typed events over the log's dicts
 
 Widgets read this view (and `run.metrics` / `run.rollouts` DataFrames) and act
 through the run's public commands; they never touch the run's parts.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["RunSnapshot", "RunEvent"]
+__all__ = ["RunSnapshot", "RunEvent", "events_of", "status_of", "snapshot_of"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class RunEvent:
                    fields={k: v for k, v in ev.items() if k not in ("kind", "step", "time")})
 
     def get(self, name: str, default: Any = None) -> Any:
+        """A field by name, `kind`/`step`/`time` included (so code written for the log's dicts reads it too)."""
+        if name in ("kind", "step", "time"):
+            return getattr(self, name)
         return self.fields.get(name, default)
 
 
@@ -60,6 +63,11 @@ class RunSnapshot:
     def accuracy(self) -> float | None:
         """The latest held-out accuracy, or None before the first evaluation."""
         return self.accuracy_history[-1][1] if self.accuracy_history else None
+
+
+def events_of(run: Any, since: int = 0) -> list[RunEvent]:
+    """The run's events from index `since` on, typed (the log keeps the dicts; this is a read-only copy)."""
+    return [RunEvent.of(e) for e in list(run.events)[since:]]
 
 
 def status_of(run: Any) -> dict:

@@ -368,3 +368,28 @@ def test_env_episode_reward_is_the_envs_plus_the_listed_rewards(tmp_path, reward
     if rewards is not None:
         assert "reward/answer_format" in run.metrics.columns and "reward/correct" in run.metrics.columns
     assert run.rewards.names == ([] if rewards is None else ["answer_format"])
+
+
+def test_lab_panels_read_the_view_and_follow_remove_reward(tmp_path):
+    run = Run(config(tmp_path, steps=3), spawn=fake_spawn)
+
+    async def go():
+        lab = run.dashboard()
+        for panel in (lab.metrics, lab.rewards, lab.loss, lab.controls, lab.services, lab.inspector):
+            panel.widget  # builds it: from here on it listens to the run
+        await run.start()
+        await asyncio.wait_for(run.wait(), 30)
+        assert lab.metrics.refresh(force=True)
+        lab.rewards.refresh()
+        assert sorted(lab.rewards.sliders) == ["answer_format", "exact_answer"]
+        run.remove_reward("answer_format")  # the public command; the panel follows the view
+        lab.rewards.refresh()
+        assert sorted(lab.rewards.sliders) == ["exact_answer"]
+        lab.loss.refresh()
+        assert "grpo" in lab.loss.current.value
+        text = str(lab)
+        assert "finished" in text and "rewards: exact_answer=1" in text
+        lab.close()
+        await run.shutdown()
+
+    asyncio.run(go())

@@ -15,6 +15,7 @@ from typing import Any
 
 from forgelab.lab._base import Panel
 from forgelab.lab.summary import MARKED_EVENTS, event_label, events_lines, metrics_line, state_line
+from forgelab.view import events_of
 
 #: (title, metric columns) per subplot; "reward/*" expands to every reward function's column.
 DEFAULT_PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -135,7 +136,7 @@ class MetricsPanel(Panel):
             return False
         t0, c0 = time.perf_counter(), time.thread_time()
         df = self.run.metrics
-        events = [e for e in list(self.run.events) if e.get("kind") in EVENT_COLOURS]
+        events = [e for e in events_of(self.run) if e.kind in EVENT_COLOURS]
         acc_hist = list(self.run.snapshot().accuracy_history)
         if not force and len(df) == self._n_rows_drawn and len(events) == self._n_events_drawn \
                 and len(acc_hist) == self._acc_drawn:

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from forgelab.lab._base import field
+from forgelab.view import events_of
 
 #: Metric columns shown in the one-line "last metrics" summary, in order.
 SUMMARY_METRICS = ("reward_mean", "heldout_accuracy", "loss", "kl_ref", "entropy", "clip_frac", "policy_age_mean",
@@ -85,7 +86,7 @@ def metrics_line(run: Any) -> str:
 
 
 def events_lines(run: Any, n: int = 6) -> list[str]:
-    evs = [e for e in list(_safe(lambda: run.events, []) or []) if e.get("kind") in MARKED_EVENTS or e.get("kind") == "eval"]
+    evs = [e for e in (_safe(lambda: events_of(run), []) or []) if e.kind in MARKED_EVENTS or e.kind == "eval"]
     if not evs:
         return ["recent events: (none)"]
     out = ["recent events:"]
@@ -115,11 +116,21 @@ def services_rows(run: Any) -> list[dict]:
     return rows
 
 
+def pool_line(run: Any) -> str:
+    """"pool: ..." when the run's processes come from a `forgelab.pool.ProcessPool`, else ""."""
+    parts = getattr(run, "parts", None)
+    pool = getattr(parts, "pool", None)
+    if pool is None:
+        return ""
+    return (f"pool: these processes served {parts.runs} run(s); pool idle {len(pool.idle)} busy {len(pool.busy)}, "
+            f"spawned {pool.spawned} reused {pool.reused}; {pool.last_note}")
+
+
 def services_lines(run: Any) -> list[str]:
     rows = services_rows(run)
     if not rows:
         return ["services: (none running)"]
-    out = ["services:"]
+    out = ["services:"] + ([pool_line(run)] if pool_line(run) else [])
     for r in rows:
         err = f"  last error: {str(r['last_error'])[:80]}" if r["last_error"] else ""
         out.append(f"  {r['service']}[{r['index']}] {'healthy' if r['healthy'] else 'DOWN'}  in_flight {r['in_flight']}"
