@@ -226,7 +226,7 @@ class Rollouts:
         lost = [ep for ep in admitted.created if self.buffer.status(ep.id) is None]
         if lost:
             self.buffer.drop(lost, reason)
-            self.recent.extend(ep for ep in lost if ep not in self.recent)
+            self.recent.extend(lost)  # never buffered or dropped before: not in `recent` yet
         return len(lost)
 
     # -- one rollout --------------------------------------------------------------------------------------
@@ -243,8 +243,7 @@ class Rollouts:
         failed.update(await self.rewards.score(scored, composer))
         hung = self.rewards.hung_message()
         if hung is not None:
-            log.warning("forgelab: %s", hung)
-            self.pause(hung)
+            self.pause(hung)  # logs it
         await self._advantages_and_buffer(groups, failed)
 
     def _env_failures(self, groups: list[list[Episode]]) -> dict[int, str]:
