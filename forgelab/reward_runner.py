@@ -26,7 +26,7 @@ from typing import Any, Callable
 from forgelab.rewards import RewardComposer, RewardFailure
 from forgelab.types import Episode
 
-__all__ = ["RewardRunner", "MAX_HUNG_REWARD_CALLS", "DEFAULT_REWARDS", "configured_rewards"]
+__all__ = ["RewardRunner", "MAX_HUNG_REWARD_CALLS", "DEFAULT_REWARDS", "reward_weights", "configured_rewards"]
 
 MAX_HUNG_REWARD_CALLS = 32
 """Abandoned (timed-out) reward calls still running before the run pauses: each holds a thread."""
@@ -36,12 +36,24 @@ DEFAULT_REWARDS = {"exact_answer": 1.0, "answer_format": 0.1}
 """`rollout.rewards: null` on a single-turn run; an environment run adds no reward to the environment's."""
 
 
+def reward_weights(rollout: Any) -> dict[str, float]:
+    """The rewards a run starts with (name -> weight): `rollout.rewards`, or the default for the run's kind.
+    `rollout` is a `RolloutConfig` or its dict (a saved run's config).
+
+    >>> reward_weights({"rewards": None, "env": None}), reward_weights({"rewards": None, "env": "echo"})
+    ({'exact_answer': 1.0, 'answer_format': 0.1}, {})
+    """
+    get = rollout.get if isinstance(rollout, dict) else lambda k: getattr(rollout, k)
+    if get("rewards") is not None:
+        return dict(get("rewards"))
+    return {} if get("env") is not None else dict(DEFAULT_REWARDS)
+
+
 def configured_rewards(rollout: Any) -> RewardComposer:
-    """The `RewardComposer` a run starts with: `rollout.rewards`, or its default for the run's kind."""
+    """The `RewardComposer` a run starts with (`reward_weights`)."""
     from forgelab.rewards import REWARDS
 
-    weights = rollout.rewards if rollout.rewards is not None else ({} if rollout.env is not None else DEFAULT_REWARDS)
-    return RewardComposer({name: (REWARDS[name], float(w)) for name, w in weights.items()})
+    return RewardComposer({name: (REWARDS[name], float(w)) for name, w in reward_weights(rollout).items()})
 
 
 class RewardRunner:

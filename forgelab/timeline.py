@@ -12,6 +12,7 @@ from typing import Any
 
 from forgelab.events import EventLog
 from forgelab.provenance import code_diff, read_manifest
+from forgelab.reward_runner import reward_weights
 
 #: event kinds shown on a timeline (others, e.g. per-episode reward errors, are counted, not listed)
 SHOWN = {
@@ -35,7 +36,7 @@ def config_summary(cfg: dict) -> str:
     t, r, m = cfg["train"], cfg["rollout"], cfg["model"]
     kw = f" {t['loss_kwargs']}" if t.get("loss_kwargs") else ""
     return (f"{cfg['name']}: task {r['task']}, model {Path(m['path']).name}, loss {t['loss']}{kw}, "
-            f"rewards {r['rewards']}, {t['steps']} steps x batch {t['batch_size']} (G={r['group_size']}), "
+            f"rewards {reward_weights(r)}, {t['steps']} steps x batch {t['batch_size']} (G={r['group_size']}), "
             f"lr {t['lr']}, max_policy_age {t['max_policy_age']}, seed {t['seed']}")
 
 
@@ -50,7 +51,7 @@ def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
     except KeyError:
         loss_src = ""
     loss_name = cfg["train"]["loss"]
-    reward_src = {n: reward_record(REWARDS[n])["source"] for n in cfg["rollout"]["rewards"] if n in REWARDS}
+    reward_src = {n: reward_record(REWARDS[n])["source"] for n in reward_weights(cfg["rollout"]) if n in REWARDS}
     out = []
     for e in events:
         kind = e["kind"]
