@@ -280,6 +280,24 @@ class Trainer(Component):
         self.state = TrainerState.create(self.config, *_mesh_rank_world())
 
     @endpoint
+    async def reinit(self, config: TrainerConfig) -> dict[str, Any]:
+        """Start over from ``config`` in this process (a warm pool's next run): model, optimizer, schedule, loss."""
+        config.validate()
+        self.config, self.state = config, None
+        self.state = TrainerState.create(config, *_mesh_rank_world())  # the process group is kept
+        return self.state.info()
+
+    @endpoint
+    async def set_lr(self, lr: float) -> float:
+        """Make ``lr`` the peak learning rate from now on, keeping the schedule's position; returns the current lr."""
+        s = self.state
+        self.config = s.config = replace(s.config, lr=float(lr))
+        s.scheduler.base_lrs = [float(lr)] * len(s.optimizer.param_groups)
+        for g, f in zip(s.optimizer.param_groups, s.scheduler.lr_lambdas):
+            g["initial_lr"], g["lr"] = float(lr), float(lr) * f(s.scheduler.last_epoch)
+        return float(s.optimizer.param_groups[0]["lr"])
+
+    @endpoint
     async def info(self) -> dict[str, Any]:
         """Rank, world size, device, step, policy version, current loss name, parameter count."""
         return self.state.info()
@@ -302,6 +320,14 @@ class Trainer(Component):
     ) -> dict[str, Any]:
         """Forward + loss + backward on ``batch`` with nothing changed after; ``{"ok", "reason", "loss", "metrics"}``."""
         return self.state.dry_run_loss(fn_or_name, batch, loss_kwargs)
+
+    @endpoint
+    async def compare_losses(self, specs: list, batch: dict[str, Any]) -> dict[str, Any]:
+        """Each loss's value, grad norm and metrics on ``batch`` and the pairwise gradient cosines; nothing changes
+        (see `forgelab.loss_ab.compare_on_state`)."""
+        from forgelab.loss_ab import compare_on_state
+
+        return compare_on_state(self.state, specs, batch)
 
     @endpoint
     async def logprobs(self, tokens_B_L: torch.Tensor) -> torch.Tensor:

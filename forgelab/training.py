@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any
 
 from forgelab.algos.batching import collate
+from forgelab.rollout_log import record_step
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.training")
@@ -78,6 +79,7 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     if cfg.tracking.checkpoint_every and run.step % cfg.tracking.checkpoint_every == 0:
         await run.save_checkpoint()
     run.tracker.log(row)
+    record_step(run)  # scored rollouts -> <run dir>/rollouts/*.parquet every few steps (forgelab.rollout_log)
     run._notify(row)
 
 

@@ -19,7 +19,7 @@ import pytest
 from forgelab.bench import module_name, suites
 from forgelab.bench.common import emit_json, machine_info
 
-SUITES = ["all", "async", "dashboard", "e2e", "generator", "limits", "runtime", "weight_sync", "envs"]
+SUITES = ["all", "async", "dashboard", "e2e", "generator", "limits", "runtime", "weight_sync", "envs", "startup"]
 #: Suites run by `bench all`: everything but the tools.
 RUNNABLE = sorted(set(suites()) - {"all", "plot"})
 

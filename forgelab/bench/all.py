@@ -50,6 +50,7 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
     "limits": {"trainer_fraction_of_limit": at_least(0.5), "generator_fraction_of_limit": info(),
                "matmul_gflops_1thread": info()},
     "envs": {"generator_busy_fraction": at_least(0.9)},
+    "startup": {"warm_over_cold": at_most(0.15), "cold_s": info(), "warm_s": info()},
 }
 
 

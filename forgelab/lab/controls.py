@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from forgelab.lab._base import Panel, esc
-from forgelab.lab.summary import _loss_name, services_lines, services_rows, state_line
+from forgelab.lab.summary import _loss_name, pool_line, services_lines, services_rows, state_line
 
 _STATE_COLOURS = {"running": "#1b7a1b", "paused": "#b36b00", "failed": "#b00020", "finished": "#1f4e99",
                   "stopped": "#555", "starting": "#777", "created": "#777"}
@@ -136,7 +136,8 @@ class ServicesPanel(Panel):
             + "".join(f"<th style='text-align:left;padding:2px 8px;background:#f3f4f6'>{h}</th>" for h in
                       ("service", "replica", "health", "in flight", "restarts", "version", "pid", "last error"))
             + "</tr></thead><tbody>" + "".join(body).replace("<td", "<td style='padding:2px 8px'")
-            + "</tbody></table>")
+            + "</tbody></table>"
+            + (f"<div class='fl-pool' style='font-size:11px;color:#555'>{esc(pool_line(self.run))}</div>" if pool_line(self.run) else ""))
 
     def summary(self) -> str:
         return "\n".join(["ServicesPanel: " + state_line(self.run).splitlines()[0], *services_lines(self.run)])

@@ -1,0 +1,191 @@
+"""Rollout recording and counterfactual reward replay (`forgelab.rescore` is `rescore` here): what would a new reward have said about these rollouts?
+
+    df = run.rescore(my_reward)                       # recent rollouts of a live run (and its recorded file)
+    df = run.rescore({"answer_format": 0.0})          # new weights over the recorded reward parts
+    df = forgelab.rescore("runs/my-run", my_reward)   # a finished run, from rollouts/*.parquet
+    df.attrs["correlation"], df.attrs["flipped_groups"]
+
+**Recording.** Every run writes its scored rollouts to ``<run dir>/rollouts/``
+as parquet parts (`RolloutRecorder`, called after each trained step, flushing
+every `FLUSH_EVERY` steps and at the last step): id, group id, prompt,
+completion, target, token ids, generator logprobs, reward and its parts,
+advantage, policy version, status, finish reason and the problem's info (JSON).
+Read them all with `read_rollouts(run_dir)`.
+
+**Rescoring** touches no process and trains nothing. The new reward is a
+function ``fn(prompt, completion, target, **info) -> float``, or a dict of
+weights over the recorded reward parts (``{"exact_answer": 1.0, "answer_format": 0.0}``),
+where a value may also be a function or ``(fn, weight)`` for a new term. Per
+episode: old and new reward and advantage (the run's advantage estimator,
+recomputed per group over the episodes that were scored), ``flipped`` (the
+advantage sign changed); ``df.attrs``: Pearson correlation of old and new reward,
+the group ids whose advantage signs flip, and the number of episodes.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["RolloutRecorder", "record_step", "read_rollouts", "rescore_frame", "rescore_run", "rescore"]
+
+FLUSH_EVERY = 4
+"""Steps between parquet parts (and the last step of a run)."""
+
+
+class RolloutRecorder:
+    """Appends a run's scored episodes to ``<out_dir>/rollouts/part-NNNNNN.parquet``."""
+
+    def __init__(self, out_dir: Path):
+        self.dir = Path(out_dir) / "rollouts"
+        self.seen: set[int] = set()
+        self.parts = len(list(self.dir.glob("part-*.parquet"))) if self.dir.is_dir() else 0
+
+    def flush(self, episodes: list, status: Callable[[int], str]) -> int:
+        """Write the episodes not written before that were scored (rewarded or dropped after scoring); their count."""
+        import pandas as pd
+
+        new = [ep for ep in episodes if ep.id not in self.seen and (ep.reward_parts or status(ep.id) != "dropped")]
+        if not new:
+            return 0
+        rows = [_row(ep, status(ep.id)) for ep in new]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.parts += 1
+        pd.DataFrame(rows).to_parquet(self.dir / f"part-{self.parts:06d}.parquet", index=False)
+        self.seen.update(ep.id for ep in new)
+        return len(new)
+
+
+def _row(ep: Any, status: str) -> dict:
+    return {
+        "id": ep.id, "group_id": ep.group_id, "task": ep.task, "prompt": ep.prompt, "completion": ep.completion,
+        "target": ep.target, "prompt_ids": list(ep.prompt_ids), "completion_ids": list(ep.completion_ids),
+        "generator_logprobs": [float(x) for x in ep.generator_logprobs], "reward": float(ep.reward),
+        "reward_parts": json.dumps(ep.reward_parts), "advantage": float(ep.advantage),
+        "policy_version": int(ep.policy_version), "status": status, "finish_reason": ep.finish_reason,
+        "info": json.dumps(ep.info, default=repr),
+    }
+
+
+def record_step(run: Any) -> None:
+    """After a trained step: flush the run's recent scored rollouts every `FLUSH_EVERY` steps and at the end."""
+    if run.rollout is None:
+        return
+    rec = getattr(run.rollout, "recorder", None)
+    if rec is None or rec.dir.parent != Path(run.out_dir):
+        rec = run.rollout.recorder = RolloutRecorder(run.out_dir)
+    if run.step % FLUSH_EVERY == 0 or run.step >= run.config.train.steps:
+        st = run.buffer.status
+        rec.flush(list(run.rollout.recent), lambda i: st(i) or "")
+
+
+def read_rollouts(run_dir: str | Path):
+    """Every recorded rollout of a run directory (a DataFrame; reward_parts and info decoded to dicts)."""
+    import pandas as pd
+
+    d = Path(run_dir) / "rollouts"
+    files = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"{run_dir}: no recorded rollouts (rollouts/part-*.parquet); "
+                                "runs record them every few trained steps")
+    df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True).drop_duplicates("id", keep="last")
+    df["reward_parts"] = df["reward_parts"].map(json.loads)
+    df["info"] = df["info"].map(json.loads)
+    return df.sort_values("id").reset_index(drop=True)
+
+
+def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
+    """row -> new reward, from a function or a dict of weights / functions / (fn, weight)."""
+    if callable(spec):
+        return lambda r: float(spec(r["prompt"], r["completion"], r["target"], **r["info"]))
+    if not isinstance(spec, dict) or not spec:
+        raise TypeError("rescore: give a reward function fn(prompt, completion, target, **info) or a dict of "
+                        f"weights over the recorded reward parts, not {spec!r}")
+    terms = []
+    for name, v in spec.items():
+        if isinstance(v, tuple):
+            terms.append((name, v[0], float(v[1])))
+        elif callable(v):
+            terms.append((name, v, 1.0))
+        else:
+            terms.append((name, None, float(v)))
+
+    def total(r: dict) -> float:
+        out = 0.0
+        for name, fn, w in terms:
+            if fn is not None:
+                value = float(fn(r["prompt"], r["completion"], r["target"], **r["info"]))
+            elif name in r["reward_parts"]:
+                value = float(r["reward_parts"][name])
+            else:
+                raise KeyError(f"rescore: episode {r['id']} has no recorded reward part {name!r} "
+                               f"(it has {sorted(r['reward_parts'])}); give a function for a new term")
+            out += w * value
+        return out
+
+    return total
+
+
+def rescore_frame(df, reward: Any, advantage: str = "grpo", episodes: list[int] | None = None):
+    """Old/new reward and advantage per episode of `df` (recorded rollouts); see the module docstring."""
+    import pandas as pd
+    import torch
+
+    from forgelab.algos import ADVANTAGES
+
+    if episodes is not None:
+        df = df[df["id"].isin(list(episodes))]
+    df = df[df["reward_parts"].map(bool)].copy()  # scored episodes only
+    if df.empty:
+        raise ValueError("rescore: no scored episodes to rescore")
+    fn = _new_reward_fn(reward)
+    df["old_reward"] = df["reward"].astype(float)
+    df["new_reward"] = [fn(r) for r in df.to_dict("records")]
+    df["old_advantage"] = df["advantage"].astype(float)
+    new_adv = pd.Series(float("nan"), index=df.index)
+    for _, g in df.groupby("group_id"):
+        if len(g) < 2:
+            continue
+        rewards_1_G = torch.tensor([g["new_reward"].tolist()], dtype=torch.float64)
+        new_adv.loc[g.index] = ADVANTAGES[advantage](rewards_1_G)[0].tolist()
+    df["new_advantage"] = new_adv
+    sign = lambda x: (x > 1e-12).astype(int) - (x < -1e-12).astype(int)  # noqa: E731
+    df["flipped"] = (sign(df["old_advantage"]) * sign(df["new_advantage"])) < 0
+    out = df[["id", "group_id", "policy_version", "prompt", "completion", "target", "old_reward", "new_reward",
+              "old_advantage", "new_advantage", "flipped"]].reset_index(drop=True)
+    a, b = out["old_reward"], out["new_reward"]
+    corr = float(a.corr(b)) if a.std() > 0 and b.std() > 0 else float("nan")
+    out.attrs.update(correlation=corr, flipped_groups=sorted(int(x) for x in out[out["flipped"]]["group_id"].unique()),
+                     n_episodes=len(out), advantage=advantage)
+    return out
+
+
+def rescore_run(run: Any, reward: Any, episodes: list[int] | None = None):
+    """`Run.rescore`: the run's recorded rollouts plus the recent ones in memory, rescored."""
+    import pandas as pd
+
+    frames = []
+    try:
+        frames.append(read_rollouts(run.out_dir))
+    except FileNotFoundError:
+        pass
+    if run.rollout is not None and run.rollout.recent:
+        st = run.buffer.status
+        live = pd.DataFrame([_row(ep, st(ep.id) or "") for ep in list(run.rollout.recent)])
+        live["reward_parts"] = live["reward_parts"].map(json.loads)
+        live["info"] = live["info"].map(json.loads)
+        frames.append(live)
+    if not frames:
+        raise ValueError(f"rescore: run {run.config.name} has no rollouts yet")
+    df = pd.concat(frames, ignore_index=True).drop_duplicates("id", keep="last").sort_values("id")
+    return rescore_frame(df, reward, run.config.rollout.advantage, episodes)
+
+
+def rescore(run_dir: str | Path, reward: Any, episodes: list[int] | None = None, advantage: str | None = None):
+    """`forgelab.rescore`: a finished run's recorded rollouts, rescored (advantage: the run's, from its manifest)."""
+    if advantage is None:
+        m = Path(run_dir) / "manifest.json"
+        cfg = json.loads(m.read_text()).get("config", {}) if m.is_file() else {}
+        advantage = (cfg.get("rollout") or {}).get("advantage", "grpo")
+    return rescore_frame(read_rollouts(run_dir), reward, advantage, episodes)
