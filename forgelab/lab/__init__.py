@@ -15,6 +15,7 @@ Monarch or talks to an actor.
 Outside a notebook every panel's repr() is a plain-text summary.
 """
 from forgelab.lab._base import Panel, Throttle, in_notebook
+from forgelab.lab.compare import Compare, compare  # the function shadows the submodule's name here
 from forgelab.lab.controls import Controls, ServicesPanel
 from forgelab.lab.dashboard import Dashboard, dashboard
 from forgelab.lab.inspector import RolloutInspector
@@ -24,6 +25,6 @@ from forgelab.lab.rewards_panel import RewardPanel
 from forgelab.lab.summary import text_summary
 
 __all__ = [
-    "dashboard", "Dashboard", "MetricsPanel", "RolloutInspector", "RewardPanel", "LossPanel", "Controls",
+    "compare", "Compare", "dashboard", "Dashboard", "MetricsPanel", "RolloutInspector", "RewardPanel", "LossPanel", "Controls",
     "ServicesPanel", "Panel", "Throttle", "in_notebook", "text_summary",
 ]
