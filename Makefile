@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser demo test test-unit test-integration test-notebooks bench model clean
+.PHONY: setup browser demo test test-fast test-unit test-integration test-notebooks bench model clean
 
 setup: $(STAMP) browser
 
@@ -42,6 +42,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax tests tutorials notebooks
+
+# The development loop's fast tier (a few minutes here): pure functions, doctests and the controller
+# against in-process fakes (tests/test_controller_unit.py): every test not marked integration.
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" --durations=5 tests
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -m "not integration" tests

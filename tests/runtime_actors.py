@@ -13,7 +13,7 @@ from forgelab.runtime import Component
 class Echo(Component):
     """Records its pid; `pid` and `ping` are safe to retry, `slow` is not."""
 
-    IDEMPOTENT = frozenset({"pid", "ping", "hold"})
+    IDEMPOTENT = frozenset({"pid", "ping", "hold", "hold_until"})
 
     def __init__(self, tag: str = "echo"):
         self.tag = tag
@@ -31,6 +31,17 @@ class Echo(Component):
     async def hold(self, seconds: float) -> int:
         """Answer after `seconds`: keeps a call in flight (idempotent)."""
         await asyncio.sleep(seconds)
+        return os.getpid()
+
+    @endpoint
+    async def hold_until(self, path: str, timeout_s: float = 300.0) -> int:
+        """Answer once `path` exists: a call stays in flight until the test says so (idempotent)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not os.path.exists(path):
+            if loop.time() > deadline:
+                raise TimeoutError(f"hold_until: {path} did not appear within {timeout_s} s")
+            await asyncio.sleep(0.01)
         return os.getpid()
 
     @endpoint

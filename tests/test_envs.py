@@ -139,12 +139,15 @@ class _Hang:
 
 def test_hung_step_times_out_and_others_finish(tok):
     fmt = ChatFormat(tok)
+    # The hung steps never return, so their 0.2 s timeout fires whatever the machine's load; the healthy
+    # episode runs beside them with a timeout it cannot reach, so a slow machine cannot fail it.
     limits = EpisodeLimits(max_turns=3, step_timeout_s=0.2)
+    roomy = EpisodeLimits(max_turns=3, step_timeout_s=300.0)
 
     async def main():
         eps = [run_episode(_Hang(stubborn=s), None, scripted(tok, ["4"]), fmt, SamplingConfig(max_tokens=4), limits)
                for s in (False, True)]
-        eps.append(run_episode(EchoEnv(turns=1), "x", scripted(tok, ["4"]), fmt, SamplingConfig(max_tokens=4), limits))
+        eps.append(run_episode(EchoEnv(turns=1), "x", scripted(tok, ["4"]), fmt, SamplingConfig(max_tokens=4), roomy))
         # the guard only keeps a broken runner from hanging the suite
         return await asyncio.wait_for(asyncio.gather(*eps), timeout=60)
 
@@ -305,8 +308,8 @@ def test_hung_env_step_times_out_and_is_counted(loop, finished_run):
     run = finished_run
     groups = loop.run_until_complete(run.envs.route(
         "run_groups", "echo", ["1+1=", "2+2="], 3, _meshes(run), SamplingConfig(max_tokens=4),
-        env_kwargs={"turns": 2, "think_s": 3600.0}, step_timeout_s=0.5,
-    ))
+        env_kwargs={"turns": 2, "think_s": 3600.0}, step_timeout_s=5.0,
+    ))  # the step hangs for an hour, so the timeout fires; 5 s (not less) leaves a loaded machine time to reset
     eps = [ep for g in groups for ep in g]
     assert len(eps) == 6
     assert all(ep.info["outcome"] == "env_timeout" and ep.info["assistant_turns"] == 1 for ep in eps)
@@ -314,7 +317,7 @@ def test_hung_env_step_times_out_and_is_counted(loop, finished_run):
     # inside the Run: a rollout of hung episodes is dropped with reason env_timeout, and counted
     before = run.buffer.check_accounting()
     r = run.config.rollout
-    r.env, r.env_kwargs, r.env_step_timeout_s = "echo", {"think_s": 3600.0}, 0.5
+    r.env, r.env_kwargs, r.env_step_timeout_s = "echo", {"think_s": 3600.0}, 5.0
     loop.run_until_complete(run.rollout.one())
     after = run.buffer.check_accounting()
     per_call = r.prompts_per_rollout * r.group_size

@@ -59,11 +59,25 @@ def _notebook() -> dict:
             "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}}
 
 
+def _require_browser() -> None:
+    """Skip without Chromium or Playwright; with the env var CI set, fail with the same reason instead."""
+    import importlib.util
+
+    reason = None
+    if shutil.which("chromium") is None or not os.path.exists(CHROMIUM):
+        reason = "Debian's chromium is not installed (apt-get install -y chromium, or `make browser` as root)"
+    elif importlib.util.find_spec("playwright") is None:
+        reason = "the playwright package is not installed (it is in requirements.lock; run `make setup`)"
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"CI is set and the browser test cannot run: {reason}", pytrace=False)
+    pytest.skip(f"{reason}; the browser test needs it (with CI set this fails instead)")
+
+
 @pytest.fixture
 def jupyterlab(tmp_path):
-    if shutil.which("chromium") is None or not os.path.exists(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium); the browser test needs it")
-    pytest.importorskip("playwright.sync_api")
+    _require_browser()
     root = tmp_path / "root"
     root.mkdir()
     (root / "lab.ipynb").write_text(json.dumps(_notebook()))
@@ -159,3 +173,12 @@ def test_dashboard_renders_in_jupyterlab(jupyterlab):
             assert ARTIFACT.stat().st_size > 20_000
         finally:
             browser.close()
+
+
+@pytest.mark.parametrize("ci", ["", "1"])
+def test_missing_browser_skips_locally_and_fails_under_ci(monkeypatch, ci):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(expected, match="chromium is not installed"):
+        _require_browser()

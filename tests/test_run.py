@@ -34,7 +34,14 @@ def test_run_finishes_and_raises_reward(finished_run):
     first, last = df["reward_mean"].iloc[:15].mean(), df["reward_mean"].iloc[-15:].mean()
     print(f"mean reward first 15 steps {first:.3f}, last 15 steps {last:.3f}; accuracy {run.accuracy_history}")
     assert last > first, f"mean reward did not rise: first 15 steps {first:.3f}, last 15 {last:.3f}"
-    assert run.accuracy_history[-1][1] > run.accuracy_history[0][1], run.accuracy_history
+    # Held-out greedy accuracy on the same 200 problems before and after: a paired difference, whose
+    # standard error is sqrt(q / 200) for a share q of problems that flip either way. The learning signal
+    # is the reward rise above; this checks training did not damage the model. Assuming q <= 0.3 (an
+    # assumption, not measured: 60 small steps flip far fewer), the SE is <= 0.039, so a model that did not
+    # get worse fails the 0.1 margin (2.6 SE) with probability <= 0.5%. (It used to require a strict
+    # rise: close to a coin flip whenever the true rise was small.)
+    before, after = run.accuracy_history[0][1], run.accuracy_history[-1][1]
+    assert after > before - 0.1, run.accuracy_history
     for col in ("loss", "grad_norm", "entropy", "kl_ref", "policy_age_mean", "tokens_per_s", "step_time_s",
                 "reward/exact_answer", "reward/answer_format"):
         assert col in df and df[col].notna().all(), col

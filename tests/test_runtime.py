@@ -44,23 +44,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _until_in_flight(svc: Service, index: int, n: int) -> None:
+async def _until_in_flight(svc: Service, index: int, n: int, timeout_s: float = 120.0) -> None:
+    """Wait (yielding the CPU, not spinning) until replica `index` has `n` calls in flight."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
     while svc.status()[index].in_flight < n:
-        await asyncio.sleep(0)
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"replica {index} never had {n} calls in flight: {svc.status()}")
+        await asyncio.sleep(0.01)
 
 
 # ----------------------------------------------------------------- routing
 @integration
-def test_route_spreads_load_across_replicas(svc, loop):
-    async def body():
-        pids = await asyncio.gather(*(svc.route("hold", 0.3) for _ in range(8)))
-        return pids
+def test_route_spreads_load_across_replicas(svc, loop, tmp_path):
+    release = tmp_path / "release"
 
-    pids = loop.run_until_complete(body())
+    async def body():
+        calls = [asyncio.ensure_future(svc.route("hold_until", str(release))) for _ in range(8)]
+        # All 8 stay in flight until the file appears, whatever the machine's speed: no time window.
+        await _until_in_flight(svc, 0, 4)
+        await _until_in_flight(svc, 1, 4)
+        in_flight = [s.in_flight for s in svc.status()]
+        release.touch()
+        return in_flight, await asyncio.gather(*calls)
+
+    in_flight, pids = loop.run_until_complete(body())
     replica_pids = {s.pid for s in svc.status()}
     assert len(replica_pids) == 2
+    assert in_flight == [4, 4]  # least-loaded: even split
     assert set(pids) == replica_pids
-    assert sorted(pids.count(p) for p in replica_pids) == [4, 4]  # least-loaded: even split
+    assert sorted(pids.count(p) for p in replica_pids) == [4, 4]
 
 
 @integration
@@ -112,20 +124,28 @@ def test_status_carries_component_fields(svc, loop):
 
 # ------------------------------------------------------------------ faults
 @integration
-def test_kill_replica_retries_idempotent_and_respawns(svc, loop):
+def test_kill_replica_retries_idempotent_and_respawns(svc, loop, tmp_path):
     respawned = []
 
     async def on_respawn(handle):
         # The fresh replica answers through its handle before it serves.
         respawned.append((handle.replica_index, await handle.pid.call_one()))
 
+    release = tmp_path / "release"
+
     async def body():
         svc.on_respawn = on_respawn
         victim = svc.status()[0].pid
-        in_flight = [asyncio.ensure_future(svc.route("hold", 1.0)) for _ in range(4)]
+        # The calls hold until the file appears, so the victim dies with its two calls still running.
+        in_flight = [asyncio.ensure_future(svc.route("hold_until", str(release))) for _ in range(4)]
         await _until_in_flight(svc, 0, 2)
+        await _until_in_flight(svc, 1, 2)
         os.kill(victim, 9)
-        held = await asyncio.gather(*in_flight)  # two of these ran on the victim
+        deadline = asyncio.get_running_loop().time() + 60
+        while _alive(victim) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        release.touch()
+        held = await asyncio.gather(*in_flight)  # two of these ran on the victim and were retried
         after = [await svc.route("pid") for _ in range(6)]
         await svc.wait_healthy(timeout=180)
         return victim, held, after
