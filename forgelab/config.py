@@ -316,6 +316,10 @@ class RunConfig:
             check_loss_kwargs(t.loss, t.loss_kwargs)
         except LossError as e:
             raise ConfigError(f"train.loss_kwargs: {e}") from None
+        kl = t.loss_kwargs.get("kl_coef", 0) if isinstance(t.loss_kwargs, dict) else 0
+        if not p.reference and isinstance(kl, (int, float)) and kl > 0:
+            raise ConfigError(f"train.loss_kwargs.kl_coef: {kl} needs the reference model, but placement.reference "
+                              "is false; set placement.reference: true or kl_coef: 0")
         for name in ("steps", "batch_size", "max_buffer", "max_consecutive_failures"):
             _positive(f"train.{name}", getattr(t, name))
         if t.batch_size % r.group_size:

@@ -512,3 +512,12 @@ def test_run_trainer_config_carries_the_completion_budget_to_dr_grpo():
     assert component_configs(cfg)["trainer"].loss_kwargs == {"max_tokens": 36}
     cfg = RunConfig.from_dict({"train": {"loss": "grpo", "loss_kwargs": {"kl_coef": 0.0}}})
     assert component_configs(cfg)["trainer"].loss_kwargs == {"kl_coef": 0.0}
+
+
+def test_config_refuses_a_kl_coef_without_the_reference_model():
+    from forgelab.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=r"kl_coef.*placement.reference"):
+        RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"kl_coef": 0.05}},
+                             "placement": {"reference": False}})
+    RunConfig.from_dict({"train": {"loss": "grpo"}, "placement": {"reference": False}})  # grpo's default: skipped
