@@ -80,7 +80,9 @@ class Run(experiments.Experiments):
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
         self.stream = ProblemStream(load_problems(cfg.rollout.task, "train", 4000, cfg.train.seed), seed=cfg.train.seed)
         self.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, cfg.train.seed)
-        self._task_reward = get_task(cfg.rollout.task).reward if cfg.rollout.task in TASKS else REWARDS["exact_answer"]
+        # a dataset file is scored like its training reward when that is math_answer (GSM8K/MATH-style answers)
+        file_reward = "math_answer" if "math_answer" in (cfg.rollout.rewards or {}) else "exact_answer"
+        self._task_reward = get_task(cfg.rollout.task).reward if cfg.rollout.task in TASKS else REWARDS[file_reward]
         self.resume_from = Path(resume_from) if resume_from else None
         self._spawn_parts = spawn
         self.step = self.version = 0
