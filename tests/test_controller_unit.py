@@ -67,8 +67,13 @@ def test_accounting_and_metrics_columns(tmp_path):
     trained = run.rollouts[run.rollouts["status"] == "trained"]
     assert len(trained) > 0 and trained["ref_logprobs"].map(lambda x: x is not None and all(v == 0.0 for v in x)).all()
     # every generator replica got every version, in order
-    assert held["parts"].generators.replicas[0].loaded == [1, 2, 3, 4, 5, 6]
+    gen = held["parts"].generators.replicas[0]
+    assert gen.loaded == [1, 2, 3, 4, 5, 6]
     assert held["parts"].reference.calls > 0
+    # one generate call per rollout (P prompts, n = G samples each: the group shares its prompt), plus one
+    # greedy call per held-out evaluation (8 problems, n = 1)
+    rollouts = run.rollout.next_group_id // 2
+    assert sorted(gen.calls) == sorted([(2, 4)] * rollouts + [(8, 1)] * 2)
 
 
 @pytest.mark.parametrize("age", [0, 1, 2])

@@ -42,12 +42,12 @@ class FakeGenerator:
         self.version = 0
         self.alive = True
         self.rng = random.Random(seed * 7919 + index)
-        self.calls = 0
+        self.calls: list[tuple[int, int]] = []  # (prompts, n) of each generate call
         self.loaded: list[int] = []  # versions pushed to this replica, in order
 
     async def generate(self, prompt_ids_P: list[list[int]], n: int = 1, sampling: Any = None,
                        seeds: list[list[int]] | None = None) -> list[list[Completion]]:
-        self.calls += 1
+        self.calls.append((len(prompt_ids_P), n))
         version = self.version  # read when the requests are taken in, as the engine does
         await asyncio.sleep(0)  # let other rollouts interleave
         if not self.alive:
