@@ -123,6 +123,9 @@ class TrainerConfig:
     """Truncated IS granularity: ``"token"``, ``"sequence"`` or ``"geometric"``."""
     micro_batch_size: int | None = None
     """Rows per forward/backward on each rank (gradient accumulation); None: all local rows at once."""
+    logits_chunk: int = 256
+    """Tokens projected onto the vocabulary at a time for logprobs/entropy (forward and backward): the trainer
+    never holds more than this many rows of full-vocabulary logits (forgelab.algos.logprobs.chunked_logprobs_entropy)."""
     seed: int = 0
     """Seeds torch, python and numpy on every rank."""
     device: str = "auto"

@@ -62,6 +62,7 @@ VALUES: dict[tuple[str, str], tuple[str, typing.Any]] = {
     ("trainer", "is_cap"): ("train.is_cap", 2.0),
     ("trainer", "is_level"): ("trainer.is_level", "sequence"),
     ("trainer", "micro_batch_size"): ("trainer.micro_batch_size", 4),
+    ("trainer", "logits_chunk"): ("trainer.logits_chunk", 128),
     ("trainer", "seed"): ("train.seed", 7),
     ("trainer", "device"): ("trainer.device", "cpu"),
     ("trainer", "pg_timeout_s"): ("trainer.pg_timeout_s", 30.0),

@@ -79,7 +79,27 @@ class WeightUpdateExtension:
 
             items = list(load(bytes(items)).items())
         self.reload_weights(weights_iterator=items)
+        _repack_tied_lm_head(self.model_runner.model)
         return len(items)
+
+
+def _repack_tied_lm_head(model: Any) -> None:
+    """Re-pack a tied output projection after a reload (vLLM's CPU backend; a no-op elsewhere).
+
+    On CPU, vLLM packs the lm_head weight for oneDNN/sgl GEMMs at load time (a copy). A tied
+    lm_head (Qwen3, Llama-3.2) is not in the reloaded checkpoint names, so reload_weights
+    never re-processes it: the embedding changes while the packed output projection keeps the
+    old weights (logprobs off by 1e-2..1). tests/test_real_shapes.py catches it.
+    """
+    lm_head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if lm_head is None or embed is None or not hasattr(lm_head, "cpu_linear"):
+        return
+    if lm_head.weight.data_ptr() != embed.weight.data_ptr():
+        return  # untied: reloaded (and re-packed) with the other weights
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
 
 
 async def receive(engine: Any, version: int, weights: Any) -> int:
