@@ -40,10 +40,14 @@ def run_tests() -> dict:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py"],
                           cwd=ROOT, capture_output=True, text=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
+    log = SUMMARY.with_name("faults_pytest.log")  # the whole session, for whoever reads a failure
+    log.parent.mkdir(exist_ok=True)
+    log.write_text(proc.stdout + "\n" + proc.stderr)
+    print(proc.stdout[-3000:], proc.stderr[-2000:], f"(full log: {log})", sep="\n", flush=True)
+    failed = [ln.split(" - ")[0].removeprefix("FAILED ") for ln in proc.stdout.splitlines() if ln.startswith("FAILED ")]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", tail)}
     return {"loadavg_start": load, "seconds": round(time.perf_counter() - t0, 1), "counts": counts, "rc": proc.returncode,
-            "summary_line": tail}
+            "summary_line": tail, "failed": failed}
 
 
 def _reasons(dropped: dict) -> str:
@@ -62,6 +66,8 @@ def render(summary: dict, session: dict) -> str:
         f" in {session.get('seconds', '?')} s; 2-core machine, 1-minute load average {session.get('loadavg_start')} "
         "at the start (other jobs shared it).",
         "",
+        *([f"Failed tests in this run: {', '.join('`' + f.split('::')[-1] + '`' for f in session['failed'])}.", ""]
+          if session.get("failed") else []),
         "| fault | measured in this run |",
         "|---|---|",
         "| generator replica SIGKILLed mid-`generate` (2 replicas) | "

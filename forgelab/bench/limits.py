@@ -133,14 +133,19 @@ async def measure_trainer(steps: int, out_dir: str) -> dict:
 
     run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits"))
     batches: list[dict] = []
+    await run.start()
+    call = run.trainer.call
 
-    def on_row(msg: dict) -> None:
-        batch = getattr(run, "_last_batch", None)  # the batch this step trained on (read-only)
-        if "event" not in msg and batch is not None:
-            batches.append(batch)
+    async def recording_call(method: str, *args, **kwargs):  # the batches train_step receives (read-only)
+        if method == "train_step" and args:
+            batches.append(args[0])
+        return await call(method, *args, **kwargs)
 
-    run.add_listener(on_row)
-    await run.run()
+    run.trainer.call = recording_call
+    try:
+        await run.wait()
+    finally:
+        await run.shutdown()
     df = run.metrics
     rows = list(zip(df["train_time_s"].tolist()[1:], batches[1:]))  # step 1 warms up
     padded = statistics.median(b["tokens_B_L"].numel() / t for t, b in rows)
