@@ -10,7 +10,7 @@ evaluation see the same text.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -98,6 +98,17 @@ def greedy_accuracy_hf(
         get_task(p.task).reward(p.prompt, c, p.target, **p.info) for p, c in zip(problems, completions)
     ]
     return sum(rewards) / len(rewards)
+
+
+def heldout_reward(rollout) -> Callable[..., float]:
+    """The reward held-out answers are scored with: a toy task's own; for a dataset file, ``math_answer`` when
+    the run trains on it (GSM8K/MATH-style answers), else ``exact_answer``."""
+    from forgelab.rewards import REWARDS
+    from forgelab.tasks import TASKS
+
+    if rollout.task in TASKS:
+        return get_task(rollout.task).reward
+    return REWARDS["math_answer" if "math_answer" in (rollout.rewards or {}) else "exact_answer"]
 
 
 async def heldout_accuracy(source, problems: Sequence[Problem], tokenizer, sampling, reward) -> float:

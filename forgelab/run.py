@@ -36,11 +36,11 @@ from forgelab.buffer import ReplayBuffer
 from forgelab.config import ConfigError, RunConfig
 from forgelab.data import ProblemStream, load_problems
 from forgelab.controls import LossSwapRefused, RewardChangeRefused  # noqa: F401 -- re-exported
+from forgelab.evaluate import heldout_reward
 from forgelab.events import EventLog
 from forgelab.reward_runner import RewardRunner, configured_rewards
-from forgelab.rewards import REWARDS, RewardComposer
+from forgelab.rewards import RewardComposer
 from forgelab.rollout import EnvEpisodes, Gate, Rollouts, SingleTurn
-from forgelab.tasks import TASKS, get_task
 from forgelab.tracking import Tracker, plot_learning_curve
 from forgelab.training import TokenRate, train_loop
 from forgelab.view import RunSnapshot, snapshot_of, status_of
@@ -80,9 +80,7 @@ class Run(experiments.Experiments):
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
         self.stream = ProblemStream(load_problems(cfg.rollout.task, "train", 4000, cfg.train.seed), seed=cfg.train.seed)
         self.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, cfg.train.seed)
-        # a dataset file is scored like its training reward when that is math_answer (GSM8K/MATH-style answers)
-        file_reward = "math_answer" if "math_answer" in (cfg.rollout.rewards or {}) else "exact_answer"
-        self._task_reward = get_task(cfg.rollout.task).reward if cfg.rollout.task in TASKS else REWARDS[file_reward]
+        self._task_reward = heldout_reward(cfg.rollout)
         self.resume_from = Path(resume_from) if resume_from else None
         self._spawn_parts = spawn
         self.step = self.version = 0
