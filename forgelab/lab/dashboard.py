@@ -35,7 +35,7 @@ class Dashboard(Panel):
     def _build(self):
         import ipywidgets as W
 
-        name = getattr(getattr(self.run, "config", None), "name", "run")
+        name = self.run.snapshot().name
         card = dict(border="1px solid #e5e7eb", padding="8px", margin="4px 0")
         head = W.HTML(f"<div style='font-size:16px;font-weight:600;margin-bottom:2px'>forgelab · live lab · {name}</div>")
         top = W.HBox([

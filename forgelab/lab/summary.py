@@ -59,9 +59,9 @@ def event_label(ev: dict) -> str:
 
 def state_line(run: Any) -> str:
     st = _safe(run.status, {}) or {}
-    name = _safe(lambda: run.config.name, "run")
-    line = (f"Run {name}: {st.get('state', getattr(run, 'state', '?'))}  step {st.get('step', '?')}/{st.get('steps', '?')}"
-            f"  version {st.get('version', '?')}  loss {_loss_name(st.get('loss', getattr(run, 'loss_name', '?')))}")
+    name = _safe(lambda: run.snapshot().name, "run")
+    line = (f"Run {name}: {st.get('state', '?')}  step {st.get('step', '?')}/{st.get('steps', '?')}"
+            f"  version {st.get('version', '?')}  loss {_loss_name(st.get('loss', '?'))}")
     if st.get("message"):
         line += f"\n  message: {st['message']}"
     return line
