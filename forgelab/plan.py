@@ -12,7 +12,7 @@ component configs a `Run` would spawn (`forgelab.spawn.component_configs`):
   (16 bytes a parameter, divided over the ranks), the largest gathered FSDP unit,
   activations kept for backward (one micro-batch of ``max_model_len`` tokens), the
   chunked logits (``logits_chunk`` rows x vocabulary, a few fp32 copies), the
-  output-projection gradient buffer, the HF export copy made at a weight push, the runtime;
+  output-projection gradient buffer, the full copy FSDP gathers for a weight push, the runtime;
 - reference: weights, one micro-batch's forward temporaries, chunked logits, the runtime;
 - the shared-memory weights file (same-host weight sync): counted once, not per process.
 
@@ -33,8 +33,9 @@ GiB = 1024**3
 
 #: Resident memory of an idle process, bytes: python + torch + monarch (trainer, reference), plus vLLM's engine.
 RUNTIME_BYTES = {"trainer": 0.55 * GiB, "reference": 0.55 * GiB, "generator": 1.1 * GiB}
-#: Copies of a ``chunk x V`` fp32 block alive at once in the chunked logprobs/entropy backward.
-LOGITS_COPIES = 5
+#: ``chunk x V`` fp32 blocks alive at once in the chunked logprobs/entropy pass (measured: ~7 in the forward
+#: with entropy: logits, logsumexp's and log-softmax's temporaries, probabilities, their product).
+LOGITS_COPIES = 7
 #: Activation values kept for backward per token and layer: ``a*D + b*(q+kv dims) + c*I`` (fp32 each).
 ACT_D, ACT_QKV, ACT_I = 6, 4, 4
 
@@ -192,7 +193,8 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
         "activations": tokens * shape.act_bytes_per_token(cb),
         "logits chunks": min(chunk, tokens) * V * 4 * LOGITS_COPIES,
         "projection grad": emb_bytes,
-        "weight export": 4 * P,
+        # one rank's HF export gathers every DTensor (a full fp32 copy); a single process exports views
+        "weight export": 4 * P if world > 1 else 0.0,
         "runtime": RUNTIME_BYTES["trainer"],
     }
     trainer = ProcessPlan("trainer", world, t_terms, on_gpu)
