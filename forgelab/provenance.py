@@ -189,7 +189,9 @@ def functions_used(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
                         "sha256": rec["sha256"], "source": rec["source"]}]
     except KeyError:
         out["loss"] = [{"step": 0, "name": cfg["train"]["loss"], "kwargs": {}, "sha256": None, "source": ""}]
-    for name in cfg["rollout"].get("rewards", {}):
+    from forgelab.reward_runner import reward_weights
+
+    for name in reward_weights(cfg["rollout"]):
         rec = reward_record(REWARDS[name]) if name in REWARDS else {"sha256": None, "source": ""}
         out[f"reward:{name}"] = [{"step": 0, "name": name, "sha256": rec["sha256"], "source": rec["source"]}]
     for e in EventLog.read(run_dir):

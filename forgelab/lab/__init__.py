@@ -11,6 +11,7 @@ Monarch or talks to an actor.
     MetricsPanel(run)                     # any panel alone
     lab.rewards.register("brevity", brevity, 0.1)
     lab.loss.register(my_loss); lab.loss.apply(my_loss)
+    timeline(run)                         # each live change at its step, with code diffs
 
 Outside a notebook every panel's repr() is a plain-text summary.
 """
@@ -23,8 +24,9 @@ from forgelab.lab.loss_panel import LossPanel
 from forgelab.lab.metrics import MetricsPanel
 from forgelab.lab.rewards_panel import RewardPanel
 from forgelab.lab.summary import text_summary
+from forgelab.lab.timeline import Timeline, timeline
 
 __all__ = [
     "compare", "Compare", "dashboard", "Dashboard", "MetricsPanel", "RolloutInspector", "RewardPanel", "LossPanel", "Controls",
-    "ServicesPanel", "Panel", "Throttle", "in_notebook", "text_summary",
+    "ServicesPanel", "Panel", "Throttle", "in_notebook", "text_summary", "timeline", "Timeline",
 ]
