@@ -53,20 +53,29 @@ def segment_rates(times: dict[int, float], segment: int, n_segments: int) -> lis
 
 
 class CpuMeter:
-    """Counts the calling thread's CPU seconds inside wrapped callables (the lab's listeners and refreshes)."""
+    """Counts the calling thread's CPU seconds inside wrapped callables (the lab's listeners and refreshes).
+
+    >>> m = CpuMeter(); inner = m.wrap(lambda: sum(range(10**5))); outer = m.wrap(lambda: inner())
+    >>> _ = outer(); m.calls  # the nested call is inside the outer one's time, not counted twice
+    1
+    """
 
     def __init__(self):
         self.cpu_s = 0.0
         self.calls = 0
+        self._depth = 0  # a listener may refresh its panel inline: count the outermost call only
 
     def wrap(self, fn):
         def timed(*a, **kw):
+            self._depth += 1
             c0 = time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
-                self.cpu_s += time.thread_time() - c0
-                self.calls += 1
+                self._depth -= 1
+                if self._depth == 0:
+                    self.cpu_s += time.thread_time() - c0
+                    self.calls += 1
 
         return timed
 
