@@ -51,6 +51,7 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
                "matmul_gflops_1thread": info()},
     "envs": {"generator_busy_fraction": at_least(0.9)},
     "startup": {"warm_over_cold": at_most(0.15), "cold_s": info(), "warm_s": info()},
+    "realmodel": {"plan_error": at_most(0.25), "s_per_step": info(), "loop_s_per_step": info()},
 }
 
 
