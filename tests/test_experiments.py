@@ -213,3 +213,19 @@ def test_rescore_agrees_with_hand_computation_live_and_from_dir(world):
     w = forgelab.rescore(parent.out_dir, {"exact_answer": 1.0})
     parts = recorded.set_index("id")["reward_parts"]
     assert all(r.new_reward == parts[r.id]["exact_answer"] for r in w.itertuples())
+
+
+def test_compare_view_over_live_run_and_finished_dir(world, tmp_path):
+    import forgelab
+
+    view = forgelab.lab.compare([world["parent"], world["same"]["dir"]])
+    t = view.table()
+    assert list(t.index) == ["exp-parent", "exp-same"] and list(t["steps"]) == [STEPS, STEPS]
+    assert t.loc["exp-parent", "reward_mean final"] == float(world["parent"].metrics["reward_mean"].iloc[-1])
+    # (read back from metrics.csv: pandas' fast float parser may differ in the last bit)
+    assert abs(t.loc["exp-same", "reward_mean best"] - float(world["same"]["metrics"]["reward_mean"].max())) < 1e-12
+    assert ("exp-same", world["fork_step"], "forked_from") in view.marks()
+    assert view.save(tmp_path / "c.png").stat().st_size > 1000
+    assert view.widget is not None and len(view.image.value) > 1000  # headless: the widget's PNG and table
+    assert "exp-same" in view.table_html.value and "forked_from" in repr(view)
+    view.close()
