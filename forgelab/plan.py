@@ -93,7 +93,10 @@ class ProcessPlan:
     count: int
     """Identical processes of this kind (replicas, ranks)."""
     terms: dict[str, float] = field(default_factory=dict)
+    """The terms alive at the peak."""
     on_gpu: bool = False
+    phase: str = ""
+    """When the peak happens (the trainer's step has phases that do not overlap)."""
 
     @property
     def peak(self) -> float:
@@ -127,7 +130,8 @@ class MemoryPlan:
         for p in self.processes:
             where = "GPU" if p.on_gpu else "host"
             terms = ", ".join(f"{k} {v / GiB:.2f}" for k, v in sorted(p.terms.items(), key=lambda kv: -kv[1]) if v)
-            lines.append(f"  {p.name:<10} x{p.count} [{where}] peak {p.peak / GiB:6.2f} GiB  ({terms})")
+            when = f" during {p.phase}" if p.phase else ""
+            lines.append(f"  {p.name:<10} x{p.count} [{where}] peak {p.peak / GiB:6.2f} GiB{when}  ({terms})")
         lines.append(f"  {'shared':<10} x1 [host] weights file {self.shared_bytes / GiB:.2f} GiB (counted once)")
         host = sum(p.peak * p.count for p in self.processes if not p.on_gpu) + self.shared_bytes
         lines.append(f"  host total {host / GiB:.2f} GiB" + (f" of {self.host_mem_gib:.1f}" if self.host_mem_gib else ""))
@@ -175,6 +179,9 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
                    "runtime": 0.0}
     else:
         g_terms["KV cache"] = float(gen.kv_cache_gib) * GiB
+        # vLLM's CPU GEMMs keep a packed copy of the output projection (the embedding, when tied, is
+        # kept as well); a reload re-packs it while the old copy is still alive
+        g_terms["packed output projection"] = 2 * V * D * wb
     generator = ProcessPlan("generator", int(pl.generator_replicas), g_terms, on_gpu)
 
     # trainer (one rank)
@@ -185,19 +192,24 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     # compute dtype: FSDP2 mixed precision gathers and computes in bf16 on CUDA, fp32 on CPU
     cb = _bytes(tr.dtype) if on_gpu else 4
     largest_unit = (V * D * cb * (1 if shape.tied else 2) if world > 1 else 0)
-    t_terms = {
-        "parameters": 4 * P / world,
-        "gradients": 4 * P / world,
-        "optimizer (AdamW)": 8 * P / world,
-        "gathered FSDP unit": largest_unit,
-        "activations": tokens * shape.act_bytes_per_token(cb),
-        "logits chunks": min(chunk, tokens) * V * 4 * LOGITS_COPIES,
-        "projection grad": emb_bytes,
+    act = tokens * shape.act_bytes_per_token(cb)
+    static = {"parameters": 4 * P / world, "optimizer (AdamW)": 8 * P / world, "gathered FSDP unit": largest_unit,
+              "runtime": RUNTIME_BYTES["trainer"]}
+    # The rest is not alive all at once: the peak is the largest of the step's phases.
+    phases = {
+        # the output projection's gradient is built chunk by chunk while the layers' activations wait
+        "backward through the logits": {"activations": act, "projection grad": emb_bytes,
+                                        "logits chunks": min(chunk, tokens) * V * 4 * LOGITS_COPIES},
+        # the layers' gradients accumulate; the embedding's own dense gradient is added last
+        "backward through the layers": {"activations": act, "gradients": 4 * P / world,
+                                        "embedding grad (temporary)": emb_bytes},
+        "optimizer step": {"gradients": 4 * P / world, "optimizer temporaries": 4 * P / world},
         # one rank's HF export gathers every DTensor (a full fp32 copy); a single process exports views
-        "weight export": 4 * P if world > 1 else 0.0,
-        "runtime": RUNTIME_BYTES["trainer"],
+        "weight push": {"weight export": 4 * P if world > 1 else 0.0},
     }
-    trainer = ProcessPlan("trainer", world, t_terms, on_gpu)
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+    t_terms = {**static, **phases[phase]}
+    trainer = ProcessPlan("trainer", world, t_terms, on_gpu, phase=phase)
     processes = [generator, trainer]
 
     if pl.reference:
@@ -206,7 +218,7 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
         r_terms = {
             "weights": 4 * P if _bytes(ref.dtype) == 4 else 2 * P,
             "forward temporaries": rtok * 4 * (4 * D + 3 * shape.ffn),
-            "logits chunks": min(chunk, rtok) * V * 4 * 3,
+            "logits chunks": min(chunk, rtok) * V * 4 * 2,  # no grad, no entropy: logits + logsumexp temporary
             "runtime": RUNTIME_BYTES["reference"],
         }
         processes.append(ProcessPlan("reference", int(pl.reference_replicas), r_terms, on_gpu))

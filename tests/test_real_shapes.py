@@ -36,6 +36,8 @@ def run(loop, qwen3_dir, tmp_path_factory):
         placement=PlacementConfig(reference=True),
     )
     r = Run(cfg)
+    # a random model never answers: this reward varies between samples so advantages (and gradients) are not zero
+    r.add_reward("char_code", lambda prompt, completion, target, **info: sum(map(ord, completion)) % 7 / 7)
     loop.run_until_complete(r.start())
     loop.run_until_complete(r.wait())
     yield r
@@ -66,38 +68,66 @@ def test_run_trains_a_few_steps(run):
     assert (df["grad_norm"] > 0).all()
 
 
-@pytest.mark.integration
-def test_generator_logprobs_equal_hf_with_exported_weights(loop, run, qwen3_dir, tmp_path):
-    """After the run's last weight push (tied embedding included), vLLM scores a fixed sequence as HF does with
-    the trainer's exported weights, and both differ from the step-0 weights by much more than the tolerance."""
+async def _sample_and_export(run, out: str):
+    """A fresh sample from the generator, the trainer's HF export and the trainer's logprobs of the same tokens."""
     from forgelab.generator import SamplingConfig
 
-    async def go():
-        versions = await run.generators.fanout("version")
-        prompt = run.tokenizer.encode("12+34=", add_special_tokens=False)
-        groups = await run.generators.route("generate", [prompt], n=1,
-                                            sampling=SamplingConfig(temperature=1.0, max_tokens=8))
-        out = str(tmp_path / "export")
-        await run.trainer.call("export_hf", out)
-        trainer_lp = (await run.trainer.call("logprobs", torch.tensor([prompt + groups[0][0].completion_ids])))[0]
-        return versions, prompt, groups[0][0], out, trainer_lp
+    versions = await run.generators.fanout("version")
+    prompt = run.tokenizer.encode("12+34=", add_special_tokens=False)
+    groups = await run.generators.route("generate", [prompt], n=1,
+                                        sampling=SamplingConfig(temperature=1.0, max_tokens=8))
+    await run.trainer.call("export_hf", out)
+    ids = prompt + groups[0][0].completion_ids
+    trainer_lp = (await run.trainer.call("logprobs", torch.tensor([ids])))[0][0, len(prompt) - 1:]
+    return versions, prompt, groups[0][0], trainer_lp
 
-    versions, prompt, completion, out, trainer_lp = loop.run_until_complete(go())
-    assert all(v == run.version for v in versions), (versions, run.version)
-    assert completion.policy_version == run.version
+
+def _check_sync(completion, prompt, out, trainer_lp, old_dir):
     ids = prompt + completion.completion_ids
     hf_lp = _hf_logprobs(out, ids, len(prompt))
     gen_lp = torch.tensor(completion.logprobs, dtype=torch.float64)
     print("generator", gen_lp.tolist(), "\nHF export", hf_lp.tolist())
     assert (gen_lp - hf_lp).abs().max() < 1e-4, (gen_lp - hf_lp).abs().max()
-    assert (trainer_lp[0, len(prompt) - 1:].double() - hf_lp).abs().max() < 1e-4
-    # the check can fail: the step-0 weights score the same tokens differently
-    step0 = _hf_logprobs(qwen3_dir, ids, len(prompt))
-    assert (step0 - hf_lp).abs().max() > 1e-2, (step0 - hf_lp).abs().max()
+    assert (trainer_lp.double() - hf_lp).abs().max() < 1e-4, (trainer_lp.double() - hf_lp).abs().max()
+    # the check can fail: the previous weights score the same tokens differently
+    before = _hf_logprobs(old_dir, ids, len(prompt))
+    assert (before - hf_lp).abs().max() > 1e-2, (before - hf_lp).abs().max()
+
+
+def _batch(tokens_B_L: torch.Tensor, gen_lp_B_T: torch.Tensor) -> dict:
+    B, L = tokens_B_L.shape
+    return {"tokens_B_L": tokens_B_L, "mask_B_T": torch.ones(B, L - 1), "generator_logprobs_B_T": gen_lp_B_T,
+            "advantages_B": torch.linspace(1.0, -1.0, B)}
+
+
+@pytest.mark.integration
+def test_generator_logprobs_equal_hf_with_exported_weights(loop, run, qwen3_dir, tmp_path):
+    """After a weight push (tied embedding included), vLLM scores a sequence as HF does with the trainer's
+    exported weights: through shared memory (the run's own pushes), then through a message after one more step."""
+    out1 = str(tmp_path / "export1")
+    versions, prompt, completion, trainer_lp = loop.run_until_complete(_sample_and_export(run, out1))
+    assert all(v == run.version for v in versions), (versions, run.version)
+    assert completion.policy_version == run.version
+    _check_sync(completion, prompt, out1, trainer_lp, qwen3_dir)
     import safetensors
 
-    with safetensors.safe_open(f"{out}/model.safetensors", "pt") as f:
+    with safetensors.safe_open(f"{out1}/model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys()  # tied: the embedding is the output projection
+
+    async def step_and_push_by_message():
+        tokens = torch.randint(0, 151936, (2, 10), generator=torch.Generator().manual_seed(1))
+        gen_lp = (await run.trainer.call("logprobs", tokens))[0]
+        m = (await run.trainer.call("train_step", _batch(tokens, gen_lp)))[0]
+        assert not m["skipped"], m
+        actors = [h.actor for h in run.generators.handles() if h is not None]
+        return (await run.trainer.call("push_weights", run.version + 1, actors, "message"))[0]
+
+    report = loop.run_until_complete(step_and_push_by_message())
+    assert report["transport"] == "message" and not report["failed"], report
+    out2 = str(tmp_path / "export2")
+    versions, prompt, completion, trainer_lp = loop.run_until_complete(_sample_and_export(run, out2))
+    assert all(v == run.version + 1 for v in versions) and completion.policy_version == run.version + 1
+    _check_sync(completion, prompt, out2, trainer_lp, out1)
 
 
 @pytest.mark.integration
@@ -108,9 +138,7 @@ def test_resume_is_exact(loop, run, tmp_path):
 
     async def go():
         tr = run.trainer
-        gen_lp = (await tr.call("logprobs", tokens))[0]
-        batch = {"tokens_B_L": tokens, "mask_B_T": torch.ones(2, 9), "generator_logprobs_B_T": gen_lp,
-                 "advantages_B": torch.tensor([1.0, -1.0])}
+        batch = _batch(tokens, (await tr.call("logprobs", tokens))[0])
         await tr.call("save", str(tmp_path / "ck"))
         saved = (await tr.call("fingerprint"))[0]
         first = (await tr.call("train_step", batch))[0]
@@ -204,3 +232,46 @@ def test_chunked_logprobs_entropy_and_gradients_equal_full(qwen3_dir):
     assert torch.autograd.gradcheck(
         lambda hh, ww: chunked_logprobs_entropy(hh, ww, y_B_T[:, :3] % 11, chunk=4), (small_h, small_w)
     )
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-1.7b", "llama-3.2-1b"])
+def test_plan_counts_the_real_parameters(shape):
+    """The planner's parameter count is HF's for each shape (its model built on the meta device; tied counted once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from forgelab.plan import ModelShape
+    from forgelab.recipes.real_shapes import real_shape_config
+
+    cfg = real_shape_config(shape)
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    assert ModelShape.from_hf(cfg).params == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_says_what_does_not_fit(tmp_path):
+    from forgelab.config import RunConfig
+    from forgelab.plan import plan_memory
+    from forgelab.recipes.real_shapes import real_shape_checkpoint
+
+    d = real_shape_checkpoint("qwen3-1.7b", out=str(tmp_path / "q"), config_only=True)
+    cfg = RunConfig.from_dict({
+        "model": {"path": d, "max_model_len": 2048, "dtype": "bfloat16"},
+        "rollout": {"group_size": 16, "prompts_per_rollout": 16}, "train": {"batch_size": 256},
+        "placement": {"generator_replicas": 2, "trainer_procs": 4},
+        "trainer": {"micro_batch_size": 8}, "reference": {"micro_batch_size": 16},
+    })
+    ok = plan_memory(cfg, gpus=8, gpu_mem_gib=80)
+    assert ok.fits, ok.table()
+    trainer = ok.by_name()["trainer"]
+    # 16 bytes a parameter (fp32 weights, grads, two AdamW moments), split over the 4 FSDP ranks
+    assert trainer.terms["parameters"] + trainer.terms["gradients"] + trainer.terms["optimizer (AdamW)"] == \
+        pytest.approx(16 * 1_720_574_976 / 4)
+    tight = plan_memory(cfg, gpus=4, gpu_mem_gib=24)
+    assert not tight.fits
+    text = tight.table()
+    assert "7 processes each need their own GPU" in text and "trainer needs" in text, text
+    # without micro-batches, a rank's 64 rows x 2,047 tokens of activations is the term that cannot fit
+    whole = RunConfig.from_dict({**cfg.to_dict(), "trainer": {"micro_batch_size": None}})
+    text = plan_memory(whole, gpus=8, gpu_mem_gib=80).table()
+    assert "trainer needs" in text and "largest term: activations" in text, text
