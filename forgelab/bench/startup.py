@@ -29,7 +29,7 @@ def _config(out_dir: str, name: str):
     return RunConfig(
         name=name,
         rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=2, concurrency=2, max_tokens=8),
-        train=TrainConfig(steps=2, batch_size=16, lr=1e-4, max_policy_age=0, seed=0),
+        train=TrainConfig(steps=2, batch_size=16, lr=1e-4, warmup_steps=0, max_policy_age=0, seed=0),
         eval=EvalConfig(every=0, n=1),
         tracking=TrackingConfig(out_dir=out_dir, wandb=False),
         placement=PlacementConfig(reference=True),
