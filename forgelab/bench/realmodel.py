@@ -5,7 +5,8 @@
 Random weights of the real shapes (`forgelab.recipes.real_shapes`, built once
 under the cache dir). Three parts, each in its own process so peaks are clean:
 
-1. **Trainer alone, full depth** (Qwen3-0.6B: 28 layers, 596 M parameters, fp32,
+1. **Trainer alone, full depth** (``--quick``: 2 layers, ``trainer_layers`` says which)
+   (Qwen3-0.6B: 28 layers, 596 M parameters, fp32,
    AdamW; the whole loop in fp32 would not fit 24 GiB beside a generator and a
    reference): ``TrainerState`` (no actors, one process, 2 threads) trains a
    synthetic GRPO batch of B x L tokens; ``s_per_step`` is the median step after
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
         _logits_main(argv[1], int(argv[2]), argv[3])
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench realmodel", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="trainer batch 1 x 128, 2 steps; loop 2 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="trainer alone at 2 layers (not 28), batch 1 x 128, 2 steps; loop 2 steps")
     ap.add_argument("--batch", type=int, default=None, help="trainer-alone rows (default 4; quick 1)")
     ap.add_argument("--seq", type=int, default=None, help="trainer-alone tokens per row (default 256; quick 128)")
     ap.add_argument("--skip-trainer", action="store_true", help="skip part 1 (the full-depth trainer)")
@@ -239,11 +241,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     small = real_shape_checkpoint("qwen3-0.6b", layers=2, max_position_embeddings=512)
     if not args.skip_trainer:
-        full = real_shape_checkpoint("qwen3-0.6b", max_position_embeddings=512)
+        # --quick (CI): the 2-layer shape, not the 28-layer one (a 10+ GiB process and a 2.4 GB checkpoint)
+        full = small if args.quick else real_shape_checkpoint("qwen3-0.6b", max_position_embeddings=512)
+        result["trainer_layers"] = 2 if args.quick else 28
         t = _child("--_trainer", full, str(B), str(L), str(steps))
         result.update(s_per_step=statistics.median(t["step_s"][1:] or t["step_s"]), peak_gib=t["peak_gib"],
                       trainer_params=t["params"], trainer_step_s=t["step_s"])
-        print(f"trainer alone (full depth, {t['params'] / 1e6:.0f} M params, {B}x{L}): "
+        print(f"trainer alone ({result['trainer_layers']} layers, {t['params'] / 1e6:.0f} M params, {B}x{L}): "
               f"{result['s_per_step']:.2f} s/step, peak {t['peak_gib']:.2f} GiB", flush=True)
     N = B * (L - 1)
     result["logits_peak_gib_chunked"] = _child("--_logits", small, str(N), "chunked")["peak_gib"]
