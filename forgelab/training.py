@@ -47,10 +47,10 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint."""
     cfg, gate = run.config, run.gate
     t0 = time.time()
+    if run._replay is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
+        await run._replay.before_step(run, run.step + 1)
     batch = collate(batch_eps, run.pad_id)
     run.last_batch = batch
-    if run._replay is not None:
-        await run._replay.before_step(run, run.step + 1)
     run.training_in_flight = True
     try:
         m = dict((await run.trainer.call("train_step", batch))[0])

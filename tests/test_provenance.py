@@ -111,6 +111,8 @@ def recorded(loop, tmp_path_factory):
     """The 20-step synchronous run with two live changes, finished, checkpointed and shut down."""
     from forgelab.run import Run
 
+    head_before = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=Path(__file__).parent).stdout.strip()
     run = Run(_config(tmp_path_factory.mktemp("prov")))
     swaps = []
 
@@ -130,7 +132,7 @@ def recorded(loop, tmp_path_factory):
     events = list(run.events)
     loop.run_until_complete(run.shutdown())
     assert run.state == "finished", run.message
-    return {"dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics, "config": run.config}
+    return {"head_before": head_before, "dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics, "config": run.config}
 
 
 @pytest.mark.integration
@@ -158,9 +160,15 @@ def test_manifest_holds_hashes_and_versions(recorded):
     for p in train:
         h.update(json.dumps([p.prompt, p.target, dict(p.info)], sort_keys=True, default=repr).encode() + b"\n")
     assert m["data"]["train_sha256"] == h.hexdigest() and m["data"]["train_n"] == len(train)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip()
-    assert m["forgelab"]["git"]["commit"] == head and len(m["forgelab"]["git"]["uncommitted_sha256"]) == 64
+    # the commit checked out when the run started: others may commit meanwhile, so it lies between the
+    # HEAD seen before the run and the HEAD now
+    commit = m["forgelab"]["git"]["commit"]
+
+    def ancestor(a, b):
+        return subprocess.run(["git", "merge-base", "--is-ancestor", a, b], cwd=Path(__file__).parent).returncode == 0
+
+    assert ancestor(recorded["head_before"], commit) and ancestor(commit, "HEAD"), (recorded["head_before"], commit)
+    assert len(m["forgelab"]["git"]["uncommitted_sha256"]) == 64
     assert m["hardware"]["cores_usable"] >= 1 and m["seeds"]["train.seed"] == 3 and m["deterministic"] is True
 
 
@@ -256,3 +264,10 @@ def test_show_prints_timeline_with_code(recorded):
     assert any("reward short added, weight 0.5" in ln for ln in lines)
     assert any("loss grpo -> scaled_grpo {'scale': 0.5}" in ln for ln in lines)
     assert any(ln.strip().startswith("+def scaled_grpo") for ln in lines)  # the code diff between versions
+    from forgelab.lab import timeline
+
+    view = timeline(recorded["dir"])  # the notebook view of the same entries
+    page = view._repr_html_()
+    assert "scaled_grpo" in page and "<details><summary>code diff" in page and "def short_reward" in page
+    assert [e["kind"] for e in view.entries if e["category"] in ("loss", "reward")] == [
+        "reward_added", "reward_effective", "loss_swapped"]
