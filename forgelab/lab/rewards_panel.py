@@ -41,7 +41,10 @@ class RewardPanel(Panel):
                                    layout=W.Layout(width="140px"))
         self.add_button.on_click(lambda _: self.register_by_name(self.fn_name.value, self.reward_name.value or None,
                                                                  self.new_weight.value))
-        form = W.HBox([self.fn_name, self.reward_name, self.new_weight, self.add_button],
+        self.preview_button = W.Button(description="preview on recent rollouts", icon="eye",
+                                       layout=W.Layout(width="200px"))
+        self.preview_button.on_click(lambda _: self.preview_by_name(self.fn_name.value))
+        form = W.HBox([self.fn_name, self.reward_name, self.new_weight, self.add_button, self.preview_button],
                       layout=W.Layout(flex_flow="row wrap", align_items="center"))
         title = W.HTML("<b>Rewards</b> <span style='color:#777'>(weights apply from the next scored rollout)</span>")
         return W.VBox([title, self.box, form, self.message])
@@ -120,6 +123,32 @@ class RewardPanel(Panel):
             self._error(f"{fn_name!r} is a {type(ns[fn_name]).__name__}, not a function")
             return False
         return self.register(name or fn_name, ns[fn_name], weight)
+
+    def preview(self, fn: Callable[..., float], recent: int = 256):
+        """Rescore the last `recent` rollouts with `fn` alone (`run.rescore`; nothing changes); shows and returns the
+        DataFrame: old/new reward and advantage per episode, correlation, groups whose advantage signs flip."""
+        _ = self.widget
+        try:
+            ids = [int(i) for i in self.run.rollouts["id"].tail(recent)]
+            df = self.run.rescore(fn, episodes=ids)
+        except Exception as e:
+            self._error(f"preview failed ({type(e).__name__}): {e}")
+            return None
+        a = df.attrs
+        self._ok(f"preview on {a['n_episodes']} recent rollouts: mean reward {df['old_reward'].mean():.3g} -> "
+                 f"{df['new_reward'].mean():.3g}, correlation {a['correlation']:.3g}, "
+                 f"{len(a['flipped_groups'])} group(s) flip advantage signs; nothing applied")
+        return df
+
+    def preview_by_name(self, fn_name: str):
+        """Look `fn_name` up in the notebook's namespace and `preview` it."""
+        ns = self.user_ns if self.user_ns is not None else user_namespace()
+        fn = (ns or {}).get((fn_name or "").strip())
+        if not callable(fn):
+            _ = self.widget
+            self._error(f"no function {fn_name!r} in the notebook namespace; define it in a cell first")
+            return None
+        return self.preview(fn)
 
     def _error(self, text: str) -> None:
         self.last_error = text
