@@ -99,3 +99,12 @@ def test_bad_inputs_are_explained(name):
 def test_registry_names():
     assert ADVANTAGES == {"grpo": group_zscore, "grpo_unbiased": group_zscore_unbiased, "dr_grpo": group_mean_centered,
                           "rloo": leave_one_out}
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("value", [0.1, 0.3, 1.1, -0.7, 1e-3])
+def test_equal_rewards_that_float32_cannot_represent_give_exact_zero(name, value):
+    # 1.0 is exact in float32; 0.1 is not, and a float32 mean of eight 0.1s carried rounding noise
+    # that the std (of the same size) turned into advantages of ~0.01 (tutorial 07 saw a sum of -0.059).
+    got = ADVANTAGES[name](torch.full((3, 8), value))
+    assert torch.equal(got, torch.zeros(3, 8)), got

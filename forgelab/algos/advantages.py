@@ -36,7 +36,9 @@ AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _as_rewards_P_G(rewards_P_G, fn: str) -> torch.Tensor:
-    rewards_P_G = torch.as_tensor(rewards_P_G, dtype=torch.float32)
+    # float64 inside: a group of equal float32 rewards then has an exact mean, so r - mean is exactly 0
+    # (in float32 the rounding noise of the mean, divided by a std of the same size, gave advantages of ~0.01)
+    rewards_P_G = torch.as_tensor(rewards_P_G).to(torch.float64)
     if rewards_P_G.dim() != 2:
         raise ValueError(
             f"{fn}: rewards must be [P, G] (prompts x samples per prompt), got shape {tuple(rewards_P_G.shape)}; "
@@ -69,7 +71,7 @@ def group_zscore(rewards_P_G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     rewards_P_G = _as_rewards_P_G(rewards_P_G, "group_zscore")
     mean_P_1 = rewards_P_G.mean(dim=1, keepdim=True)
     std_P_1 = rewards_P_G.std(dim=1, keepdim=True, unbiased=False)
-    return (rewards_P_G - mean_P_1) / (std_P_1 + eps)
+    return ((rewards_P_G - mean_P_1) / (std_P_1 + eps)).float()
 
 
 def group_zscore_unbiased(rewards_P_G: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -95,7 +97,7 @@ def group_zscore_unbiased(rewards_P_G: torch.Tensor, eps: float = 1e-4) -> torch
                          "use group_size >= 2 or the 'grpo' estimator")
     mean_P_1 = rewards_P_G.mean(dim=1, keepdim=True)
     std_P_1 = rewards_P_G.std(dim=1, keepdim=True, unbiased=True)
-    return (rewards_P_G - mean_P_1) / (std_P_1 + eps)
+    return ((rewards_P_G - mean_P_1) / (std_P_1 + eps)).float()
 
 
 def group_mean_centered(rewards_P_G: torch.Tensor) -> torch.Tensor:
@@ -111,7 +113,7 @@ def group_mean_centered(rewards_P_G: torch.Tensor) -> torch.Tensor:
         ``advantages_P_G``, fp32.
     """
     rewards_P_G = _as_rewards_P_G(rewards_P_G, "group_mean_centered")
-    return rewards_P_G - rewards_P_G.mean(dim=1, keepdim=True)
+    return (rewards_P_G - rewards_P_G.mean(dim=1, keepdim=True)).float()
 
 
 def leave_one_out(rewards_P_G: torch.Tensor) -> torch.Tensor:
@@ -131,7 +133,7 @@ def leave_one_out(rewards_P_G: torch.Tensor) -> torch.Tensor:
     if G < 2:
         raise ValueError(f"leave_one_out needs at least 2 samples per group, got G={G}; use group_size >= 2")
     others_mean_P_G = (rewards_P_G.sum(dim=1, keepdim=True) - rewards_P_G) / (G - 1)
-    return rewards_P_G - others_mean_P_G
+    return (rewards_P_G - others_mean_P_G).float()
 
 
 ADVANTAGES: dict[str, AdvantageFn] = {
