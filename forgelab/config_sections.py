@@ -22,9 +22,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from forgelab.envs.actor import EnvActorConfig
-from forgelab.generator import GeneratorConfig
-from forgelab.trainer import ReferenceConfig, TrainerConfig
+from forgelab.component_configs import EnvActorConfig, GeneratorConfig, ReferenceConfig, TrainerConfig
 
 #: RunConfig section -> its component's config class.
 COMPONENTS: dict[str, type] = {

@@ -31,138 +31,15 @@ import itertools
 import operator
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from monarch.actor import Port, endpoint
 
+from forgelab.component_configs import LOGPROBS_MODES, GeneratorConfig, SamplingConfig  # noqa: F401 -- re-exported
 from forgelab.runtime.component import Component
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
 from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared  # noqa: F401
-
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-@dataclass(kw_only=True)
-class SamplingConfig:
-    """Sampling settings of one `generate` call (vLLM conventions)."""
-
-    temperature: float = 1.0
-    """Softmax temperature; 0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables it."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 (or -1) disables it (vLLM 0.32 convention)."""
-    max_tokens: int = 32
-    """Most tokens generated per completion."""
-    stop_token_ids: list[int] | None = None
-    """Extra token ids that end a completion (the model's eos always does)."""
-
-    def validate(self, where: str = "SamplingConfig") -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"{where}.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"{where}.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"{where}.top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"{where}.max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"{where}.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-
-    def to_vllm(self, seed: int | None = None):
-        """One-sample `vllm.SamplingParams` returning the sampled token's logprob.
-
-        No `seed` by default: one fixed seed for every request makes them all replay the
-        same random stream. Deterministic runs pass a different seed per sample instead.
-        """
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            n=1,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            stop_token_ids=list(self.stop_token_ids or []),
-            logprobs=0,  # 0 extra top tokens: the sampled token's logprob only
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            seed=seed,
-        )
-
-
-@dataclass(kw_only=True)
-class GeneratorConfig:
-    """How to build the generator's vLLM engine."""
-
-    model_dir: str
-    """HF checkpoint directory (config.json, *.safetensors, tokenizer)."""
-    dtype: str = "float32"
-    """Weights and activations dtype ("float32", "bfloat16", "float16")."""
-    max_model_len: int = 512
-    """Longest prompt + completion, in tokens."""
-    kv_cache_gib: float = 1.0
-    """CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE, set before vLLM is imported)."""
-    gpu_memory_utilization: float = 0.3
-    """CUDA only: fraction of GPU memory vLLM may take (weights + KV cache)."""
-    enforce_eager: bool = True
-    """No torch.compile / CUDA graphs: starts in seconds; set False for speed on GPUs."""
-    enable_prefix_caching: bool = True
-    """Reuse KV blocks of shared prompt prefixes (a GRPO group shares its whole prompt)."""
-    block_size: int | None = None
-    """KV block size in tokens. Prefix caching shares whole blocks only, and vLLM's CPU
-    default (128) is longer than the toy prompts, so None means 32 on CPU (the CPU
-    attention kernel takes multiples of 32 only) and vLLM's default on CUDA."""
-    max_num_seqs: int = 256
-    """Most sequences in one engine step (the continuous batch)."""
-    admission_window_ms: float = 2.0
-    """Before a step, wait until no new request arrived for this long (at most 4 windows):
-    Monarch hands an actor one call at a time, so concurrent calls trickle in and
-    would otherwise each start their own step. 0 disables it."""
-    device: str = "auto"
-    """"auto" (cuda if available, else cpu), "cuda" or "cpu"."""
-    logprobs_mode: str = "raw_logprobs"
-    """"raw_logprobs": log pi(token) at temperature 1 (what RL wants);
-    "processed_logprobs": after temperature / top-k / top-p."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Default sampling of `generate` calls that pass none."""
-
-    def validate(self) -> None:
-        if not self.model_dir or not os.path.isfile(os.path.join(self.model_dir, "config.json")):
-            raise ValueError(
-                f"GeneratorConfig.model_dir={self.model_dir!r} is not an HF checkpoint directory "
-                "(no config.json there); pass e.g. forgelab/assets/tiny-llama"
-            )
-        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise ValueError(f"GeneratorConfig.dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
-        for name in ("max_model_len", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GeneratorConfig.{name} must be a positive integer, got {value!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
-            raise ValueError(f"GeneratorConfig.block_size must be a positive integer or None, got {self.block_size!r}")
-        if not self.admission_window_ms >= 0:
-            raise ValueError(f"GeneratorConfig.admission_window_ms must be >= 0, got {self.admission_window_ms!r}")
-        if not self.kv_cache_gib > 0:
-            raise ValueError(f"GeneratorConfig.kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"GeneratorConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"GeneratorConfig.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"GeneratorConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        self.sampling.validate("GeneratorConfig.sampling")
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class VLLMEngine:

@@ -48,18 +48,18 @@ The state and the step itself (no actors) live in ``forgelab.trainer_core``.
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from monarch.actor import endpoint
 
+from forgelab.component_configs import WEIGHT_TRANSPORTS, ReferenceConfig, TrainerConfig  # noqa: F401 -- re-exported
 from forgelab.runtime.component import ActorHandle, Component, Configured, Placement
-from forgelab.weights.sender import TRANSPORTS, WeightSender
+from forgelab.weights.sender import WeightSender
 from forgelab.trainer_core import (
     PackedLoss,
     TrainerState,
@@ -84,137 +84,6 @@ __all__ = [
 ]
 
 # --- configuration ------------------------------------------------------------
-
-WEIGHT_TRANSPORTS = tuple(TRANSPORTS)
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """Everything a `Trainer` needs; placement (procs, hosts, GPUs) is the caller's `options(...)`."""
-
-    model_dir: str
-    """HF model directory (config.json, safetensors, tokenizer) to start from."""
-    dtype: str = "float32"
-    """``"float32"``, ``"bfloat16"`` or ``"float16"``. On CUDA a 16-bit dtype trains with FSDP2 mixed precision
-    (16-bit parameters in forward/backward, float32 master weights and gradient reductions); CPU trains in float32."""
-    lr: float = 1e-5
-    """Peak AdamW learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    warmup_steps: int = 0
-    """Linear warmup from ``lr / warmup_steps`` to ``lr`` over this many steps."""
-    total_steps: int | None = None
-    """With a value: cosine decay from ``lr`` to ``min_lr_ratio * lr`` at this step; None: constant after warmup."""
-    min_lr_ratio: float = 0.0
-    """Final LR as a fraction of ``lr`` (cosine schedule only)."""
-    max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this; None: no clipping (the norm is still reported)."""
-    loss: str | Callable = "grpo"
-    """A name in ``forgelab.algos.losses.LOSSES`` or a loss function (see that module for the signature)."""
-    loss_kwargs: dict = field(default_factory=dict)
-    """Hyperparameters passed to the loss (unknown ones are ignored by the built-in losses)."""
-    is_cap: float | None = None
-    """Truncated importance-sampling cap ``C`` (weights ``min(pi_trainer/pi_gen, C)``); None: off."""
-    is_level: str = "token"
-    """Truncated IS granularity: ``"token"``, ``"sequence"`` or ``"geometric"``."""
-    micro_batch_size: int | None = None
-    """Rows per forward/backward on each rank (gradient accumulation); None: all local rows at once."""
-    logits_chunk: int = 256
-    """Tokens projected onto the vocabulary at a time for logprobs/entropy (forward and backward): the trainer
-    never holds more than this many rows of full-vocabulary logits (forgelab.algos.logprobs.chunked_logprobs_entropy)."""
-    seed: int = 0
-    """Seeds torch, python and numpy on every rank."""
-    device: str = "auto"
-    """``"auto"`` (CUDA when visible, else CPU), ``"cpu"`` or ``"cuda"``."""
-    pg_timeout_s: float = 60.0
-    """Process-group timeout: a collective waiting on a dead or absent peer fails after this."""
-    master_port: int | None = None
-    """TCP port of the process-group rendezvous (rank 0's host); None: `Trainer.options(...).as_actor` picks a free one."""
-    master_addr: str = "127.0.0.1"
-    """Address of rank 0 for the rendezvous (change it for multi-host meshes)."""
-    weight_transport: str = "auto"
-    """How `push_weights` reaches generators: ``"auto"`` writes the weights once to a shared-memory
-    file and sends each generator a small handle, falling back to messages for generators that
-    cannot see the file (another host); ``"message"`` sends the tensors in every generator's message."""
-    shm_dir: str | None = None
-    """Folder (a tmpfs) for ``"auto"``'s per-trainer weights directory; None: ``/dev/shm`` (no fast path
-    when it is missing). The directory is removed when the trainer process exits."""
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"TrainerConfig.{name}={getattr(self, name)!r}: {why}")
-
-        if not isinstance(self.model_dir, str) or not self.model_dir:
-            bad("model_dir", "must be a HF model directory path")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            bad("lr", "must be a positive finite number")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            bad("betas", "must be two numbers in [0, 1)")
-        if not self.eps > 0:
-            bad("eps", "must be positive")
-        if self.weight_decay < 0:
-            bad("weight_decay", "must be >= 0")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            bad("warmup_steps", "must be an int >= 0")
-        if self.total_steps is not None and (not isinstance(self.total_steps, int) or self.total_steps <= self.warmup_steps):
-            bad("total_steps", f"must be None or an int > warmup_steps ({self.warmup_steps})")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            bad("min_lr_ratio", "must be in [0, 1]")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            bad("max_grad_norm", "must be positive or None")
-        if isinstance(self.loss, str):
-            from forgelab.algos.losses import LOSSES
-
-            if self.loss not in LOSSES:
-                bad("loss", f"is not a registered loss; choose one of {sorted(LOSSES)} or pass a function")
-        elif not callable(self.loss) and not isinstance(self.loss, PackedLoss):
-            bad("loss", "must be a loss name or a callable")
-        if not isinstance(self.loss_kwargs, dict):
-            bad("loss_kwargs", "must be a dict")
-        if self.is_cap is not None and not self.is_cap > 0:
-            bad("is_cap", "must be positive or None (off)")
-        if self.is_level not in ("token", "sequence", "geometric"):
-            bad("is_level", "must be 'token', 'sequence' or 'geometric'")
-        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
-            bad("micro_batch_size", "must be None or a positive int")
-        if self.device not in ("auto", "cpu", "cuda"):
-            bad("device", "must be 'auto', 'cpu' or 'cuda'")
-        if not self.pg_timeout_s > 0:
-            bad("pg_timeout_s", "must be positive (seconds)")
-        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
-            bad("master_port", "must be None or a TCP port number")
-        if self.weight_transport not in WEIGHT_TRANSPORTS:
-            bad("weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
-        if self.shm_dir is not None and not os.path.isdir(self.shm_dir):
-            bad("shm_dir", "must be None (/dev/shm) or an existing folder, ideally a tmpfs")
-
-
-@dataclass(kw_only=True)
-class ReferenceConfig:
-    """A frozen reference policy (for KL penalties)."""
-
-    model_dir: str
-    """HF model directory, usually the trainer's starting point."""
-    dtype: str = "float32"
-    """Compute dtype on CUDA (the trainer's forward dtype, so logprobs match); CPU computes in float32."""
-    device: str = "auto"
-    """``"auto"``, ``"cpu"`` or ``"cuda"``."""
-    micro_batch_size: int | None = None
-    """Rows per forward pass; None: the whole request at once."""
-
-    def validate(self) -> None:
-        if not isinstance(self.model_dir, str) or not self.model_dir:
-            raise ValueError(f"ReferenceConfig.model_dir={self.model_dir!r}: must be a HF model directory path")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"ReferenceConfig.device={self.device!r}: must be 'auto', 'cpu' or 'cuda'")
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"ReferenceConfig.micro_batch_size={self.micro_batch_size!r}: must be None or >= 1")
-
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on this host."""

@@ -135,3 +135,22 @@ def test_doctests_of_config_helpers(name):
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, name
+
+
+def test_config_loads_without_the_engines():
+    # RunConfig's sections come from the component configs; those live in a module with no torch,
+    # vLLM or Monarch import, so `forgelab check` and `forgelab plan` start in well under a second.
+    import subprocess
+    import sys
+
+    code = ("import sys, forgelab.config; heavy = [m for m in ('torch', 'vllm', 'monarch', 'torchtitan') "
+            "if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_weight_transport_names_match_the_senders_registry():
+    from forgelab.component_configs import WEIGHT_TRANSPORTS
+    from forgelab.weights.sender import TRANSPORTS
+
+    assert WEIGHT_TRANSPORTS == tuple(TRANSPORTS)

@@ -33,11 +33,11 @@ import asyncio
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from monarch.actor import Port, endpoint
 
+from forgelab.component_configs import EnvActorConfig  # noqa: F401 -- re-exported
 from forgelab.envs.base import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
 from forgelab.runtime.component import Component
@@ -45,31 +45,6 @@ from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Episode
 
 __all__ = ["EnvActor", "EnvActorConfig", "run_groups_local"]
-
-
-@dataclass(kw_only=True)
-class EnvActorConfig:
-    """How to build an `EnvActor`."""
-
-    model_dir: str
-    """Checkpoint directory whose tokenizer and chat template format the conversations."""
-    max_concurrent: int = 1024
-    """Most episodes running at once in this actor (the rest wait for a slot)."""
-    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
-    """Default max_turns / max_total_tokens / step_timeout_s (a call may override them)."""
-    coalesce_ms: float | None = 1.0
-    """Turns requested within this many ms go to the generator in one call (None: one call per turn)."""
-    max_batch: int = 256
-    """Most prompts in one coalesced `generate` call."""
-
-    def validate(self) -> None:
-        if not os.path.isdir(self.model_dir):
-            raise ValueError(f"EnvActorConfig.model_dir={self.model_dir!r} is not a directory (need its tokenizer)")
-        if isinstance(self.max_concurrent, bool) or not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
-            raise ValueError(f"EnvActorConfig.max_concurrent must be a positive integer, got {self.max_concurrent!r}")
-        if self.coalesce_ms is not None and not self.coalesce_ms >= 0:
-            raise ValueError(f"EnvActorConfig.coalesce_ms must be >= 0 or None, got {self.coalesce_ms!r}")
-        self.limits.validate("EnvActorConfig.limits")
 
 
 def _sampling_key(sampling: Any) -> tuple:
