@@ -11,7 +11,6 @@ import math
 import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
 
 from forgelab.envs.episode import EpisodeLimits
 
