@@ -46,7 +46,7 @@ test: setup
 # The development loop's fast tier (a few minutes here): pure functions, doctests and the controller
 # against in-process fakes (tests/test_controller_unit.py): every test not marked integration.
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration" --durations=5 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow" --durations=5 tests
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -m "not integration" tests
