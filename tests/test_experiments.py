@@ -229,3 +229,26 @@ def test_compare_view_over_live_run_and_finished_dir(world, tmp_path):
     assert view.widget is not None and len(view.image.value) > 1000  # headless: the widget's PNG and table
     assert "exp-same" in view.table_html.value and "forked_from" in repr(view)
     view.close()
+
+
+def test_fork_from_a_saved_checkpoint_reproduces_the_live_fork(world, loop):
+    """`Run.fork_from(checkpoint)` (config from the parent's manifest) continues exactly as the live fork
+    taken at that checkpoint did, on the pool's idle processes."""
+    from forgelab.events import EventLog
+    from forgelab.replay import compare_metrics
+    from forgelab.run import Run
+
+    pool, k = world["pool"], world["fork_step"]
+    ckpt = [e for e in EventLog.read(world["parent"].out_dir) if e["kind"] == "forked"][0]["checkpoint"]
+    idle_pids = loop.run_until_complete(pool.pids(pool.idle[0]))
+    child = loop.run_until_complete(Run.fork_from(ckpt, pool=pool, name="exp-from"))
+    try:
+        assert child.step == k and loop.run_until_complete(pool.pids(child.parts)) == idle_pids
+        loop.run_until_complete(child.wait())
+        assert child.state == "finished", child.message
+        assert compare_metrics(_learning(world["same"]["metrics"], k), _learning(child.metrics, k)) == []
+        assert [e["parent"] for e in child.events if e["kind"] == "forked_from"] == ["exp-parent"]
+        acc = child.buffer.check_accounting()
+        assert acc["generated"] == acc["trained"] + acc["evicted"] + acc["dropped"] + acc["buffered"] + acc["in_flight"]
+    finally:
+        loop.run_until_complete(child.shutdown())
