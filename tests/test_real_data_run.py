@@ -79,7 +79,10 @@ def gsm8k_run(loop, tmp_path_factory):
     loop.run_until_complete(run.start())
     loop.run_until_complete(run.wait())
     loop.run_until_complete(run.shutdown())  # finishes the wandb run: its log is complete only then
-    return run
+    yield run
+    import wandb
+
+    wandb.teardown()  # wandb keeps its service process (wandb-core) for the interpreter's life otherwise
 
 
 def test_gsm8k_file_trains_through_run(gsm8k_run):
