@@ -360,7 +360,8 @@ class Generator(Component):
     @endpoint
     async def reset_version(self, version: int = -1) -> int:
         """Forget the served version (a warm pool's next run): the next weight push may carry any later one."""
-        self._engine().version = int(version); return self._engine().version  # noqa: E702
+        self._engine().version = int(version)
+        return self._engine().version
 
     @endpoint
     async def status(self) -> dict[str, Any]:
