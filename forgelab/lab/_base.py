@@ -135,7 +135,34 @@ class Throttle:
         self._waiters = []
 
 
-class Panel:
+class View:
+    """Shows `.widget` in a notebook and `.summary()` as text elsewhere; `repr()` never raises.
+
+    Subclasses provide `widget` (an ipywidgets object, built on first use) and `summary()`.
+    """
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        text = self.__repr__()
+        if not in_notebook():
+            return {"text/plain": text}
+        try:
+            bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs) or {})
+        except Exception as e:  # never let a view break a cell
+            log.warning("forgelab.lab: cannot build widget (%s); showing text", e)
+            return {"text/plain": text}
+        bundle["text/plain"] = text
+        return bundle
+
+    def __repr__(self) -> str:
+        try:
+            return self.summary()
+        except Exception as e:
+            return f"<{type(self).__name__}: summary failed: {type(e).__name__}: {e}>"
+
+    __str__ = __repr__
+
+
+class Panel(View):
     """Base class: `.widget` builds the view once; `repr()` is a text summary that never raises."""
 
     #: How often the panel may refresh itself from run listener callbacks (seconds).
@@ -212,23 +239,3 @@ class Panel:
         if self._widget is not None:
             self._widget.close()
             self._widget = None
-
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        text = self.__repr__()
-        if not in_notebook():
-            return {"text/plain": text}
-        try:
-            bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs) or {})
-        except Exception as e:  # never let a view break a cell
-            log.warning("forgelab.lab: cannot build widget (%s); showing text", e)
-            return {"text/plain": text}
-        bundle["text/plain"] = text
-        return bundle
-
-    def __repr__(self) -> str:
-        try:
-            return self.summary()
-        except Exception as e:
-            return f"<{type(self).__name__}: summary failed: {type(e).__name__}: {e}>"
-
-    __str__ = __repr__

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from forgelab.lab._base import Throttle, esc, in_notebook
+from forgelab.lab._base import Throttle, View, esc
 
 __all__ = ["compare", "Compare", "COMPARED"]
 
@@ -61,7 +61,7 @@ class _Source:
         return list(self.run.events) if self.run is not None else self._events
 
 
-class Compare:
+class Compare(View):
     """Overlaid curves of several runs (live or finished) and a best/final table."""
 
     def __init__(self, sources: list, *, min_interval_s: float = 2.0, width_in: float = 12.0, dpi: int = 72):
@@ -181,20 +181,6 @@ class Compare:
         marks = ", ".join(f"{n}@{st} {k}" for n, st, k in self.marks()) or "none"
         return (f"Compare {len(self.sources)} runs: {', '.join(esc(s.name) for s in self.sources)}\n"
                 f"marks: {marks}\n{self.table().to_string(float_format=lambda x: f'{x:.4g}')}")
-
-    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        text = repr(self)
-        if not in_notebook():
-            return {"text/plain": text}
-        bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs) or {})
-        bundle["text/plain"] = text
-        return bundle
-
-    def __repr__(self) -> str:
-        try:
-            return self.summary()
-        except Exception as e:
-            return f"<Compare: summary failed: {type(e).__name__}: {e}>"
 
 
 def compare(sources: list, **kwargs: Any) -> Compare:
