@@ -219,6 +219,34 @@ def test_no_healthy_replica_error_names_service(loop):
     assert answer == 1 and status.restarts == 1 and ran == [0]
 
 
+@integration
+def test_respawn_driven_by_monarch_fault_hook_alone(loop):
+    """With the pid watch off, only Monarch's fault hook (called on Monarch's own thread) sees the
+    death; the respawn it starts must spawn from the controller's context, not that thread's."""
+    async def body():
+        solo = await Service.start(
+            Echo, Placement(num_replicas=1), ("hooked",), {}, name="hooked", watch_interval_s=0
+        )
+        try:
+            victim = solo.status()[0].pid
+            os.kill(victim, 9)
+            back = asyncio.Event()
+            solo.add_listener(
+                lambda e: (e.kind == "replica_restarted" or "gave up" in e.detail) and back.set()
+            )
+            await asyncio.wait_for(back.wait(), 240)
+            status = solo.status()[0]
+            answer = await solo.route("pid") if status.healthy else None
+            return victim, status, answer, [(e.kind, e.detail) for e in solo.events]
+        finally:
+            await solo.shutdown()
+
+    victim, status, answer, events = loop.run_until_complete(body())
+    assert events[0][0] == "replica_failed" and "process died (mesh hooked_" in events[0][1], events
+    assert status.healthy and status.restarts == 1, (status, events)
+    assert answer == status.pid and answer != victim
+
+
 # --------------------------------------------------------------- placement
 def test_job_from_config_builds_process_job_and_rejects_unknown_kind():
     from monarch.job import ProcessJob

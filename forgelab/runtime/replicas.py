@@ -15,6 +15,7 @@ services with `Component.options(num_replicas=...).as_service(...)` or
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import os
@@ -133,6 +134,7 @@ class ReplicaPool:
         self._teardowns: set[asyncio.Task] = set()  # old meshes stopping: awaited on shutdown
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._context: contextvars.Context | None = None
         self._closed = False
 
     @classmethod
@@ -141,6 +143,10 @@ class ReplicaPool:
         placement.validate(component.__name__)
         svc = cls(component, placement, args, kwargs, **options)
         svc._loop = asyncio.get_running_loop()
+        # Monarch calls the fault hook on its own thread, where Monarch's `context()` is some internal
+        # actor's, not the client's: a respawn started from there would spawn from the wrong proc
+        # (its host mesh is None). Fault callbacks therefore run in the context captured here.
+        svc._context = contextvars.copy_context()
         supervision.install()
         supervision.add_listener(svc._fault_listener)
         try:
@@ -200,7 +206,7 @@ class ReplicaPool:
         if loop is None or self._closed or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(self._on_fault, event)
+            loop.call_soon_threadsafe(self._on_fault, event, context=self._context)
         except RuntimeError:  # loop closed in between
             pass
 
