@@ -88,17 +88,64 @@ def hardware() -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "cores_usable": usable, "gpus": gpus}
 
 
-def hash_dir(path: str | Path) -> str:
-    """SHA-256 over every file under `path` (relative names and bytes, sorted): same checkpoint, same hash."""
-    path = Path(path)
-    h = hashlib.sha256()
+def _hash_cache_file() -> Path:
+    return Path(os.environ.get("FORGELAB_CACHE") or Path.home() / ".cache" / "forgelab") / "hash_dir.json"
+
+
+def _stat_key(path: Path, files: list[Path]) -> list:
+    """What identifies the files' bytes without reading them: name, size, inode, mtime and ctime (ns).
+
+    Any write, truncate, rename-over or `os.utime` changes ctime, so a file edited in place and
+    given its old mtime back still misses the cache.
+    """
+    key = []
+    for p in files:
+        st = p.stat()
+        key.append([str(p.relative_to(path)) if path.is_dir() else p.name,
+                    st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns])
+    return key
+
+
+def hash_dir(path: str | Path, *, cache: bool = True) -> str:
+    """SHA-256 over every file under `path` (relative names and bytes, sorted): same checkpoint, same hash.
+
+    A run hashes its model directory at every start, and a real checkpoint is
+    gigabytes: with `cache` the digest is remembered per directory (in
+    ``$FORGELAB_CACHE/hash_dir.json``, default ``~/.cache/forgelab``) together
+    with every file's name, size, inode, mtime and ctime, and reused while
+    none of them changed. The value is the same with or without the cache.
+    """
+    path = Path(path).resolve()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    key = _stat_key(path, files)
+    store = _hash_cache_file()
+    entries: dict = {}
+    if cache:
+        try:
+            entries = json.loads(store.read_text())
+            hit = entries.get(str(path))
+            if hit and hit.get("files") == key:
+                return hit["sha256"]
+        except (OSError, ValueError, AttributeError):
+            entries = {}
+    h = hashlib.sha256()
     for p in files:
         h.update(str(p.relative_to(path) if path.is_dir() else p.name).encode() + b"\0")
         with p.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if cache and key == _stat_key(path, files):  # unchanged while we read it
+        entries = entries if isinstance(entries, dict) else {}
+        entries[str(path)] = {"files": key, "sha256": digest}
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, store)  # atomic: a concurrent reader sees the old or the new file
+        except OSError:
+            pass  # a read-only home only costs the next run a re-read
+    return digest
 
 
 def hash_problems(problems) -> str:

@@ -34,6 +34,43 @@ def scaled_grpo(logprobs_B_T, *, scale=1.0, **kwargs):
 
 
 # ---------------------------------------------------------------- pure functions
+def test_hash_dir_cache_reuses_digest_until_a_file_changes(tmp_path, monkeypatch):
+    import os
+
+    from forgelab import provenance
+
+    monkeypatch.setenv("FORGELAB_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_bytes(b'{"a": 1}')
+    (model / "sub" / "w.bin").write_bytes(bytes(range(256)) * 10)
+
+    def independent(root: Path) -> str:  # the definition, computed here without forgelab
+        h = hashlib.sha256()
+        for f in sorted(p for p in root.rglob("*") if p.is_file()):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+        return h.hexdigest()
+
+    first = provenance.hash_dir(model)
+    assert first == independent(model) == provenance.hash_dir(model, cache=False)
+    assert (tmp_path / "cache" / "hash_dir.json").exists()
+    reads = []
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: (model in self.parents and reads.append(self.name)) or real_open(self, *a, **k))
+    assert provenance.hash_dir(model) == first and reads == []  # served from the cache: no file read
+    # same size, old mtime put back: ctime still moves, so the cache misses and the new bytes count
+    w = model / "sub" / "w.bin"
+    st = w.stat()
+    w.write_bytes(bytes(reversed(range(256))) * 10)
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = provenance.hash_dir(model)
+    assert "w.bin" in reads and changed == independent(model) != first
+    (model / "extra.txt").write_text("x")  # a new file misses too
+    assert provenance.hash_dir(model) == independent(model) != changed
+    (tmp_path / "cache" / "hash_dir.json").write_text("{not json")  # a corrupt cache is only a miss
+    assert provenance.hash_dir(model) == independent(model)
+
+
 def test_event_log_memory_and_file_agree(tmp_path):
     from forgelab.events import EventLog
 
