@@ -114,3 +114,22 @@ def test_model_logprobs_is_the_shifted_gather(llama_dir):
 def test_unsupported_config_is_named():
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         titan_config_from_hf({"model_type": "gpt2"})
+
+
+def test_build_from_hf_loads_every_parameter_it_leaves_uninitialised(llama_dir, qwen3_dir, tmp_path):
+    """build_from_hf skips parameter init (the checkpoint overwrites it): a checkpoint lacking a tensor must fail,
+    not leave uninitialised memory; the tied embedding is one tensor, equal to HF's."""
+    from safetensors.torch import save_file
+
+    model, _ = build_from_hf(qwen3_dir)
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    hf_sd = load_hf_state_dict(qwen3_dir)
+    assert torch.equal(model.tok_embeddings.weight, hf_sd["model.embed_tokens.weight"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps(read_hf_config(llama_dir)))
+    sd = load_hf_state_dict(llama_dir)
+    sd.pop("model.layers.0.mlp.down_proj.weight")
+    save_file(sd, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing="):
+        build_from_hf(str(broken))
