@@ -23,6 +23,7 @@ cost steps (stale samples): the table shows both.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -30,7 +31,8 @@ import tempfile
 
 from forgelab.bench._stats import bootstrap_median_ci, censored_time
 from forgelab.bench.common import emit_json, print_machine, print_table
-from forgelab.bench.e2e import EVAL_EVERY, EVAL_N, STEP_CAP, TARGET, TIME_CAP_S, bench_config, forgelab_with_time_cap
+from forgelab.bench.e2e import (EVAL_EVERY, EVAL_N, STEP_CAP, TARGET, TIME_CAP_S, bench_config, forgelab_with_time_cap,
+                                run_forgelab, summarize_forgelab)
 
 AGES = (0, 1, 2)
 
@@ -49,10 +51,24 @@ def async_ratio(times_by_age: dict[int, list[float]], age: int = 1) -> float | N
     return round(statistics.median(asyn) / statistics.median(sync), 3)
 
 
+async def _pooled(cfgs: list, target: float, time_cap_s: float) -> list[dict]:
+    """`run_forgelab` of each config in turn on one `ProcessPool` (one spawn, then re-initialised), summarised."""
+    from forgelab.pool import ProcessPool
+
+    pool = ProcessPool()
+    try:
+        return [summarize_forgelab(await run_forgelab(cfg, target, time_cap_s, hf_check=False, spawn=pool), target)
+                for cfg in cfgs]
+    finally:
+        await pool.shutdown()
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench async", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: 6 steps per age, batch 16, 20 held-out problems (~2 min)")
+                    help="proves the code path: every age (0, 1, 2) once, 4 steps each (warmup 1, batch 8, "
+                         "10 held-out problems, evaluated at steps 0, 2, 4), the three runs in one process pool "
+                         "(spawned once, re-initialised per run) instead of new processes per run")
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--every", type=int, default=EVAL_EVERY)
     ap.add_argument("--steps", type=int, default=STEP_CAP)
@@ -60,10 +76,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=2, help="rounds over the three ages (seed = round; order rotates)")
     ap.add_argument("--json-out", default="", help="also write the full result (with curves) to this file")
     args = ap.parse_args(argv or [])
-    prompts, eval_n = 8, EVAL_N
+    prompts, eval_n, warmup = 8, EVAL_N, None
     if args.quick:
-        args.steps, args.every, args.repeats, args.time_cap = 6, 3, 1, 60.0
-        prompts, eval_n = 2, 20
+        args.steps, args.every, args.repeats, args.time_cap = 4, 2, 1, 60.0
+        prompts, eval_n, warmup = 1, 10, 1
 
     import torch
 
@@ -74,21 +90,23 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[int, list[dict]] = {a: [] for a in AGES}
     rows = []
     with tempfile.TemporaryDirectory(prefix="forgelab-async-") as out_dir:
-        for rep in range(args.repeats):
-            order = AGES[rep % 3:] + AGES[: rep % 3]
-            for age in order:
-                cfg = bench_config(steps=args.steps, max_policy_age=age, eval_every=args.every, out_dir=out_dir,
-                                   name=f"age{age}_{rep}", seed=rep, prompts=prompts, eval_n=eval_n)
-                r = forgelab_with_time_cap(cfg, args.target, args.time_cap, hf_check=False)
-                r["seed"] = rep
-                runs[age].append(r)
-                rows.append({"max_policy_age": age, "rep": rep,
-                             "time_to_target_s": r["time_to_target_s"] if r["reached"] else f">{r['end_s']}",
-                             "steps": r["steps_to_target"] if r["reached"] else f">{r['final_step']}",
-                             "s/step": r["s_per_step"], "policy_age_mean": r["policy_age_mean"],
-                             "final_acc": r["final_accuracy"], "evicted": r["episodes"]["evicted"],
-                             "startup_s": r["startup_s"]})
-                print(f"  age {age} rep {rep}: {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
+        plan = [(rep, age, bench_config(steps=args.steps, max_policy_age=age, eval_every=args.every, out_dir=out_dir,
+                                        name=f"age{age}_{rep}", seed=rep, prompts=prompts, eval_n=eval_n,
+                                        warmup=warmup))
+                for rep in range(args.repeats) for age in AGES[rep % 3:] + AGES[: rep % 3]]
+        if args.quick:  # one set of processes for every run: the spawns are fixed cost, not what is measured
+            pooled = asyncio.run(_pooled([cfg for _, _, cfg in plan], args.target, args.time_cap))
+        for i, (rep, age, cfg) in enumerate(plan):
+            r = pooled[i] if args.quick else forgelab_with_time_cap(cfg, args.target, args.time_cap, hf_check=False)
+            r["seed"] = rep
+            runs[age].append(r)
+            rows.append({"max_policy_age": age, "rep": rep,
+                         "time_to_target_s": r["time_to_target_s"] if r["reached"] else f">{r['end_s']}",
+                         "steps": r["steps_to_target"] if r["reached"] else f">{r['final_step']}",
+                         "s/step": r["s_per_step"], "policy_age_mean": r["policy_age_mean"],
+                         "final_acc": r["final_accuracy"], "evicted": r["episodes"]["evicted"],
+                         "startup_s": r["startup_s"]})
+            print(f"  age {age} rep {rep}: {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
     end = print_machine("end")
     print_table(rows, ["max_policy_age", "rep", "time_to_target_s", "steps", "s/step", "policy_age_mean", "final_acc",
                        "evicted", "startup_s"])

@@ -67,14 +67,16 @@ EVAL_N = 200
 
 def bench_config(*, steps: int, max_policy_age: int = 1, eval_every: int = EVAL_EVERY, out_dir: str,
                  name: str = "bench", seed: int = 0, prompts: int = 8, eval_n: int = EVAL_N,
-                 advantage: str | None = None):
+                 advantage: str | None = None, warmup: int | None = None):
     """The demo's configuration with the bench's step cap, eval cadence, seed and no wandb.
 
-    `prompts` x 8 episodes per step (quick modes shrink it); `advantage` names an estimator.
+    `prompts` x 8 episodes per step and `warmup` steps (default: the demo's 5; quick modes shrink
+    both); `advantage` names an estimator.
     """
     from forgelab.demo import demo_config
 
-    cfg = demo_config(steps, out_dir)
+    cfg = demo_config(None, out_dir)  # valid at the demo's length: a short quick run also lowers its warmup
+    cfg.train.steps = steps
     cfg.name = name
     cfg.train.max_policy_age = max_policy_age
     cfg.train.seed = seed
@@ -84,6 +86,8 @@ def bench_config(*, steps: int, max_policy_age: int = 1, eval_every: int = EVAL_
         cfg.train.batch_size = prompts * cfg.rollout.group_size
     if advantage:
         cfg.rollout.advantage = advantage
+    if warmup is not None:
+        cfg.train.warmup_steps = warmup
     cfg.eval.every = eval_every
     cfg.eval.n = eval_n
     cfg.tracking.wandb = False
@@ -124,17 +128,18 @@ def summarize(label: str, res: dict, target: float, **extra: Any) -> dict:
 
 
 # ----------------------------------------------------------------- forgelab
-async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = True) -> dict:
+async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = True, spawn=None) -> dict:
     """Train `cfg` until held-out accuracy >= target (or the caps); returns the raw evaluations and timings.
 
     ``Run.evaluate`` is wrapped on the instance (no library change) to time each
     evaluation and stop at the target; the held-out set is the fixed one (seed 0).
+    `spawn` is passed to ``Run`` (a ``forgelab.pool.ProcessPool`` reuses processes; default: new ones).
     """
     from forgelab.data import load_problems
     from forgelab.run import Run
 
     t_make = time.time()
-    run = Run(cfg)
+    run = Run(cfg, spawn=spawn)
     run.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, HELDOUT_SEED)
     orig_evaluate = run.evaluate
     evals: list[dict] = []
@@ -183,11 +188,15 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
             "episodes": {k: counts[k] for k in ("generated", "trained", "evicted", "dropped")}}
 
 
-def forgelab_with_time_cap(cfg, target: float, time_cap_s: float, hf_check: bool = True) -> dict:
-    """`run_forgelab` in a fresh event loop in this process, summarised (warm clock only)."""
-    res = asyncio.run(run_forgelab(cfg, target, time_cap_s, hf_check))
+def summarize_forgelab(res: dict, target: float) -> dict:
+    """`summarize` of one `run_forgelab` result (warm clock only)."""
     return summarize("forgelab", res, target, hf_check=res["hf_check"], policy_age_mean=res["policy_age_mean"],
                      episodes=res["episodes"])
+
+
+def forgelab_with_time_cap(cfg, target: float, time_cap_s: float, hf_check: bool = True) -> dict:
+    """`run_forgelab` in a fresh event loop in this process (new processes), summarised (warm clock only)."""
+    return summarize_forgelab(asyncio.run(run_forgelab(cfg, target, time_cap_s, hf_check)), target)
 
 
 def _forgelab_child(spec: dict) -> None:
@@ -198,7 +207,7 @@ def _forgelab_child(spec: dict) -> None:
     with tempfile.TemporaryDirectory(prefix="forgelab-e2e-run-") as out_dir:
         cfg = bench_config(steps=spec["steps"], eval_every=spec["every"], out_dir=out_dir, name="e2e",
                            seed=spec["seed"], prompts=spec["prompts"], eval_n=spec["eval_n"],
-                           advantage="grpo_unbiased")
+                           advantage="grpo_unbiased", warmup=spec["warmup"])
         if spec.get("model"):
             cfg.model.path = spec["model"]
         res = asyncio.run(run_forgelab(cfg, spec["target"], spec["time_cap_s"], spec["hf_check"]))
@@ -247,7 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: 1 pair of 6 steps, batch 16, 20 held-out problems (~3 min)")
+                    help="proves the code path: TRL probes of 3 steps at 1 and 2 threads, then 1 pair and the "
+                         "TRL + vLLM run, each 4 steps (warmup 1, batch 8, 10 held-out problems evaluated at steps "
+                         "0, 2, 4; a run that misses the target is censored as in the full mode)")
     ap.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy to reach")
     ap.add_argument("--every", type=int, default=EVAL_EVERY, help="evaluate every this many steps")
     ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap (also the cosine schedule's length)")
@@ -258,16 +269,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="", help="model directory (default: the shipped tiny model)")
     ap.add_argument("--json-out", default="", help="also write the full result (with curves) to this file")
     args = ap.parse_args(argv)
-    prompts, eval_n, hf_check = 8, EVAL_N, True
+    prompts, eval_n, hf_check, warmup = 8, EVAL_N, True, 5
     if args.quick:
-        args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 6, 3, 1, 60.0, 4
-        prompts, eval_n, hf_check = 2, 20, False
+        args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 4, 2, 1, 60.0, 3
+        prompts, eval_n, hf_check, warmup = 1, 10, False, 1
     model = args.model or SHIPPED_MODEL
     timeout_s = 2 * args.time_cap + 600
 
     start = print_machine("start")
     base = {"model": model, "target": args.target, "every": args.every, "steps": args.steps, "eval_n": eval_n,
-            "batch": prompts * 8, "group": 8, "max_tokens": 8, "lr": 1e-4, "warmup": 5, "kl": 0.04,
+            "batch": prompts * 8, "group": 8, "max_tokens": 8, "lr": 1e-4, "warmup": warmup, "kl": 0.04,
             "time_cap_s": args.time_cap}
     # the peer's best thread count, probed now on this machine (no evaluations, no target)
     by_threads = {}
