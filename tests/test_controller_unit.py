@@ -327,6 +327,62 @@ def test_hung_reward_message_points_at_public_commands():
     assert "run.remove_reward" in msg and "run.rewards" not in msg
 
 
+def _episodes(n):
+    from forgelab.types import Episode
+
+    return [Episode(id=i, group_id=0, prompt_ids=[1], completion_ids=[2], generator_logprobs=[0.0],
+                    policy_version=0, prompt="p", completion=str(i), target="t") for i in range(n)]
+
+
+def test_reward_calls_run_at_once_on_reused_threads_and_a_hung_one_blocks_nobody():
+    import threading
+    import time
+
+    from forgelab.reward_runner import _WORKERS, RewardRunner
+    from forgelab.rewards import RewardComposer
+
+    n = 12
+    barrier = threading.Barrier(n, timeout=60)  # every call must be running at the same time to pass it
+
+    def together(prompt, completion, target, **info):
+        barrier.wait()
+        return 1.0
+
+    def wait_idle(k):  # the pool's threads go back to waiting after settling their calls
+        deadline = time.monotonic() + 60
+        while _WORKERS._idle < k:
+            assert time.monotonic() < deadline, f"only {_WORKERS._idle} idle reward threads"
+            time.sleep(0.01)
+
+    runner = RewardRunner(RewardComposer({"together": (together, 1.0)}), timeout_s=120)
+    eps = _episodes(n)
+    assert asyncio.run(runner.score(eps)) == {} and [e.reward for e in eps] == [1.0] * n
+    wait_idle(n)
+    started = next(_WORKERS._names)  # a counter: the next thread's number
+    eps = _episodes(n)
+    assert asyncio.run(runner.score(eps)) == {} and [e.reward for e in eps] == [1.0] * n
+    assert next(_WORKERS._names) == started + 1  # no thread was started for the second batch
+
+    release = threading.Event()
+
+    def hangs_on_zero(prompt, completion, target, **info):
+        if completion == "0":
+            release.wait(120)
+        return 0.5
+
+    runner = RewardRunner(RewardComposer({"h": (hangs_on_zero, 1.0)}), timeout_s=5.0)
+    eps = _episodes(4)
+    failed = asyncio.run(runner.score(eps))
+    assert failed == {0: "reward_timeout"} and [e.reward for e in eps[1:]] == [0.5] * 3
+    assert len(runner.hung) == 1 and runner.hung[0].is_alive()
+    release.set()
+    deadline = time.monotonic() + 60
+    while runner.hung[0].is_alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert runner.hung_message() is None and runner.hung == []
+
+
 def test_stop_then_start_again_continues_in_a_new_event_loop(tmp_path):
     run = Run(config(tmp_path, steps=6), spawn=fake_spawn)
 
