@@ -56,6 +56,107 @@ def test_throttle_coalesces_pokes():
     asyncio.run(scenario())
 
 
+class _StubRun:
+    """What the metrics panel reads of a run: `.metrics`, `.events`, `.snapshot()`, listeners."""
+
+    def __init__(self, steps=200):
+        import types
+
+        self.rows, self.events, self.listeners, self.steps = [], [], [], steps
+        self._snap = types.SimpleNamespace(accuracy_history=(), steps=steps)
+
+    def snapshot(self):
+        return self._snap
+
+    @property
+    def metrics(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+    def add_listener(self, fn):
+        self.listeners.append(fn)
+
+    def remove_listener(self, fn):
+        self.listeners.remove(fn)
+
+    def step(self, notify=True, parts=True):
+        s = len(self.rows) + 1
+        row = {"step": s, "reward_mean": math.sin(s / 7), **({"reward/exact_answer": (s % 5) / 5} if parts else {}),
+               "loss": 1 / s, "kl_ref": 0.01 * s, "entropy": 1 + math.cos(s / 3), "tokens_per_s": 100 + s % 13}
+        self.rows.append(row)
+        for fn in list(self.listeners) if notify else []:
+            fn(dict(row))
+
+
+def _pixels(png: bytes):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def test_metrics_blit_equals_a_full_redraw_and_reuses_the_figure():
+    from forgelab.lab import MetricsPanel
+
+    run = _StubRun()
+    for _ in range(5):
+        run.step(notify=False, parts=False)  # one curve per subplot: no legend, whose 'best' place moves
+    panel = MetricsPanel(run)
+    _ = panel.widget  # first draw
+    fig = panel._fig
+    for _ in range(40):  # curves leave their y limits now and then (kl_ref grows): some subplots drawn again
+        run.step(notify=False, parts=False)
+        assert panel.refresh()
+        assert panel._fig is fig  # one figure for the panel's life, never rebuilt
+        assert panel._lines[0]["reward_mean"].get_xdata()[-1] == len(run.rows)  # the newest row is on screen
+    assert panel.cell_draws > 0  # the test covers redrawing one subplot's cell alone
+    # the rest are blits: only the first draw and a new x range (steps 6..45: to 10, 20, 50) draw everything
+    assert panel.full_draws == 4 and len(panel.redraw_ms) == 41
+    blitted = _pixels(panel.image.value)
+    panel._bg = None  # throw the background away: the next redraw draws the whole figure
+    assert panel.refresh(force=True)
+    assert (blitted == _pixels(panel.image.value)).all()  # pixel for pixel what a full draw shows
+    assert not panel.refresh()  # nothing new: no redraw
+    panel.close()
+
+
+def test_metrics_limits_hold_the_data_and_change_rarely():
+    from forgelab.lab.metrics import sticky_limits, x_limit
+
+    lim, changes = None, 0
+    for s in range(1, 300):
+        lo, hi = 0.0, 0.01 * s + math.sin(s)  # a noisy trend upwards
+        new = sticky_limits(lim, lo, hi)
+        assert new[0] <= lo and hi <= new[1]
+        changes += new != lim
+        lim = new
+    assert changes <= 25  # a refit only when the data leaves the limits, with headroom after it
+    assert [x_limit(s, 180) for s in (1, 3, 10, 11, 150, 180, 181)] == [1, 5, 10, 20, 180, 180, 200]
+
+
+def test_metrics_burst_of_steps_is_one_redraw_of_the_latest_row():
+    from forgelab.lab import MetricsPanel
+
+    async def scenario():
+        run = _StubRun()
+        run.step(notify=False)
+        panel = MetricsPanel(run, min_interval_s=0.3)
+        _ = panel.widget  # first draw; listening from here
+        n = len(panel.redraw_ms)
+        for _ in range(30):  # a burst within the interval: one timer absorbs every poke
+            run.step()
+        assert len(panel.redraw_ms) == n and panel.throttle._timer is not None
+        await panel.throttle.settled()
+        assert len(panel.redraw_ms) == n + 1
+        assert panel._lines[0]["reward_mean"].get_xdata()[-1] == 31  # the redraw shows the last step
+        panel.close()
+
+    asyncio.run(scenario())
+
+
 # ---------------------------------------------------------------------------- one real run
 
 
