@@ -157,6 +157,49 @@ def test_metrics_burst_of_steps_is_one_redraw_of_the_latest_row():
     asyncio.run(scenario())
 
 
+def test_inspector_filters_and_lists_the_newest_episodes():
+    import pandas as pd
+
+    from forgelab.lab import RolloutInspector
+
+    class Rollouts:
+        def __init__(self):
+            self.rows = []
+
+        @property
+        def rollouts(self):
+            return pd.DataFrame(self.rows)
+
+        def add(self, n):
+            for _ in range(n):
+                i = len(self.rows) + 1
+                self.rows.append({"id": i, "group_id": i // 4, "task": "addition", "prompt": f"{i}+1=",
+                                  "completion": f"{i + 1}" if i % 3 else "x", "target": str(i + 1),
+                                  "reward": 1.0 if i % 3 else 0.0, "advantage": 0.1 * (i % 4), "policy_version": i // 8,
+                                  "status": "trained", "completion_ids": [50 + i % 10] * (1 + i % 5),
+                                  "generator_logprobs": [-0.5] * (1 + i % 5), "ref_logprobs": None, "loss_mask": None,
+                                  "turns": None, "reward/exact_answer": 1.0 if i % 3 else 0.0})
+
+    run = Rollouts()
+    run.add(40)
+    insp = RolloutInspector(run, max_rows=5)
+    _ = insp.widget
+    assert list(insp.df["id"]) == list(range(40, 0, -1))  # no filter: every episode, newest first
+    assert [v for _, v in insp.select.options] == [40, 39, 38, 37, 36] and insp.select.value == 40
+    assert list(insp.df["length"]) == [1 + i % 5 for i in range(40, 0, -1)]
+    assert "#40" in insp.header.value and insp.tokens.value.count('class="fl-tok"') == 1
+    run.add(8)
+    insp.refresh()  # new episodes: the selection follows the newest one
+    assert insp.select.value == 48 and insp.table.value.count("<tr class='fl-ep'") == 5
+    insp.reward_range.value = (0.5, 1.0)
+    assert set(insp.df["reward"]) == {1.0} and len(insp.df) == 32
+    insp.text.value = "7+1"
+    assert list(insp.df["id"]) == [47, 37, 17, 7]
+    insp.text.value, insp.reward_range.value = "", (insp.reward_range.min, insp.reward_range.max)
+    assert len(insp.df) == 48
+    insp.close()
+
+
 # ---------------------------------------------------------------------------- one real run
 
 

@@ -108,11 +108,12 @@ class RolloutInspector(Panel):
             if len(df) and "reward" in df.columns:
                 lo, hi = float(df["reward"].min()), float(df["reward"].max())
                 hi = hi if hi > lo else lo + 1.0
-                untouched = self.reward_range.value == (self.reward_range.min, self.reward_range.max)
-                self.reward_range.min, self.reward_range.max = -1e9, 1e9  # widen first: min must stay <= max
-                self.reward_range.min, self.reward_range.max = lo, hi
-                if untouched:
-                    self.reward_range.value = (lo, hi)
+                if (lo, hi) != (self.reward_range.min, self.reward_range.max):  # 5 validated trait writes: on change
+                    untouched = self.reward_range.value == (self.reward_range.min, self.reward_range.max)
+                    self.reward_range.min, self.reward_range.max = -1e9, 1e9  # widen first: min must stay <= max
+                    self.reward_range.min, self.reward_range.max = lo, hi
+                    if untouched:
+                        self.reward_range.value = (lo, hi)
         finally:
             self._syncing = False
         self._apply(df)
@@ -122,28 +123,35 @@ class RolloutInspector(Panel):
         df = self._all() if df is None else df
         if len(df) == 0:
             return df
-        keep = df.index == df.index
+        keep = None  # no filter set (the usual case while watching a run): no mask, no row copy
+
+        def both(mask):
+            return mask if keep is None else keep & mask
+
         q = self.text.value.strip().lower()
         if q:
-            keep &= (df["prompt"].astype(str).str.lower().str.contains(q, regex=False)
-                     | df["completion"].astype(str).str.lower().str.contains(q, regex=False))
+            keep = both(df["prompt"].astype(str).str.lower().str.contains(q, regex=False)
+                        | df["completion"].astype(str).str.lower().str.contains(q, regex=False))
         if self.correctness.value != "all":
             col = "reward/exact_answer" if "reward/exact_answer" in df.columns else "reward"
             right = df[col].fillna(0.0).astype(float) > 0.5
-            keep &= right if self.correctness.value == "only right" else ~right
+            keep = both(right if self.correctness.value == "only right" else ~right)
         if self.task.value != "all tasks" and "task" in df.columns:
-            keep &= df["task"].astype(str) == self.task.value
+            keep = both(df["task"].astype(str) == self.task.value)
         lo, hi = self.reward_range.value
-        keep &= (df["reward"].astype(float) >= lo - 1e-9) & (df["reward"].astype(float) <= hi + 1e-9)
-        out = df[keep].copy()
-        out["length"] = out["completion_ids"].map(lambda x: len(x) if isinstance(x, (list, tuple)) else 0)
+        reward = df["reward"].astype(float)
+        if reward.min() < lo - 1e-9 or reward.max() > hi + 1e-9:
+            keep = both((reward >= lo - 1e-9) & (reward <= hi + 1e-9))
+        out = df if keep is None else df[keep]
+        out = out.assign(length=[len(x) if isinstance(x, (list, tuple)) else 0 for x in out["completion_ids"]])
         return out.sort_values(self.sort_by.value, ascending=self.ascending.value, kind="stable")
 
     def _apply(self, df) -> None:
         self.df = self.filtered(df)
         self.table.value = self._table_html(self.df)
         shown = self.df.head(self.max_rows)
-        options = [(f"#{int(r.id)}  r={_num(r.reward)}  {_short(r.completion, 40)}", int(r.id)) for r in shown.itertuples()]
+        options = [(f"#{int(i)}  r={_num(rw)}  {_short(c, 40)}", int(i))
+                   for i, rw, c in zip(*(shown[k].tolist() for k in ("id", "reward", "completion")))]
         prev = self.select.value
         self._syncing = True
         try:
@@ -167,7 +175,8 @@ class RolloutInspector(Panel):
         head = "".join(f"<th>{esc(heads.get(c, c.split('/', 1)[-1]))}</th>" for c in cols)
         sel = self.select.value if self._widget is not None else None
         rows = []
-        for r in df.head(self.max_rows).to_dict("records"):
+        head_df = df.head(self.max_rows)
+        for r in (dict(zip(cols, vals)) for vals in zip(*(head_df[c].tolist() for c in cols))):
             cells = []
             for c in cols:
                 v = r.get(c)
