@@ -161,13 +161,15 @@ async def _run(segment: int, pairs: int, out_dir: str, prompts: int = 8) -> dict
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench dashboard", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="proves the code path: 1 pair of 4-step segments, batch 16")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: 1 (off, on) pair of 3-step segments (the shortest with a timed "
+                         "step), batch 8")
     ap.add_argument("--segment", type=int, default=15, help="steps per segment")
     ap.add_argument("--pairs", type=int, default=6, help="(off, on) segment pairs")
     args = ap.parse_args(argv or [])
     prompts = 8
     if args.quick:
-        args.segment, args.pairs, prompts = 4, 1, 2
+        args.segment, args.pairs, prompts = 3, 1, 1
 
     import torch
 

@@ -207,7 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
         _bare_main(argv[1], *map(int, argv[2:6]))
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench generator", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model only, fewer prompts (~1-2 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: tiny model only, 16 prompts x 8, 2 bare/actor pairs (both orders), "
+                         "1 HF run, 1 weight update")
     ap.add_argument("--model", default=SHIPPED, help="small model directory (default: the shipped tiny model)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = ap.parse_args(argv)
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     start = print_machine("start")
     n, max_tokens = 8, 16
-    configs = [("tiny", args.model, 64 if args.quick else 256, 2 if args.quick else 7)]
+    configs = [("tiny", args.model, 16 if args.quick else 256, 2 if args.quick else 7)]
     tmp = None
     if not args.quick:
         tmp = tempfile.TemporaryDirectory(prefix="forgelab-bench-")
@@ -228,8 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for label, model_dir, count, repeats in configs:
             bare, actor = asyncio.run(run_pair(model_dir, count, n, max_tokens, repeats, args.threads,
-                                               update_reps=2 if args.quick else 3))
-            hf = run_hf(model_dir, count, n, max_tokens, repeats)
+                                               update_reps=1 if args.quick else 3))
+            hf = run_hf(model_dir, count, n, max_tokens, 1 if args.quick else repeats)
             size = f"{label} ({actor['bytes'] / 2**20:.1f} MiB)"
             for path, r in (("bare_vllm", bare), ("actor", actor), ("hf", hf)):
                 tokens_per_s[f"{label}/{path}"] = round(r["tokens_per_s"], 1)

@@ -127,11 +127,11 @@ def measure_generator(model_dir: str, count: int, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------- trainer
-async def measure_trainer(steps: int, out_dir: str) -> dict:
+async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None) -> dict:
     from forgelab.bench.e2e import bench_config
     from forgelab.run import Run
 
-    run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits"))
+    run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits", warmup=warmup))
     batches: list[dict] = []
     await run.start()
     call = run.trainer.call
@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
         _gen_main(argv[1], *map(int, argv[2:6]))
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench limits", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repeats, 64 prompts, 6 training steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: 2 matmul repeats per shape, bare vLLM 1 timed run of 16 prompts x 8, "
+                         "a 3-step Run (warmup 1; 2 steps timed after the warm-up step)")
     args = ap.parse_args(argv)
 
     import torch
@@ -186,14 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
     start = print_machine("start")
     p = flop_params(SHIPPED)
     N = p["matmul"]
-    reps = 3 if args.quick else 7
+    reps = 2 if args.quick else 7
     h, i = p["hidden"], p["intermediate"]
     mm_gen = matmul_gflops(64 * 8, h, i, reps)  # one decode step of 64 prompts x 8 samples through the MLP
     mm_train = matmul_gflops(64 * 17, h, i, reps)  # a batch of 64 sequences of ~17 tokens
     mm_big = matmul_gflops(2048, 2048, 2048, max(2, reps // 2))
-    gen = measure_generator(SHIPPED, 64 if args.quick else 256, 2 if args.quick else 3)
+    gen = measure_generator(SHIPPED, 16 if args.quick else 256, 1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="forgelab-limits-") as d:
-        tr = asyncio.run(measure_trainer(6 if args.quick else 20, d))
+        tr = asyncio.run(measure_trainer(3 if args.quick else 20, d, warmup=1 if args.quick else None))
     end = print_machine("end")
 
     attn_share = 4 * p["layers"] * 17 * h / (2 * N)
