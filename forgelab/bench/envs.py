@@ -152,7 +152,7 @@ async def _main(args) -> dict:
         for c in levels:
             reps = 1 if c >= 100 or args.quick else 3
             eps, wall, busy, idle, admit = [], 0.0, 0.0, 0.0, 0.0
-            for r in range(reps if c > 1 else (3 if args.quick else 8)):
+            for r in range(reps if c > 1 else (1 if args.quick else 8)):
                 e, w, s0, s1 = await _wave(gen, envs, meshes, _tasks(c, offset=1000 * r), sampling, kw, args.turns)
                 eps += e
                 wall += w
@@ -186,7 +186,7 @@ async def _main(args) -> dict:
         print("generator process CPU, environment actor CPU and time in garbage collection (fractions of wall):")
         print_table(steady, ["concurrency", "generator_cpu", "env_cpu", "generator_gc", "env_gc", "env_gc_max_ms"])
 
-        n_prefix = 64 if args.quick else 200
+        n_prefix = 16 if args.quick else 200
         eps, wall, s0, s1 = await _wave(gen, envs, meshes, _tasks(n_prefix, offset=5000), sampling,
                                         {"turns": 4, "reply_chars": 40}, 4)
         hit, bound = _prefix_reuse(eps)
@@ -218,16 +218,18 @@ async def _main(args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench envs", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one wave per level, fewer prefix episodes")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: one wave per level (1, 10, 100, 1000), steady state 5 s per level, "
+                         "16 prefix-reuse episodes")
     ap.add_argument("--model", default=SHIPPED, help="checkpoint directory (default: the shipped tiny model)")
     ap.add_argument("--turns", type=int, default=2, help="assistant turns per episode in the scaling waves")
     ap.add_argument("--think-ms", type=float, default=20.0, help="simulated environment time per step")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the generator process")
     ap.add_argument("--steady-s", type=float, default=None,
-                    help="seconds of steady-state load per level (default 20, --quick 8)")
+                    help="seconds of steady-state load per level (default 20, --quick 5)")
     args = ap.parse_args(argv)
     if args.steady_s is None:
-        args.steady_s = 8.0 if args.quick else 20.0
+        args.steady_s = 5.0 if args.quick else 20.0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     start = print_machine("start")
     result = asyncio.run(_main(args))

@@ -73,7 +73,8 @@ async def _run(warm_repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m forgelab.bench startup")
-    parser.add_argument("--quick", action="store_true", help="one warm start (default: 3, median)")
+    parser.add_argument("--quick", action="store_true",
+                        help="proves the code path: one cold start, then one warm start (default: 3, median)")
     args = parser.parse_args(argv or [])
     start = print_machine("start")
     result = asyncio.run(_run(1 if args.quick else 3))

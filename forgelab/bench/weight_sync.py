@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
         _raw_main(argv[1], int(argv[2]))
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench weight_sync", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model only, 3 repetitions")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: tiny model only, 1 repetition (raw, shm push, raw, message push, "
+                         "raw xN together)")
     ap.add_argument("--replicas", type=int, default=2, help="generator replicas the trainer pushes to")
     ap.add_argument("--layers", type=int, default=16, help="layers of the large random model (16: ~100 M params)")
     args = ap.parse_args(argv)
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     start = print_machine("start")
-    sizes = [("tiny", SHIPPED, 3 if args.quick else 8)]
+    sizes = [("tiny", SHIPPED, 1 if args.quick else 8)]
     tmp = None
     if not args.quick:
         tmp = tempfile.TemporaryDirectory(prefix="forgelab-wsync-")
