@@ -36,6 +36,7 @@ from forgelab.trainer_support import (  # noqa: F401  (re-exported: forgelab.tra
     pack_loss,
     resolve_device,
     resolve_loss,
+    sum_of_squares,
 )
 
 _EXTRA_FILE = "trainer_rank{}.pkl"
@@ -275,15 +276,19 @@ class TrainerState:
         return loss_value, metrics, grad_norm
 
     def _grad_norm(self) -> float:
+        """The global L2 norm of the gradients (float64 sum of squares: `sum_of_squares`)."""
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
-        total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=True)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        self._total_norm = total
+        sharded = [g for g in grads if isinstance(g, DTensor)]  # FSDP2: Shard(0), each element on one rank
+        sq = sum_of_squares([g for g in grads if not isinstance(g, DTensor)]).to(self.device)
+        sq_sharded = sum_of_squares(sharded).to(self.device)
+        if sharded and self.world > 1:
+            dist.all_reduce(sq_sharded)
+        total = (sq + sq_sharded).sqrt()
+        self._total_norm = total.to(grads[0].dtype)
         return float(total)
 
     def train_step(self, batch: Any) -> dict[str, Any]:

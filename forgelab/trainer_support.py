@@ -129,6 +129,19 @@ def _sha(tensors) -> str:
     return h.hexdigest()
 
 
+def sum_of_squares(tensors: list[torch.Tensor], piece: int = 1 << 16) -> torch.Tensor:
+    """``sum(t**2)`` over ``tensors`` (their local shards for DTensors) as a float64 scalar, without float64 copies.
+
+    A single fp32 norm of a real vocabulary's embedding gradient (155 M elements) is ~7e-5 off (the grad_norm
+    metric then differed by 4e-5 between 1 and 2 FSDP ranks); fp32 norms of ``piece``-element views, combined
+    in float64, are ~2e-7 off at the same speed.
+    """
+    parts = [p for t in tensors for p in _local(t).reshape(-1).split(piece)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack(torch._foreach_norm(parts, 2.0)).double().pow(2).sum()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
