@@ -56,6 +56,31 @@ def test_throttle_coalesces_pokes():
     asyncio.run(scenario())
 
 
+def test_throttles_sharing_a_budget_stay_within_it_together():
+    from forgelab.lab._base import LAB_BUDGET, DutyBudget
+
+    budget = DutyBudget(max_duty=0.02, active_s=60.0)
+    a = Throttle(lambda: None, min_interval_s=0.5, budget=budget)
+    b = Throttle(lambda: None, min_interval_s=0.5, budget=budget)
+    alone = Throttle(lambda: None, min_interval_s=0.5, max_duty=0.02)
+    now = time.monotonic()
+    for t, cost in ((a, 0.030), (b, 0.010), (alone, 0.030)):
+        t.last_cost, t.last_run = cost, now
+    # each member waits for the group's cost: (30 + 10) ms / 2 % = 2 s, so a and b together spend
+    # 40 ms per 2 s = 2 %; a throttle of its own would allow 30 ms / 2 % = 1.5 s for a alone
+    assert a.interval_s == pytest.approx(2.0) and b.interval_s == pytest.approx(2.0)
+    assert alone.interval_s == pytest.approx(1.5)
+    b.last_run = now - 61.0  # b went quiet: it no longer counts against a
+    assert a.interval_s == pytest.approx(1.5)
+    assert b.interval_s == pytest.approx(1.5)  # its own last cost still counts for itself
+    b.last_cost, a.last_run = 0.001, now - 61.0  # both quiet now: b's own 1 ms / 2 % is under the floor
+    assert b.interval_s == pytest.approx(0.5) and a.interval_s == pytest.approx(1.5)
+    # the lab's panels share the process-wide budget
+    from forgelab.lab.metrics import MetricsPanel
+
+    assert MetricsPanel(_StubRun()).throttle.budget is LAB_BUDGET
+
+
 class _StubRun:
     """What the metrics panel reads of a run: `.metrics`, `.events`, `.snapshot()`, listeners."""
 

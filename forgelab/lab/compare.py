@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from forgelab.lab._base import Throttle, View, esc
+from forgelab.lab._base import LAB_BUDGET, Throttle, View, esc
 
 __all__ = ["compare", "Compare", "COMPARED"]
 
@@ -69,7 +69,7 @@ class Compare(View):
             raise ValueError("compare: give at least one Run or run directory")
         self.sources = [_Source(s) for s in sources]
         self.width_in, self.dpi = width_in, dpi
-        self.throttle = Throttle(self.refresh, min_interval_s=min_interval_s)
+        self.throttle = Throttle(self.refresh, min_interval_s=min_interval_s, budget=LAB_BUDGET)
         self._widget = None
         self._listening = False
 
