@@ -10,11 +10,14 @@ The component configs each actor receives are built by `component_configs(cfg)`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from forgelab.config import RunConfig
+
+log = logging.getLogger("forgelab.spawn")
 
 
 @dataclass
@@ -31,17 +34,24 @@ class Parts:
     """Wall time the spawn took."""
 
     async def shutdown(self) -> None:
-        for svc in (self.generators, self.reference, self.envs):
-            if svc is not None:
-                await svc.shutdown()
-        if self.trainer is not None:
-            await self.trainer.shutdown()
-        if self.job is not None:
-            try:
-                self.job.kill()
-            except Exception:
-                pass
-        self.generators = self.trainer = self.reference = self.envs = self.job = None
+        """Stop every part, then kill the hosts job. A part that fails to stop is logged and the rest
+        still stop; the job is killed whatever happened before (its hosts would outlive the run)."""
+        try:
+            for name in ("generators", "reference", "envs", "trainer"):
+                part = getattr(self, name)
+                if part is None:
+                    continue
+                try:
+                    await part.shutdown()
+                except Exception as err:  # noqa: BLE001 -- the other parts and the job must still stop
+                    log.warning("forgelab: stopping the %s failed: %s: %s", name, type(err).__name__, err)
+        finally:
+            if self.job is not None:
+                try:
+                    self.job.kill()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("forgelab: killing the hosts job failed: %s: %s", type(err).__name__, err)
+            self.generators = self.trainer = self.reference = self.envs = self.job = None
 
 
 def component_configs(cfg: RunConfig) -> dict[str, Any]:

@@ -383,6 +383,33 @@ def test_reward_calls_run_at_once_on_reused_threads_and_a_hung_one_blocks_nobody
     assert runner.hung_message() is None and runner.hung == []
 
 
+def test_parts_shutdown_stops_the_rest_and_kills_the_job_when_a_part_fails_to_stop(caplog):
+    from forgelab.spawn import Parts
+
+    stopped, killed = [], []
+
+    class Part:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        async def shutdown(self):
+            stopped.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} would not stop")
+
+    class Job:
+        def kill(self):
+            killed.append(True)
+
+    parts = Parts(generators=Part("generators", fails=True), trainer=Part("trainer"),
+                  reference=Part("reference"), job=Job())
+    with caplog.at_level("WARNING", logger="forgelab.spawn"):
+        asyncio.run(parts.shutdown())
+    assert stopped == ["generators", "reference", "trainer"] and killed == [True]
+    assert "stopping the generators failed: RuntimeError: generators would not stop" in caplog.text
+    assert parts.job is None and parts.generators is None and parts.trainer is None
+
+
 def test_stop_then_start_again_continues_in_a_new_event_loop(tmp_path):
     run = Run(config(tmp_path, steps=6), spawn=fake_spawn)
 

@@ -79,5 +79,11 @@ def test_the_run_trains_across_hosts(multihost):
 def test_shutdown_kills_the_job_hosts(multihost, loop):
     run, job, workers, *_ = multihost
     loop.run_until_complete(run.shutdown())
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in workers if psutil.pid_exists(p)], timeout=30)
+    procs = []
+    for pid in workers:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:  # already gone and reaped: what this test wants
+            pass
+    gone, alive = psutil.wait_procs(procs, timeout=30)
     assert not alive, f"host workers still running after shutdown: {[p.pid for p in alive]}"
