@@ -136,7 +136,6 @@ def hash_dir(path: str | Path, *, cache: bool = True) -> str:
                 h.update(chunk)
     digest = h.hexdigest()
     if cache and key == _stat_key(path, files):  # unchanged while we read it
-        entries = entries if isinstance(entries, dict) else {}
         entries[str(path)] = {"files": key, "sha256": digest}
         try:
             store.parent.mkdir(parents=True, exist_ok=True)
