@@ -145,6 +145,8 @@ class GeneratorConfig:
 
 WEIGHT_TRANSPORTS = ("auto", "message")
 """Names of forgelab.weights.sender.TRANSPORTS (kept here so configs load without torch; a test checks they agree)."""
+SHARE_PROMPTS = ("auto", "on", "off")
+"""Values of TrainerConfig/ReferenceConfig.share_prompts (forgelab.algos.packing)."""
 
 
 @dataclass(kw_only=True)
@@ -185,6 +187,12 @@ class TrainerConfig:
     logits_chunk: int = 256
     """Tokens projected onto the vocabulary at a time for logprobs/entropy (forward and backward): the trainer
     never holds more than this many rows of full-vocabulary logits (forgelab.algos.logprobs.chunked_logprobs_entropy)."""
+    share_prompts: str = "auto"
+    """Rows that share a prompt (a GRPO group) run it through the model once, packed with a dense attention mask
+    (forgelab.algos.packing): ``"auto"`` packs when that runs at most 80 % of the plain batch's tokens, ``"on"``
+    always, ``"off"`` never. Logprobs and gradients are the same either way, up to float rounding."""
+    max_pack_len: int = 1024
+    """Longest packed sequence (prompt + completions); a larger group is split over several packs."""
     seed: int = 0
     """Seeds torch, python and numpy on every rank."""
     device: str = "auto"
@@ -243,6 +251,10 @@ class TrainerConfig:
             bad("micro_batch_size", "must be None or a positive int")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("device", "must be 'auto', 'cpu' or 'cuda'")
+        if self.share_prompts not in SHARE_PROMPTS:
+            bad("share_prompts", f"must be one of {SHARE_PROMPTS}")
+        if not isinstance(self.max_pack_len, int) or self.max_pack_len < 2:
+            bad("max_pack_len", "must be an int >= 2 (tokens)")
         if not self.pg_timeout_s > 0:
             bad("pg_timeout_s", "must be positive (seconds)")
         if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
@@ -265,6 +277,12 @@ class ReferenceConfig:
     """``"auto"``, ``"cpu"`` or ``"cuda"``."""
     micro_batch_size: int | None = None
     """Rows per forward pass; None: the whole request at once."""
+    share_prompts: str = "auto"
+    """Rows that share a prompt (a GRPO group) run it through the model once, packed with a dense attention mask
+    (forgelab.algos.packing): ``"auto"`` packs when that runs at most 80 % of the plain batch's tokens, ``"on"``
+    always, ``"off"`` never. Logprobs and gradients are the same either way, up to float rounding."""
+    max_pack_len: int = 1024
+    """Longest packed sequence (prompt + completions); a larger group is split over several packs."""
 
     def validate(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -273,6 +291,10 @@ class ReferenceConfig:
             raise ValueError(f"ReferenceConfig.device={self.device!r}: must be 'auto', 'cpu' or 'cuda'")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"ReferenceConfig.micro_batch_size={self.micro_batch_size!r}: must be None or >= 1")
+        if self.share_prompts not in SHARE_PROMPTS:
+            raise ValueError(f"ReferenceConfig.share_prompts={self.share_prompts!r}: must be one of {SHARE_PROMPTS}")
+        if not isinstance(self.max_pack_len, int) or self.max_pack_len < 2:
+            raise ValueError(f"ReferenceConfig.max_pack_len={self.max_pack_len!r}: must be an int >= 2 (tokens)")
 
 
 # --- environment actors ---------------------------------------------------------

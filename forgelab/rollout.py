@@ -154,7 +154,7 @@ class Rollouts:
         source: `SingleTurn` or `EnvEpisodes` (anything with `play(problems, n, sampling=None, seeds=None)`).
         buffer: the run's replay buffer (admission, staleness, accounting).
         rewards: the `RewardRunner` over the run's rewards.
-        reference: the reference service (`route("logprobs", tokens_B_L)`) or None.
+        reference: the reference service (`route("logprobs", tokens_B_L, spans_B_2)`) or None.
         stream: the `ProblemStream` problems come from.
         gate: the controller's `Gate`.
         emit: ``emit(kind, **fields)`` records an event in the run's log.
@@ -298,13 +298,16 @@ class Rollouts:
         tokens_B_L = torch.full((len(rows), max(len(x) for x in rows)), self.pad_id, dtype=torch.long)
         for i, x in enumerate(rows):
             tokens_B_L[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        # (prompt length, length): only completion logprobs are computed, a group's prompt once
+        spans_B_2 = torch.tensor([[len(ep.prompt_ids), len(x)] if ep.completion_ids else [0, 0]
+                                  for ep, x in zip(eps, rows)], dtype=torch.long)
         try:
-            lp = await self.reference.route("logprobs", tokens_B_L)
+            lp = await self.reference.route("logprobs", tokens_B_L, spans_B_2)
         except (NoHealthyReplicaError, ReplicaFailedError) as e:
             # the reference died and is being respawned: wait for it rather than lose these episodes
             self.emit("reference_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
             await self.reference.wait_healthy(count=1, timeout=600)
-            lp = await self.reference.route("logprobs", tokens_B_L)
+            lp = await self.reference.route("logprobs", tokens_B_L, spans_B_2)
         lp_B_L = torch.as_tensor(lp)
         for i, ep in enumerate(eps):
             p, c = len(ep.prompt_ids), len(ep.completion_ids)

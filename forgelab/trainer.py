@@ -64,6 +64,7 @@ from forgelab.trainer_core import (
     PackedLoss,
     TrainerState,
     WarmupCosine,
+    check_spans,
     check_tokens,
     pack_loss,
     resolve_device,
@@ -202,9 +203,13 @@ class Trainer(Component):
         return compare_on_state(self.state, specs, batch)
 
     @endpoint
-    async def logprobs(self, tokens_B_L: torch.Tensor) -> torch.Tensor:
-        """Current policy's ``logprobs_B_T`` (fp32, no grad), the full batch on every rank."""
-        return self.state.logprobs(tokens_B_L)
+    async def logprobs(self, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None) -> torch.Tensor:
+        """Current policy's ``logprobs_B_T`` (fp32, no grad), the full batch on every rank.
+
+        With ``spans_B_2`` (each row's ``(prompt length, length)``) only the completion positions are
+        computed (0 elsewhere), and rows sharing a prompt run it once (`TrainerConfig.share_prompts`).
+        """
+        return self.state.logprobs(tokens_B_L, spans_B_2)
 
     # -- weights ---------------------------------------------------------------
 
@@ -278,12 +283,22 @@ class ReferenceModel(Component):
         self.model = model.eval().requires_grad_(False)
 
     @endpoint
-    async def logprobs(self, tokens_B_L: torch.Tensor) -> torch.Tensor:
-        """``logprobs_B_T`` (fp32, CPU) of each next token of ``tokens_B_L`` under the frozen weights."""
-        from forgelab.titan import model_logprobs
+    async def logprobs(self, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None) -> torch.Tensor:
+        """``logprobs_B_T`` (fp32, CPU) of each next token of ``tokens_B_L`` under the frozen weights.
+
+        With ``spans_B_2`` (each row's ``(prompt length, length)``) only the completion positions are
+        computed (0 elsewhere), and rows sharing a prompt run it once (`ReferenceConfig.share_prompts`).
+        """
+        from forgelab.titan import model_logprobs_entropy
 
         tokens_B_L = check_tokens(tokens_B_L)
+        spans_B_2 = check_spans(spans_B_2, tokens_B_L)
         rows = self.config.micro_batch_size or tokens_B_L.shape[0]
+        parts = []
         with torch.no_grad():
-            parts = [model_logprobs(self.model, chunk.to(self.device)) for chunk in tokens_B_L.split(rows)]
+            for s in range(0, tokens_B_L.shape[0], rows):
+                parts.append(model_logprobs_entropy(
+                    self.model, tokens_B_L[s:s + rows].to(self.device),
+                    spans_B_2=None if spans_B_2 is None else spans_B_2[s:s + rows],
+                    share_prompts=self.config.share_prompts, max_pack_len=self.config.max_pack_len)[0])
         return torch.cat(parts).float().cpu()

@@ -32,6 +32,7 @@ from forgelab.trainer_support import (  # noqa: F401  (re-exported: forgelab.tra
     _set_rng_state,
     _sha,
     check_batch,
+    check_spans,
     check_tokens,
     pack_loss,
     resolve_device,
@@ -153,19 +154,25 @@ class TrainerState:
     def config_micro(self) -> int | None:
         return getattr(self.config, "micro_batch_size", None)
 
-    def _forward(self, tokens_B_L: torch.Tensor, rows: torch.Tensor, *, need_entropy: bool):
+    def _forward(self, tokens_B_L: torch.Tensor, rows: torch.Tensor, *, need_entropy: bool,
+                 spans_B_2: torch.Tensor | None = None):
         """``(logprobs_R_T, entropy_R_T or None)`` for ``rows``; an empty row set runs one dummy row so collectives match.
 
         The model stops at its final hidden states; logprobs and entropy are
         projected ``logits_chunk`` rows at a time (`forgelab.algos.logprobs.chunked_logprobs_entropy`),
-        so no ``[R, T, V]`` logits exist, in the forward or the backward pass.
+        so no ``[R, T, V]`` logits exist, in the forward or the backward pass. With ``spans_B_2``
+        (`forgelab.algos.packing`) only those positions are computed, rows sharing a prompt run it
+        once (``share_prompts``), and every other position is 0.
         """
         from forgelab.titan import model_logprobs_entropy
 
         dummy = len(rows) == 0
         sel = tokens_B_L[:1] if dummy else tokens_B_L[rows]
+        spans = None if dummy or spans_B_2 is None else spans_B_2[rows]
         logprobs_R_T, entropy_R_T = model_logprobs_entropy(
-            self.model, sel.to(self.device), need_entropy=need_entropy, chunk=getattr(self.config, "logits_chunk", None)
+            self.model, sel.to(self.device), need_entropy=need_entropy, chunk=getattr(self.config, "logits_chunk", None),
+            spans_B_2=spans, share_prompts=getattr(self.config, "share_prompts", "off"),
+            max_pack_len=getattr(self.config, "max_pack_len", None),
         )
         if entropy_R_T is not None:
             entropy_R_T = entropy_R_T.detach()
@@ -207,6 +214,7 @@ class TrainerState:
         """
         from forgelab.algos.importance import truncated_is_weights
         from forgelab.algos.losses import validate_loss_output
+        from forgelab.algos.packing import spans_from_mask
 
         dev = self.device
         tokens = batch["tokens_B_L"]
@@ -218,13 +226,14 @@ class TrainerState:
         ref_B_T = None if ref is None else ref.float().to(dev)
         micro = self._micro_batches(B)
         rows = torch.cat(micro)
+        spans_B_2 = spans_from_mask(batch["mask_B_T"].cpu())  # only masked positions enter the loss
 
         # Pass 1: this rank's logprobs (keeping the graph when there is one micro-batch).
         graphs, parts, ents = [], [], []
         keep_graph = len(micro) == 1
         for mb in micro:
             with torch.set_grad_enabled(keep_graph):
-                lp, ent = self._forward(tokens, mb, need_entropy=True)
+                lp, ent = self._forward(tokens, mb, need_entropy=True, spans_B_2=spans_B_2)
             graphs.append(lp if keep_graph else None)
             parts.append(lp.detach())
             ents.append(ent)
@@ -263,7 +272,7 @@ class TrainerState:
             if keep_graph:
                 lp = graphs[i]
             else:
-                lp, _ = self._forward(tokens, mb, need_entropy=False)
+                lp, _ = self._forward(tokens, mb, need_entropy=False, spans_B_2=spans_B_2)
             if len(mb) == 0:
                 lp.sum().backward()  # zero-valued: keeps this rank in the FSDP reduce-scatter
             else:
@@ -328,11 +337,13 @@ class TrainerState:
             _set_rng_state(rng)
         return result
 
-    def logprobs(self, tokens_B_L: Any) -> torch.Tensor:
+    def logprobs(self, tokens_B_L: Any, spans_B_2: Any = None) -> torch.Tensor:
         tokens_B_L = check_tokens(tokens_B_L)
         B = tokens_B_L.shape[0]
+        spans_B_2 = check_spans(spans_B_2, tokens_B_L)
         with torch.no_grad():
-            parts = [self._forward(tokens_B_L, mb, need_entropy=False)[0] for mb in self._micro_batches(B)]
+            parts = [self._forward(tokens_B_L, mb, need_entropy=False, spans_B_2=spans_B_2)[0]
+                     for mb in self._micro_batches(B)]
         return self._all_gather_rows(torch.cat(parts), B).float().cpu()
 
     # -- weights and checkpoints --------------------------------------------------------

@@ -98,6 +98,24 @@ def check_tokens(tokens_B_L: Any) -> torch.Tensor:
     return tokens_B_L.long()
 
 
+def check_spans(spans_B_2: Any, tokens_B_L: torch.Tensor) -> torch.Tensor | None:
+    """None, or ``[B, 2]`` int spans ``(prompt length, length)`` per row of ``tokens_B_L`` (`forgelab.algos.packing`)."""
+    if spans_B_2 is None:
+        return None
+    spans_B_2 = torch.as_tensor(spans_B_2)
+    B, L = tokens_B_L.shape
+    if spans_B_2.shape != (B, 2) or spans_B_2.is_floating_point():
+        raise ValueError(f"spans_B_2 must be an int tensor [B, 2] = [{B}, 2] of (prompt length, length) per row, "
+                         f"got {tuple(spans_B_2.shape)} {spans_B_2.dtype}")
+    s, e = spans_B_2[:, 0], spans_B_2[:, 1]
+    bad = ~(((s >= 1) & (s < e) & (e <= L)) | ((s == 0) & (e == 0)))
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"spans_B_2 row {b} is ({int(s[b])}, {int(e[b])}); need 1 <= prompt length < length <= L "
+                         f"= {L}, or (0, 0) for a row with nothing to compute")
+    return spans_B_2.long().cpu()
+
+
 def check_batch(batch: Any) -> dict[str, Any]:
     """Validate a collated batch (``forgelab.algos.batching.collate``); raise ``ValueError`` naming the problem."""
     if not isinstance(batch, dict):

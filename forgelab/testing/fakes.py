@@ -13,7 +13,7 @@
   rank): `train_step` (metrics with the loss it used; a swap lands between steps),
   `push_weights` (sets each replica's version), `set_loss`, `dry_run_loss`, `save`,
   `load`, `fingerprint`, `info`. `hold()` / `release()` keep a step in flight.
-- `FakeReference` answers `route("logprobs", tokens_B_L)` with zeros.
+- `FakeReference` answers `route("logprobs", tokens_B_L, spans_B_2)` with zeros.
 
 The real actors are tested on real processes (tests/test_generator.py, test_trainer.py, ...).
 """
@@ -230,12 +230,17 @@ class FakeTrainer:
 
 
 class FakeReference:
-    """The reference service: `route("logprobs", tokens_B_L)` -> zeros_B_L."""
+    """The reference service: `route("logprobs", tokens_B_L, spans_B_2)` -> zeros_B_L (spans checked as the real one
+    checks them)."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    async def route(self, endpoint: str, tokens_B_L: torch.Tensor) -> torch.Tensor:
+    async def route(self, endpoint: str, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        from forgelab.trainer_support import check_spans
+
+        check_spans(spans_B_2, tokens_B_L)
         self.calls += 1
         await asyncio.sleep(0)
         return torch.zeros(tokens_B_L.shape, dtype=torch.float32)
