@@ -41,7 +41,7 @@ demo: setup
 	$(BIN)/forgelab demo
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax tests tutorials notebooks
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 --nbval-lax tests tutorials notebooks
 
 # The development loop's fast tier (a few minutes here): pure functions, doctests and the controller
 # against in-process fakes (tests/test_controller_unit.py): every test not marked integration.
