@@ -127,11 +127,12 @@ def measure_generator(model_dir: str, count: int, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------- trainer
-async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None) -> dict:
+async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None, prompts: int = 8) -> dict:
     from forgelab.bench.e2e import bench_config
     from forgelab.run import Run
 
-    run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits", warmup=warmup))
+    run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits", warmup=warmup,
+                           prompts=prompts))
     batches: list[dict] = []
     await run.start()
     call = run.trainer.call
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench limits", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: 2 matmul repeats per shape, bare vLLM 1 timed run of 16 prompts x 8, "
-                         "a 3-step Run (warmup 1; 2 steps timed after the warm-up step)")
+                    help="proves the code path: 2 matmul repeats per shape, bare vLLM 1 timed run of 8 prompts x 8, "
+                         "a 2-step Run of 2 prompts x 8 (warmup 1; 1 step timed after the warm-up step)")
     args = ap.parse_args(argv)
 
     import torch
@@ -193,9 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     mm_gen = matmul_gflops(64 * 8, h, i, reps)  # one decode step of 64 prompts x 8 samples through the MLP
     mm_train = matmul_gflops(64 * 17, h, i, reps)  # a batch of 64 sequences of ~17 tokens
     mm_big = matmul_gflops(2048, 2048, 2048, max(2, reps // 2))
-    gen = measure_generator(SHIPPED, 16 if args.quick else 256, 1 if args.quick else 3)
+    gen = measure_generator(SHIPPED, 8 if args.quick else 256, 1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="forgelab-limits-") as d:
-        tr = asyncio.run(measure_trainer(3 if args.quick else 20, d, warmup=1 if args.quick else None))
+        tr = asyncio.run(measure_trainer(2 if args.quick else 20, d, warmup=1 if args.quick else None,
+                                         prompts=2 if args.quick else 8))
     end = print_machine("end")
 
     attn_share = 4 * p["layers"] * 17 * h / (2 * N)

@@ -153,11 +153,14 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench weight_sync", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: tiny model only, 1 repetition (raw, shm push, raw, message push, "
-                         "raw xN together)")
-    ap.add_argument("--replicas", type=int, default=2, help="generator replicas the trainer pushes to")
+                    help="proves the code path: tiny model only, 1 replica, 1 repetition (raw, shm push, raw, "
+                         "message push, raw xN together)")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="generator replicas the trainer pushes to (default 2; --quick 1: one engine per side)")
     ap.add_argument("--layers", type=int, default=16, help="layers of the large random model (16: ~100 M params)")
     args = ap.parse_args(argv)
+    if args.replicas is None:
+        args.replicas = 1 if args.quick else 2
 
     import torch
 
