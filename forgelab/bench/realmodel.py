@@ -123,11 +123,23 @@ def _logits_main(model_dir: str, N: int, mode: str) -> None:
     print(json.dumps({"peak_gib": (_vm_kib("VmHWM") - base) * 1024 / GiB}), flush=True)
 
 
+def _children(*argss: tuple[str, ...]) -> list[dict]:
+    """Run one child process per argument tuple, all at once; each child's last JSON line.
+
+    Concurrent children keep their own peaks (VmHWM is per process) but share the cores, so
+    their timings are only meaningful run one at a time (`_child`).
+    """
+    procs = [subprocess.Popen([sys.executable, "-m", "forgelab.bench.realmodel", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in argss]
+    outs = [(args, p, *p.communicate()) for args, p in zip(argss, procs)]
+    for args, p, _, err in outs:
+        if p.returncode != 0:
+            raise RuntimeError(f"realmodel child {args} failed:\n{err[-3000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for _, _, out, _ in outs]
+
+
 def _child(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "forgelab.bench.realmodel", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"realmodel child {args} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _children(args)[0]
 
 
 # -- part 3: the whole loop -----------------------------------------------------------------------------
@@ -158,26 +170,26 @@ class _PssSampler:
         self._thread.join()
 
 
-def loop_config(model_dir: str, out_dir: str, steps: int):
+def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2):
     from forgelab.config import (EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig,
                                  TrackingConfig, TrainConfig)
 
     return RunConfig(
         name="realmodel",
         model=ModelConfig(path=model_dir, max_model_len=64),
-        rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=2, concurrency=1, max_tokens=8),
-        train=TrainConfig(steps=steps, batch_size=8, lr=1e-5, warmup_steps=1, max_policy_age=1, seed=0),
+        rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=prompts, concurrency=1, max_tokens=8),
+        train=TrainConfig(steps=steps, batch_size=4 * prompts, lr=1e-5, warmup_steps=1, max_policy_age=1, seed=0),
         eval=EvalConfig(every=0, n=2),
         tracking=TrackingConfig(out_dir=out_dir, wandb=False),
         placement=PlacementConfig(reference=True),
     )
 
 
-async def _loop(model_dir: str, steps: int) -> dict:
+async def _loop(model_dir: str, steps: int, prompts: int = 2) -> dict:
     from forgelab.run import Run
 
     with tempfile.TemporaryDirectory(prefix="forgelab-realmodel-") as out, _PssSampler() as sampler:
-        cfg = loop_config(model_dir, out, steps)
+        cfg = loop_config(model_dir, out, steps, prompts)
         run = Run(cfg)
         await run.start()
         roles = {}
@@ -226,43 +238,56 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench realmodel", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="trainer alone at 2 layers (not 28), batch 1 x 128, 2 steps; loop 2 steps")
+                    help="trainer alone at 2 layers (not 28), batch 1 x 64, 1 step, beside the logits children; "
+                         "loop 2 steps of 1 prompt x 4")
     ap.add_argument("--batch", type=int, default=None, help="trainer-alone rows (default 4; quick 1)")
-    ap.add_argument("--seq", type=int, default=None, help="trainer-alone tokens per row (default 256; quick 128)")
+    ap.add_argument("--seq", type=int, default=None, help="trainer-alone tokens per row (default 256; quick 64)")
     ap.add_argument("--skip-trainer", action="store_true", help="skip part 1 (the full-depth trainer)")
     args = ap.parse_args(argv)
     from forgelab.recipes.real_shapes import real_shape_checkpoint
 
     B = args.batch or (1 if args.quick else 4)
-    L = args.seq or (128 if args.quick else 256)
-    steps = 2 if args.quick else 3
+    L = args.seq or (64 if args.quick else 256)
+    steps = 1 if args.quick else 3
     start = print_machine("start")
     result: dict = {"suite": "realmodel", "quick": args.quick, "shape": "qwen3-0.6b", "trainer_batch": [B, L]}
 
     small = real_shape_checkpoint("qwen3-0.6b", layers=2, max_position_embeddings=512)
+    N = B * (L - 1)
+    logits_args = [("--_logits", small, str(N), "chunked")]
+    if N <= 2048:
+        logits_args.append(("--_logits", small, str(N), "full"))
+    else:
+        n1, n2 = 256, 512
+        logits_args += [("--_logits", small, str(n), "full") for n in (n1, n2)]
+    logits = None
     if not args.skip_trainer:
         # --quick (CI): the 2-layer shape, not the 28-layer one (a 10+ GiB process and a 2.4 GB checkpoint)
         full = small if args.quick else real_shape_checkpoint("qwen3-0.6b", max_position_embeddings=512)
         result["trainer_layers"] = 2 if args.quick else 28
-        t = _child("--_trainer", full, str(B), str(L), str(steps))
+        trainer_args = ("--_trainer", full, str(B), str(L), str(steps))
+        if args.quick:  # proves the path: the logits children start beside the trainer (one import wait, not 3)
+            t, *logits = _children(trainer_args, *logits_args)
+        else:
+            t = _child(*trainer_args)
         result.update(s_per_step=statistics.median(t["step_s"][1:] or t["step_s"]), peak_gib=t["peak_gib"],
                       trainer_params=t["params"], trainer_step_s=t["step_s"])
         print(f"trainer alone ({result['trainer_layers']} layers, {t['params'] / 1e6:.0f} M params, {B}x{L}): "
               f"{result['s_per_step']:.2f} s/step, peak {t['peak_gib']:.2f} GiB", flush=True)
-    N = B * (L - 1)
-    result["logits_peak_gib_chunked"] = _child("--_logits", small, str(N), "chunked")["peak_gib"]
+    if logits is None:
+        logits = [_child(*a) for a in logits_args]
+    result["logits_peak_gib_chunked"] = logits[0]["peak_gib"]
     if N <= 2048:
-        result["logits_peak_gib_full"] = _child("--_logits", small, str(N), "full")["peak_gib"]
+        result["logits_peak_gib_full"] = logits[1]["peak_gib"]
         result.update(full_extrapolated=False, full_measured_tokens=N)
     else:
-        n1, n2 = 256, 512
-        p1, p2 = (_child("--_logits", small, str(n), "full")["peak_gib"] for n in (n1, n2))
+        p1, p2 = (r["peak_gib"] for r in logits[1:])
         result["logits_peak_gib_full"] = p1 + (p2 - p1) * (N - n1) / (n2 - n1)
         result.update(full_extrapolated=True, full_measured_tokens=[n1, n2])
     print(f"logits memory for {N} tokens: chunked {result['logits_peak_gib_chunked']:.3f} GiB, "
           f"full {result['logits_peak_gib_full']:.3f} GiB", flush=True)
 
-    loop = asyncio.run(_loop(small, 2 if args.quick else 4))
+    loop = asyncio.run(_loop(small, 2 if args.quick else 4, 1 if args.quick else 2))
     measured = loop.pop("peak_pss_gib")
     cfg = loop.pop("cfg")
     plan = planned_pss(cfg, measured)
