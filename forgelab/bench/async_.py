@@ -66,8 +66,8 @@ async def _pooled(cfgs: list, target: float, time_cap_s: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench async", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: every age (0, 1, 2) once, 4 steps each (warmup 1, batch 8, "
-                         "10 held-out problems, evaluated at steps 0, 2, 4), the three runs in one process pool "
+                    help="proves the code path: every age (0, 1, 2) once, 2 steps each (warmup 1, batch 8, "
+                         "10 held-out problems, evaluated at steps 0, 2), the three runs in one process pool "
                          "(spawned once, re-initialised per run) instead of new processes per run")
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--every", type=int, default=EVAL_EVERY)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv or [])
     prompts, eval_n, warmup = 8, EVAL_N, None
     if args.quick:
-        args.steps, args.every, args.repeats, args.time_cap = 4, 2, 1, 60.0
+        args.steps, args.every, args.repeats, args.time_cap = 2, 2, 1, 60.0
         prompts, eval_n, warmup = 1, 10, 1
 
     import torch
