@@ -60,7 +60,8 @@ def meshes(loop, cfg, model_dir):
     """(1-proc trainer, 2-proc trainer, reference model), spawned together.
 
     The 1-process trainer accumulates gradients over 1-row micro-batches, so
-    comparing it with the 2-process one checks both paths at once.
+    comparing it with the 2-process one checks both paths at once. (A 1-row
+    micro-batch has no prompt to share: that trainer never packs.)
     """
     handles = loop.run_until_complete(_gather(
         Trainer.options(procs=1).as_actor(replace(cfg, micro_batch_size=1)),
@@ -108,6 +109,28 @@ def test_reference_matches_trainer_and_hf_at_step0(loop, meshes, batches, step0_
     with torch.no_grad():
         hf_lp = gather_logprobs(hf(tokens[:, :-1]).logits, tokens[:, 1:])
     assert (hf_lp - ref_lp).abs().max() <= TOL
+
+
+def test_two_ranks_packing_shared_prompts_equal_one_plain_rank(loop, meshes, vocab):
+    """GRPO-style rows (each group's two episodes share a prompt): each FSDP2 rank of the 2-process trainer packs
+    its group (share_prompts "auto"), the 1-process trainer runs the plain rows one by one; at step 0 (identical
+    weights) the loss and every metric agree. Run as a dry run, so the trainers stay at step 0 for the tests below."""
+    from forgelab.algos.packing import plan_shared_prefix, spans_from_mask
+    from forgelab.titan import use_packing
+
+    t1, t2, _ = meshes
+    batch = random_batches(vocab, 1, B=4, seed=5, shared_prompts=True)[0]
+    spans = spans_from_mask(batch["mask_B_T"])
+    for rows in (slice(0, 2), slice(2, 4)):  # each rank's rows (contiguous blocks): the packed path is taken
+        assert use_packing(plan_shared_prefix(batch["tokens_B_L"][rows], spans[rows]))
+    r1, r2s = loop.run_until_complete(_gather(t1.call_one("dry_run_loss", "grpo", batch, {"kl_coef": 0.05}),
+                                              t2.call("dry_run_loss", "grpo", batch, {"kl_coef": 0.05})))
+    assert r1["ok"], r1
+    for r2 in r2s:
+        assert r2["ok"], r2
+        assert abs(r1["loss"] - r2["loss"]) <= TOL * max(1.0, abs(r1["loss"]))
+        for key in ("entropy", "kl_ref", "is_weight_mean", "clip_frac", "n_tokens"):
+            assert abs(r1["metrics"][key] - r2["metrics"][key]) <= TOL * max(1.0, abs(r1["metrics"][key])), key
 
 
 def test_one_vs_two_processes_same_loss_and_weights(loop, meshes, batches, step0_logprobs):

@@ -51,8 +51,10 @@ def tiny_model_dir(tmp_dir: str) -> str:
     return out
 
 
-def random_batches(vocab: int, n: int, *, B: int = 4, seed: int = 0, with_ref: bool = True) -> list[dict]:
-    """``n`` collated batches of random episodes (ragged prompts and completions)."""
+def random_batches(vocab: int, n: int, *, B: int = 4, seed: int = 0, with_ref: bool = True,
+                   shared_prompts: bool = False) -> list[dict]:
+    """``n`` collated batches of random episodes (ragged prompts and completions); with ``shared_prompts`` the two
+    episodes of a group (``i // 2``) share their prompt, as GRPO's do (what shared-prompt packing packs)."""
     from forgelab.algos.batching import collate
     from forgelab.types import Episode
 
@@ -60,12 +62,15 @@ def random_batches(vocab: int, n: int, *, B: int = 4, seed: int = 0, with_ref: b
     out = []
     for _ in range(n):
         eps = []
+        prompt: list[int] = []
         for i in range(B):
             P, C = 3 + i % 3, 4 + (2 * i) % 5
             gen = (-torch.rand(C, generator=g) * 4).tolist()
+            if not (shared_prompts and i % 2):
+                prompt = torch.randint(3, vocab, (P,), generator=g).tolist()
             eps.append(Episode(
                 id=i, group_id=i // 2,
-                prompt_ids=torch.randint(3, vocab, (P,), generator=g).tolist(),
+                prompt_ids=list(prompt),
                 completion_ids=torch.randint(3, vocab, (C,), generator=g).tolist(),
                 generator_logprobs=gen, policy_version=0,
                 advantage=float(torch.randn(1, generator=g)),
