@@ -177,7 +177,7 @@ class TrainerConfig:
     loss: str | Callable = "grpo"
     """A name in ``forgelab.algos.losses.LOSSES`` or a loss function (see that module for the signature)."""
     loss_kwargs: dict = field(default_factory=dict)
-    """Hyperparameters passed to the loss (unknown ones are ignored by the built-in losses)."""
+    """Hyperparameters passed to the loss (a built-in loss refuses unknown ones, naming them: forgelab.algos.loss_checks)."""
     is_cap: float | None = None
     """Truncated importance-sampling cap ``C`` (weights ``min(pi_trainer/pi_gen, C)``); None: off."""
     is_level: str = "token"

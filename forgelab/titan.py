@@ -215,9 +215,9 @@ def titan_qwen3_config_from_hf(hf_config: dict[str, Any]):
     """
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers
 
     from forgelab.titan_attention import MaskedSDPA
-    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers
 
     hf = hf_config
     if hf.get("model_type", "qwen3") != "qwen3":
@@ -405,16 +405,17 @@ def export_hf(model: torch.nn.Module, ckpt: TitanCheckpoint, out_dir: str) -> st
     return save_hf(out_dir, to_hf_state_dict(model, ckpt), ckpt)
 
 
-def hidden_states(model: torch.nn.Module, inputs_B_T: torch.Tensor) -> torch.Tensor:
+def hidden_states(model: torch.nn.Module, inputs_B_T: torch.Tensor, **forward_kwargs: Any) -> torch.Tensor:
     """The final hidden states ``[B, T, D]`` (after the last norm, before the output projection).
 
     Runs the model's own forward (so FSDP's hooks fire) with torchtitan's
-    ``_skip_lm_head`` set, so no ``[B, T, V]`` logits are ever built.
+    ``_skip_lm_head`` set, so no ``[B, T, V]`` logits are ever built. ``forward_kwargs``
+    (``positions``, ``attention_masks``) go to the model's forward.
     """
     skip = model._skip_lm_head
     model._skip_lm_head = True
     try:
-        return model(inputs_B_T)
+        return model(inputs_B_T, **forward_kwargs)
     finally:
         model._skip_lm_head = skip
 
@@ -490,13 +491,8 @@ def packed_logprobs_entropy(
     from forgelab.algos.logprobs import chunked_logprobs_entropy
     from forgelab.algos.packing import unpack_to_rows
 
-    skip = model._skip_lm_head
-    model._skip_lm_head = True
-    try:
-        h_N_S_D = model(pack.tokens_N_S.to(device), positions=pack.positions_N_S.to(device),
-                        attention_masks=pack.allowed_N_S_S.to(device).unsqueeze(1))
-    finally:
-        model._skip_lm_head = skip
+    h_N_S_D = hidden_states(model, pack.tokens_N_S.to(device), positions=pack.positions_N_S.to(device),
+                            attention_masks=pack.allowed_N_S_S.to(device).unsqueeze(1))
     h_M_D = h_N_S_D.reshape(-1, h_N_S_D.shape[-1])[pack.src_M.to(h_N_S_D.device)]
     lp_1_M, ent_1_M = chunked_logprobs_entropy(h_M_D.unsqueeze(0), output_weight(model),
                                                pack.target_M.to(h_N_S_D.device).unsqueeze(0), chunk=chunk,
