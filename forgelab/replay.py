@@ -171,8 +171,11 @@ def _reward_registry():
 
 
 async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str | Path | None = None,
-                 name: str | None = None) -> ReplayReport:
-    """Re-run `run_dir` from its manifest with its recorded changes; compare the learning metrics step by step."""
+                 name: str | None = None, spawn: Any = None) -> ReplayReport:
+    """Re-run `run_dir` from its manifest with its recorded changes; compare the learning metrics step by step.
+
+    `spawn` is passed to `Run` (e.g. a `forgelab.pool.ProcessPool`: the replay runs on its idle processes).
+    """
     import pandas as pd
 
     from forgelab.config import RunConfig
@@ -188,7 +191,7 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
         cfg.tracking.out_dir = str(out_dir)
     cfg.tracking.wandb = False
     original = pd.read_csv(run_dir / "metrics.csv")
-    run = Run(cfg)
+    run = Run(cfg, spawn=spawn)
     replayer = run._replay = Replayer(events)
     await run.start()
     if until is not None:

@@ -2,9 +2,10 @@
 
 One synchronous run (max_policy_age 0, 20 steps, batch 16) is shared by the module: a custom
 reward is added after step 5 and a custom loss with kwargs swapped in after step 10, both live.
-Its replay must reproduce every learning metric exactly; its step-20 checkpoint is resumed
-(in a fresh Run, after the first one's processes are gone) and must train with that loss,
-those kwargs and that reward. The first tests are pure functions (no processes).
+Its replay runs on the same processes (a module ProcessPool re-initialises them, so no live change may
+linger there) and must reproduce every learning metric exactly; its step-20 checkpoint is resumed (in a
+fresh Run on new processes, after the pool's are gone) and must train with that loss, those kwargs and
+that reward. The first tests are pure functions (no processes).
 """
 import asyncio
 import hashlib
@@ -145,12 +146,15 @@ def _config(out_dir, name="prov", steps=20):
 
 @pytest.fixture(scope="module")
 def recorded(loop, tmp_path_factory):
-    """The 20-step synchronous run with two live changes, finished, checkpointed and shut down."""
+    """The 20-step synchronous run with two live changes, finished, checkpointed and shut down (its processes
+    idle in ``pool`` for the replay)."""
+    from forgelab.pool import ProcessPool
     from forgelab.run import Run
 
     head_before = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                  cwd=Path(__file__).parent).stdout.strip()
-    run = Run(_config(tmp_path_factory.mktemp("prov")))
+    pool = ProcessPool()
+    run = Run(_config(tmp_path_factory.mktemp("prov")), spawn=pool)
     swaps = []
 
     def on_row(row):
@@ -162,14 +166,18 @@ def recorded(loop, tmp_path_factory):
             swaps.append(asyncio.ensure_future(run.set_loss(scaled_grpo, scale=0.5)))
 
     run.add_listener(on_row)
-    loop.run_until_complete(run.start())
-    loop.run_until_complete(run.wait())
-    loop.run_until_complete(asyncio.gather(*swaps))
-    ckpt = loop.run_until_complete(run.save_checkpoint())
-    events = list(run.events)
-    loop.run_until_complete(run.shutdown())
-    assert run.state == "finished", run.message
-    return {"head_before": head_before, "dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics, "config": run.config}
+    try:
+        loop.run_until_complete(run.start())
+        loop.run_until_complete(run.wait())
+        loop.run_until_complete(asyncio.gather(*swaps))
+        ckpt = loop.run_until_complete(run.save_checkpoint())
+        events = list(run.events)
+        loop.run_until_complete(run.shutdown())
+        assert run.state == "finished", run.message
+        yield {"head_before": head_before, "dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics,
+               "config": run.config, "pool": pool}
+    finally:
+        loop.run_until_complete(pool.shutdown())  # idle or still busy (a failed start): stopped
 
 
 @pytest.mark.integration
@@ -236,8 +244,11 @@ def test_event_log_records_each_live_change_with_source(recorded):
 def test_replay_reproduces_learning_metrics_exactly(recorded, loop, tmp_path_factory):
     from forgelab.run import Run
 
-    report = loop.run_until_complete(Run.replay(recorded["dir"], out_dir=tmp_path_factory.mktemp("replay")))
+    pool = recorded["pool"]
+    reused = pool.reused
+    report = loop.run_until_complete(Run.replay(recorded["dir"], out_dir=tmp_path_factory.mktemp("replay"), spawn=pool))
     print(report)
+    assert pool.reused == reused + 1, pool.last_note  # the recorded run's processes, re-initialised
     assert report.steps == 20 and len(report.changes_applied) == 2
     assert report.ok, str(report)
     # the replay's own log records the same changes at the same points
@@ -252,6 +263,7 @@ def test_replay_reproduces_learning_metrics_exactly(recorded, loop, tmp_path_fac
 def test_resume_restores_custom_loss_kwargs_and_reward(recorded, loop, tmp_path_factory):
     from forgelab.run import Run
 
+    loop.run_until_complete(recorded["pool"].shutdown())  # nothing of the first run's processes survives
     cfg = _config(tmp_path_factory.mktemp("resumed"), name="prov-resumed", steps=24)
     run = Run(cfg, resume_from=recorded["ckpt"])
     rows = []
