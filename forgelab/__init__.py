@@ -4,13 +4,16 @@
     run = Run(RunConfig())
     await run.start()
 
-Heavy modules (vLLM, Monarch, torchtitan) load lazily: importing forgelab is cheap.
+Heavy modules (vLLM, Monarch, torchtitan) load lazily: importing forgelab is cheap. The package's layers,
+bottom to top: algos, rewards, data, runtime, envs, config, weights, engines, controller, experiments, lab,
+then the `Run` facade (forgelab.run); docs/architecture.md draws them.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
 from forgelab import quiet as _quiet  # noqa: E402
+from forgelab.lazy import lazy_exports  # noqa: E402
 
 _quiet.install()  # targeted filters for known third-party noise (see forgelab.quiet); FORGELAB_VERBOSE=1 keeps it
 
@@ -26,16 +29,10 @@ _LAZY = {
     "EvalConfig": "forgelab.config",
     "TrackingConfig": "forgelab.config",
     "ConfigError": "forgelab.config",
-    "ProcessPool": "forgelab.pool",
-    "rescore": "forgelab.rollout_log",
+    "ProcessPool": "forgelab.engines",
+    "rescore": "forgelab.controller",
+    "replay": "forgelab.experiments",
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'forgelab' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

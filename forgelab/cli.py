@@ -35,7 +35,7 @@ def _apply_overrides(data: dict, sets: list[str]) -> dict:
 def _load(path: str, sets: list[str]):
     import yaml
 
-    from forgelab.config import ConfigError, RunConfig
+    from forgelab.config.run_config import ConfigError, RunConfig
 
     try:
         with open(path) as f:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p_rep.add_argument("--out", default=None, help="runs folder for the replay (default: the original's)")
     args = parser.parse_args(argv)
 
-    from forgelab.config import ConfigError
+    from forgelab.config.run_config import ConfigError
 
     try:
         if args.cmd == "check":
@@ -121,16 +121,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _provenance(args) -> int:
     if args.cmd == "show":
-        from forgelab.timeline import format_timeline
+        from forgelab.controller.timeline import format_timeline
 
         print(format_timeline(args.run_dir, diffs=not args.no_diffs))
         return 0
     if args.cmd == "diff":
-        from forgelab.provenance import diff_runs, format_diff
+        from forgelab.controller.provenance import diff_runs, format_diff
 
         print(format_diff(diff_runs(args.run_a, args.run_b)))
         return 0
-    from forgelab.replay import replay_sync
+    from forgelab.experiments.replay import replay_sync
 
     report = replay_sync(args.run_dir, until=args.until, out_dir=args.out)
     print(report)

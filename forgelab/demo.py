@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from forgelab.config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
 
 def demo_config(steps: int | None = None, out_dir: str = "runs") -> RunConfig:

@@ -3,7 +3,7 @@
     forgelab plan CONFIG.yaml [--gpus N --gpu-mem GiB] [--host-mem GiB]
 
 Counted per process, from the model's ``config.json`` (no weights are read) and the
-component configs a `Run` would spawn (`forgelab.spawn.component_configs`):
+component configs a `Run` would spawn (`forgelab.engines.spawn.component_configs`):
 
 - generator (vLLM): weights in the engine dtype, KV cache (``kv_cache_gib`` on CPU;
   ``gpu_memory_utilization`` x GPU memory on a GPU, which vLLM reserves whole),
@@ -154,8 +154,8 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
         seq_len: tokens per training sequence (default ``model.max_model_len``, the worst case).
         hf_config: the model's ``config.json`` dict (default: read from ``model.path``).
     """
-    from forgelab.spawn import component_configs
-    from forgelab.titan import read_hf_config
+    from forgelab.engines.spawn import component_configs
+    from forgelab.engines.titan import read_hf_config
 
     cc = component_configs(cfg)
     gen, tr, ref = cc["generator"], cc["trainer"], cc["reference"]

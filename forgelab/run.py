@@ -13,10 +13,10 @@
 `Run` is a thin facade (lifecycle, live controls, views) over parts, each in its
 own module (docs/architecture.md draws the whole data flow):
 
-    rollout.concurrency x Rollouts.worker            forgelab/rollout.py
+    rollout.concurrency x Rollouts.worker            forgelab/controller/rollout.py
         buffer.admit -> problems -> SingleTurn | EnvEpisodes -> RewardRunner -> advantages
-        -> reference logprobs -> buffer.add          (forgelab/buffer.py, forgelab/reward_runner.py)
-    train_loop                                       forgelab/training.py
+        -> reference logprobs -> buffer.add          (forgelab/controller/buffer.py, forgelab/controller/reward_runner.py)
+    train_loop                                       forgelab/controller/training.py
         buffer.sample -> trainer.train_step -> WeightSync.push -> metrics_row   (forgelab/weights/sync.py)
     evaluate, checkpoint, events, spawn, view, controls: forgelab/<that name>.py
 
@@ -31,19 +31,20 @@ import logging
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from forgelab import checkpoint, controls, experiments, provenance
-from forgelab.buffer import ReplayBuffer
-from forgelab.config import ConfigError, RunConfig
-from forgelab.data import ProblemStream, load_problems
-from forgelab.controls import LossSwapRefused, RewardChangeRefused  # noqa: F401 -- re-exported
-from forgelab.evaluate import heldout_reward
-from forgelab.events import EventLog
-from forgelab.reward_runner import RewardRunner, configured_rewards
-from forgelab.rewards import RewardComposer
-from forgelab.rollout import EnvEpisodes, Gate, Rollouts, SingleTurn
-from forgelab.tracking import Tracker, plot_learning_curve
-from forgelab.training import TokenRate, train_loop
-from forgelab.view import RunSnapshot, snapshot_of, status_of
+from forgelab.controller import checkpoint, controls, provenance
+from forgelab.experiments import ops as experiments
+from forgelab.controller.buffer import ReplayBuffer
+from forgelab.config.run_config import ConfigError, RunConfig
+from forgelab.data.datasets import ProblemStream, load_problems
+from forgelab.controller.controls import LossSwapRefused, RewardChangeRefused  # noqa: F401 -- re-exported
+from forgelab.controller.evaluate import heldout_reward
+from forgelab.controller.events import EventLog
+from forgelab.controller.reward_runner import RewardRunner, configured_rewards
+from forgelab.rewards.library import RewardComposer
+from forgelab.controller.rollout import EnvEpisodes, Gate, Rollouts, SingleTurn
+from forgelab.controller.tracking import Tracker, plot_learning_curve
+from forgelab.controller.training import TokenRate, train_loop
+from forgelab.controller.view import RunSnapshot, snapshot_of, status_of
 from forgelab.weights.sync import PushReport, WeightSync
 
 log = logging.getLogger("forgelab.run")
@@ -62,7 +63,7 @@ def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
 class Run(experiments.Experiments):
     """One training run: its parts, its background tasks, its metrics and its controls.
 
-    `spawn` (default `forgelab.spawn.spawn_parts`) starts the parts from the config; the controller's
+    `spawn` (default `forgelab.engines.spawn.spawn_parts`) starts the parts from the config; the controller's
     unit tests pass in-process fakes (`forgelab.testing.fakes.fake_spawn`).
     """
 
@@ -94,7 +95,7 @@ class Run(experiments.Experiments):
         self.training_in_flight = False
         self.consecutive_failures = 0
         self._reward_rev = self._reward_rev_scored = 0  # reward changes made / in effect (see _rewards_for)
-        self._replay = None  # a forgelab.replay.Replayer re-applying a recorded run's changes
+        self._replay = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
         self._listeners: list[Callable[[dict], None]] = []
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
@@ -180,7 +181,7 @@ class Run(experiments.Experiments):
             self.tracker.finish()
 
     async def _spawn(self) -> None:
-        from forgelab.spawn import spawn_parts
+        from forgelab.engines.spawn import spawn_parts
 
         cfg = self.config
         self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
@@ -246,8 +247,8 @@ class Run(experiments.Experiments):
     async def evaluate(self, n: int | None = None) -> float:
         """Held-out greedy accuracy (the task's exact-answer reward) with the generator's current weights,
         each problem played as one episode of the run's environment (single-turn: one completion)."""
-        from forgelab.evaluate import heldout_accuracy
-        from forgelab.generator import SamplingConfig
+        from forgelab.controller.evaluate import heldout_accuracy
+        from forgelab.engines.generator import SamplingConfig
 
         greedy = SamplingConfig(temperature=0.0, max_tokens=self.config.rollout.max_tokens)
         acc = await heldout_accuracy(self.rollout.source, self.heldout[: n or len(self.heldout)], self.tokenizer,
@@ -288,8 +289,8 @@ class Run(experiments.Experiments):
 
     @staticmethod
     async def replay(run_dir: str | Path, *, until: int | None = None, **kwargs: Any):
-        """Re-execute a recorded run with its live changes; a `ReplayReport` (see forgelab.replay)."""
-        from forgelab.replay import replay as replay_run
+        """Re-execute a recorded run with its live changes; a `ReplayReport` (see forgelab.experiments.replay)."""
+        from forgelab.experiments.replay import replay as replay_run
 
         return await replay_run(run_dir, until=until, **kwargs)
 

@@ -20,7 +20,7 @@ def loop():
 
 
 def _grpo_config(out_dir, *, name: str = "t", steps: int = 60, eval_n: int = 200, reference: bool = True, **rollout):
-    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(
         name=name,

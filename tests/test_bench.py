@@ -155,7 +155,7 @@ def test_trl_probe_seconds_per_step():
 
 
 def test_dashboard_segments():
-    from forgelab.bench.dashboard import segment_rates
+    from forgelab.bench.dashboard_bench import segment_rates
 
     times = {s: float(s) for s in range(1, 9)}  # one step per second
     assert segment_rates(times, 4, 2) == [1.0, 1.0]

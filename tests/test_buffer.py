@@ -8,7 +8,7 @@ import torch
 
 from forgelab.algos.batching import collate
 from forgelab.algos.logprobs import shift_for_targets
-from forgelab.buffer import EpisodeAlreadyTrained, ReplayBuffer
+from forgelab.controller.buffer import EpisodeAlreadyTrained, ReplayBuffer
 from forgelab.types import Episode
 
 _next_id = iter(range(10**9))

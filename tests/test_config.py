@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from forgelab.config import ConfigError, RunConfig
+from forgelab.config.run_config import ConfigError, RunConfig
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_shipped_configs_validate(path):
     RunConfig.from_yaml(path)
 
 
-@pytest.mark.parametrize("name", ["forgelab.config_types", "forgelab.precision"])
+@pytest.mark.parametrize("name", ["forgelab.config.value_types", "forgelab.engines.precision"])
 def test_doctests_of_config_helpers(name):
     import doctest
     import importlib
@@ -143,14 +143,14 @@ def test_config_loads_without_the_engines():
     import subprocess
     import sys
 
-    code = ("import sys, forgelab.config; heavy = [m for m in ('torch', 'vllm', 'monarch', 'torchtitan') "
+    code = ("import sys, forgelab.config.run_config; heavy = [m for m in ('torch', 'vllm', 'monarch', 'torchtitan') "
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
 
 def test_weight_transport_names_match_the_senders_registry():
-    from forgelab.component_configs import WEIGHT_TRANSPORTS
+    from forgelab.config.components import WEIGHT_TRANSPORTS
     from forgelab.weights.sender import TRANSPORTS
 
     assert WEIGHT_TRANSPORTS == tuple(TRANSPORTS)

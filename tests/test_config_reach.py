@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forgelab.config import SHIPPED_MODEL, ConfigError, RunConfig
-from forgelab.config_sections import COMPONENTS, SHARED
+from forgelab.config.run_config import SHIPPED_MODEL, ConfigError, RunConfig
+from forgelab.config.sections import COMPONENTS, SHARED
 
 integration = pytest.mark.integration
 
@@ -198,7 +198,7 @@ def test_component_configs_are_fresh_objects(tmp_path, model_copy):
 
 
 def test_python_sections_and_errors():
-    from forgelab.config import GeneratorSection, TrainerSection
+    from forgelab.config.run_config import GeneratorSection, TrainerSection
 
     cfg = RunConfig(generator=GeneratorSection(max_num_seqs=32), trainer=TrainerSection(micro_batch_size=8))
     assert cfg.validate().component("generator").max_num_seqs == 32
@@ -220,7 +220,7 @@ def test_python_sections_and_errors():
 def test_fsdp_mixed_precision_policy_for_bf16_on_cuda():
     import torch
 
-    from forgelab.precision import fsdp_dtypes, needs_mixed_precision
+    from forgelab.engines.precision import fsdp_dtypes, needs_mixed_precision
 
     assert fsdp_dtypes("bfloat16", "cuda") == (torch.bfloat16, torch.float32)
     assert needs_mixed_precision("bfloat16", "cuda") and not needs_mixed_precision("bfloat16", "cpu")
@@ -237,7 +237,7 @@ def _check_received(section: str, received, cfg: RunConfig, model: str, tmp: Pat
 
 @integration
 def test_spawned_parts_receive_every_cpu_value(loop, tmp_path, model_copy):
-    from forgelab.spawn import spawn_parts
+    from forgelab.engines.spawn import spawn_parts
 
     cfg = RunConfig.from_yaml(_yaml(tmp_path, model_copy))
 
@@ -264,8 +264,8 @@ def test_actors_receive_hardware_values_without_building_engines(loop, tmp_path,
     from monarch.actor import this_host
 
     from forgelab.envs.actor import EnvActor
-    from forgelab.generator import Generator
-    from forgelab.trainer import ReferenceModel, Trainer
+    from forgelab.engines.generator import Generator
+    from forgelab.engines.trainer import ReferenceModel, Trainer
 
     cfg = RunConfig.from_yaml(_yaml(tmp_path, model_copy, HARDWARE))
     classes = {"generator": Generator, "trainer": Trainer, "reference": ReferenceModel, "envs": EnvActor}

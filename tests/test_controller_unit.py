@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 from forgelab.run import Run
 from forgelab.testing.fakes import FakeParts, FakeTrainer, fake_generators, fake_spawn
 
@@ -313,8 +313,8 @@ def test_skipped_steps_pause_the_run_with_a_message(tmp_path):
 
 
 def test_hung_reward_message_points_at_public_commands():
-    from forgelab.reward_runner import MAX_HUNG_REWARD_CALLS, RewardRunner
-    from forgelab.rewards import RewardComposer
+    from forgelab.controller.reward_runner import MAX_HUNG_REWARD_CALLS, RewardRunner
+    from forgelab.rewards.library import RewardComposer
 
     runner = RewardRunner(RewardComposer(), 1.0)
 
@@ -338,8 +338,8 @@ def test_reward_calls_run_at_once_on_reused_threads_and_a_hung_one_blocks_nobody
     import threading
     import time
 
-    from forgelab.reward_runner import _WORKERS, RewardRunner
-    from forgelab.rewards import RewardComposer
+    from forgelab.controller.reward_runner import _WORKERS, RewardRunner
+    from forgelab.rewards.library import RewardComposer
 
     n = 12
     barrier = threading.Barrier(n, timeout=60)  # every call must be running at the same time to pass it
@@ -384,7 +384,7 @@ def test_reward_calls_run_at_once_on_reused_threads_and_a_hung_one_blocks_nobody
 
 
 def test_parts_shutdown_stops_the_rest_and_kills_the_job_when_a_part_fails_to_stop(caplog):
-    from forgelab.spawn import Parts
+    from forgelab.engines.spawn import Parts
 
     stopped, killed = [], []
 
@@ -403,7 +403,7 @@ def test_parts_shutdown_stops_the_rest_and_kills_the_job_when_a_part_fails_to_st
 
     parts = Parts(generators=Part("generators", fails=True), trainer=Part("trainer"),
                   reference=Part("reference"), job=Job())
-    with caplog.at_level("WARNING", logger="forgelab.spawn"):
+    with caplog.at_level("WARNING", logger="forgelab.engines.spawn"):
         asyncio.run(parts.shutdown())
     assert stopped == ["generators", "reference", "trainer"] and killed == [True]
     assert "stopping the generators failed: RuntimeError: generators would not stop" in caplog.text

@@ -5,9 +5,9 @@ import importlib
 import pytest
 
 MODULES = [
-    "forgelab.rewards", "forgelab.rewards_math", "forgelab.data", "forgelab.buffer", "forgelab.tasks", "forgelab.algos.logprobs",
+    "forgelab.rewards.library", "forgelab.rewards.math_answers", "forgelab.data.datasets", "forgelab.controller.buffer", "forgelab.data.tasks", "forgelab.algos.logprobs",
     "forgelab.algos.advantages", "forgelab.algos.losses", "forgelab.algos.loss_checks", "forgelab.algos.kl", "forgelab.algos.importance", "forgelab.algos.batching",
-    "forgelab.trainer_core", "forgelab.trainer_support",
+    "forgelab.engines.trainer_core", "forgelab.engines.trainer_support",
 ]
 
 

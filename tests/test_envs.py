@@ -14,11 +14,11 @@ import os
 
 import pytest
 
-from forgelab.config import ConfigError, RolloutConfig, RunConfig
+from forgelab.config.run_config import ConfigError, RolloutConfig, RunConfig
 from forgelab.envs import DROP_OUTCOMES, ENVS, ArithmeticTutorEnv, CalculatorToolEnv, ChatFormat, EchoEnv, EpisodeLimits, run_episode
-from forgelab.generator import SamplingConfig
-from forgelab.tasks import Problem, get_task
-from forgelab.tokenizer import build_tokenizer
+from forgelab.engines.generator import SamplingConfig
+from forgelab.data.tasks import Problem, get_task
+from forgelab.data.tokenizer import build_tokenizer
 from forgelab.types import Completion
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "forgelab", "assets", "tiny-llama")
@@ -273,7 +273,7 @@ def test_real_episodes_record_exactly_the_generated_tokens(loop, finished_run, t
 @integration
 @pytest.mark.timeout(600)
 def test_thousand_concurrent_episodes_all_accounted_for(loop, finished_run):
-    from forgelab.buffer import ReplayBuffer
+    from forgelab.controller.buffer import ReplayBuffer
 
     run = finished_run
     n = 1000

@@ -26,7 +26,7 @@ def short_reward(prompt, completion, target, **info):
 
 
 def _config(out_dir, name, steps=STEPS):
-    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(
         name=name,
@@ -39,7 +39,7 @@ def _config(out_dir, name, steps=STEPS):
 
 
 def _learning(df, after):
-    from forgelab.replay import learning_columns
+    from forgelab.experiments.replay import learning_columns
 
     rows = df[df["step"] > after].reset_index(drop=True)
     return rows[[c for c in learning_columns(rows.columns) if c != "heldout_accuracy"]]
@@ -47,7 +47,7 @@ def _learning(df, after):
 
 @pytest.fixture(scope="module")
 def world(loop, tmp_path_factory):
-    from forgelab.pool import ProcessPool
+    from forgelab.engines.pool import ProcessPool
     from forgelab.run import Run
 
     out = tmp_path_factory.mktemp("exp")
@@ -95,7 +95,7 @@ def test_fork_without_overrides_reproduces_parent_exactly(world):
     assert list(a["step"]) == list(range(k + 1, STEPS + 1)) and list(b["step"]) == list(a["step"])
     for col in ("loss", "reward_mean", "entropy", "grad_norm"):
         assert col in a.columns
-    from forgelab.replay import compare_metrics
+    from forgelab.experiments.replay import compare_metrics
 
     diffs = compare_metrics(a, b)
     assert diffs == [], diffs[:5]
@@ -104,7 +104,7 @@ def test_fork_without_overrides_reproduces_parent_exactly(world):
 
 
 def test_fork_records_origin_in_both_event_logs(world):
-    from forgelab.events import EventLog
+    from forgelab.controller.events import EventLog
 
     p, c = world["parent"], world["same"]
     forked = [e for e in EventLog.read(p.out_dir) if e["kind"] == "forked"]
@@ -143,7 +143,7 @@ def test_second_run_on_idle_warm_pool_reuses_processes_and_reinitialises(world, 
         loop.run_until_complete(fresh.wait())
         assert fresh.state == "finished", fresh.message
         # re-initialised from its config: weights, optimizer, schedule and seeds as the parent's cold start
-        from forgelab.replay import compare_metrics
+        from forgelab.experiments.replay import compare_metrics
 
         assert compare_metrics(_learning(world["parent"].metrics, 0), _learning(fresh.metrics, 0)) == []
         assert "pool:" in "\n".join(__import__("forgelab.lab.summary", fromlist=["x"]).services_lines(fresh))
@@ -196,7 +196,7 @@ def _check_rescore(out, recorded):
 
 def test_rescore_agrees_with_hand_computation_live_and_from_dir(world):
     import forgelab
-    from forgelab.rollout_log import read_rollouts
+    from forgelab.controller.rollout_log import read_rollouts
 
     parent = world["parent"]
     recorded = read_rollouts(parent.out_dir)
@@ -234,8 +234,8 @@ def test_compare_view_over_live_run_and_finished_dir(world, tmp_path):
 def test_fork_from_a_saved_checkpoint_reproduces_the_live_fork(world, loop):
     """`Run.fork_from(checkpoint)` (config from the parent's manifest) continues exactly as the live fork
     taken at that checkpoint did, on the pool's idle processes."""
-    from forgelab.events import EventLog
-    from forgelab.replay import compare_metrics
+    from forgelab.controller.events import EventLog
+    from forgelab.experiments.replay import compare_metrics
     from forgelab.run import Run
 
     pool, k = world["pool"], world["fork_step"]

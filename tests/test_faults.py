@@ -31,7 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forgelab.config import ConfigError, EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+from forgelab.config.run_config import ConfigError, EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
 pytestmark = pytest.mark.integration
 
@@ -312,7 +312,7 @@ def test_reference_killed(loop, faulty):
 
 
 def test_bad_loss_skips_steps_then_pauses(loop, faulty):
-    from forgelab.trainer import pack_loss
+    from forgelab.engines.trainer import pack_loss
 
     run = faulty.run
     skips = lambda: [e for e in run.events if e["kind"] == "step_skipped"]  # noqa: E731
@@ -416,7 +416,7 @@ def test_run_a_survived_with_every_episode_accounted_for(loop, faulty):
 
 CONTROLLER = """
 import asyncio, json, sys
-from forgelab.config import RunConfig
+from forgelab.config.run_config import RunConfig
 from forgelab.run import Run
 
 async def main():

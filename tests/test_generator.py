@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from forgelab.evaluate import format_prompt
-from forgelab.generator import Generator, GeneratorConfig, SamplingConfig
+from forgelab.controller.evaluate import format_prompt
+from forgelab.engines.generator import Generator, GeneratorConfig, SamplingConfig
 
 integration = pytest.mark.integration
 pytestmark = [integration, pytest.mark.timeout(600)]

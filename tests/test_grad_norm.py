@@ -1,7 +1,7 @@
-"""forgelab.trainer_support.sum_of_squares: the trainer's gradient norm, checked against float64."""
+"""forgelab.engines.trainer_support.sum_of_squares: the trainer's gradient norm, checked against float64."""
 import torch
 
-from forgelab.trainer_support import sum_of_squares
+from forgelab.engines.trainer_support import sum_of_squares
 
 
 def test_sum_of_squares_is_float64_accurate_on_embedding_sized_tensors():

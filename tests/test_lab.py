@@ -230,7 +230,7 @@ def test_inspector_filters_and_lists_the_newest_episodes():
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
     from forgelab.run import Run
 
     tmp = tmp_path_factory.mktemp("lab")

@@ -30,7 +30,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 ARTIFACT = Path(__file__).resolve().parent.parent / "artifacts" / "lab_dashboard.png"
 
 CELLS = [
-    """from forgelab.config import *
+    """from forgelab.config.run_config import *
 from forgelab.run import Run
 cfg = RunConfig(name="labbrowser",
                 rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=4, concurrency=1, max_tokens=6),

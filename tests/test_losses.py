@@ -492,7 +492,7 @@ def test_loss_panel_refuses_an_unknown_keyword_before_calling_the_run():
 
 
 def test_config_validation_reports_an_unknown_loss_keyword():
-    from forgelab.config import ConfigError, RunConfig
+    from forgelab.config.run_config import ConfigError, RunConfig
 
     with pytest.raises(ConfigError, match=r"train.loss_kwargs: .*'dapo'.*eps_hgih.*eps_high"):
         RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"eps_hgih": 0.28}}})
@@ -500,8 +500,8 @@ def test_config_validation_reports_an_unknown_loss_keyword():
 
 
 def test_run_trainer_config_carries_the_completion_budget_to_dr_grpo():
-    from forgelab.config import RunConfig
-    from forgelab.spawn import component_configs
+    from forgelab.config.run_config import RunConfig
+    from forgelab.engines.spawn import component_configs
 
     cfg = RunConfig.from_dict({"rollout": {"max_tokens": 12}, "train": {"loss": "dr_grpo"}})
     assert component_configs(cfg)["trainer"].loss_kwargs == {"max_tokens": 12}
@@ -515,7 +515,7 @@ def test_run_trainer_config_carries_the_completion_budget_to_dr_grpo():
 
 
 def test_config_refuses_a_kl_coef_without_the_reference_model():
-    from forgelab.config import ConfigError, RunConfig
+    from forgelab.config.run_config import ConfigError, RunConfig
 
     with pytest.raises(ConfigError, match=r"kl_coef.*placement.reference"):
         RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"kl_coef": 0.05}},

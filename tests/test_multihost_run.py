@@ -29,7 +29,7 @@ def _host_workers() -> set[int]:
 
 @pytest.fixture(scope="module")
 def multihost(loop, tmp_path_factory):
-    from forgelab.config import RunConfig
+    from forgelab.config.run_config import RunConfig
     from forgelab.run import Run
 
     tmp = tmp_path_factory.mktemp("multihost")

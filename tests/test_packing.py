@@ -13,7 +13,7 @@ import torch
 
 from forgelab.algos.batching import collate
 from forgelab.algos.packing import plan_shared_prefix, span_mask, spans_from_mask
-from forgelab.titan import build_from_hf, model_logprobs_entropy, use_packing
+from forgelab.engines.titan import build_from_hf, model_logprobs_entropy, use_packing
 from forgelab.types import Episode
 from test_titan import llama_dir, qwen3_dir  # noqa: F401 -- module fixtures
 
@@ -130,7 +130,7 @@ def test_auto_packs_only_when_it_runs_fewer_tokens(llama_dir):  # noqa: F811
 
 
 def test_bad_spans_are_named():
-    from forgelab.trainer_support import check_spans
+    from forgelab.engines.trainer_support import check_spans
 
     tokens = torch.zeros(2, 6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"row 1 has span \(3, 3\)"):
@@ -148,8 +148,8 @@ def test_trainer_step_is_the_same_packed_or_not(llama_dir, tmp_path):  # noqa: F
     sign(g), which would amplify rounding on near-zero gradients, so weights are not compared)."""
     import torch.distributed as dist
 
-    from forgelab.component_configs import TrainerConfig
-    from forgelab.trainer_core import TrainerState
+    from forgelab.config.components import TrainerConfig
+    from forgelab.engines.trainer_core import TrainerState
 
     created = not dist.is_initialized()
     tokens, spans = _groups(100, seed=4, groups=3, size=4, empty_row=False)

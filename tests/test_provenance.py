@@ -38,7 +38,7 @@ def scaled_grpo(logprobs_B_T, *, scale=1.0, **kwargs):
 def test_hash_dir_cache_reuses_digest_until_a_file_changes(tmp_path, monkeypatch):
     import os
 
-    from forgelab import provenance
+    from forgelab.controller import provenance
 
     monkeypatch.setenv("FORGELAB_CACHE", str(tmp_path / "cache"))
     model = tmp_path / "model"
@@ -73,7 +73,7 @@ def test_hash_dir_cache_reuses_digest_until_a_file_changes(tmp_path, monkeypatch
 
 
 def test_event_log_memory_and_file_agree(tmp_path):
-    from forgelab.events import EventLog
+    from forgelab.controller.events import EventLog
 
     log = EventLog()
     log.emit("early", step=0, value=(1, 2))  # before the file exists
@@ -91,8 +91,8 @@ def test_event_log_memory_and_file_agree(tmp_path):
 def test_function_records_restore_and_name_what_cannot():
     import threading
 
-    from forgelab.fncode import FunctionRestoreError, fn_record, restore_fn
-    from forgelab.rewards import REWARDS
+    from forgelab.controller.fncode import FunctionRestoreError, fn_record, restore_fn
+    from forgelab.rewards.library import REWARDS
 
     rec = fn_record(short_reward, REWARDS)
     assert rec["sha256"] == hashlib.sha256(rec["source"].encode()).hexdigest() and "def short_reward" in rec["source"]
@@ -107,7 +107,7 @@ def test_function_records_restore_and_name_what_cannot():
 
 
 def test_episode_seeds_differ_per_episode_and_repeat():
-    from forgelab.replay import episode_seed
+    from forgelab.experiments.replay import episode_seed
 
     seeds = [episode_seed(7, i) for i in range(1000)]
     assert len(set(seeds)) == 1000 and seeds == [episode_seed(7, i) for i in range(1000)]
@@ -117,7 +117,7 @@ def test_episode_seeds_differ_per_episode_and_repeat():
 def test_compare_metrics_names_first_differing_step_and_metric():
     import pandas as pd
 
-    from forgelab.replay import compare_metrics
+    from forgelab.experiments.replay import compare_metrics
 
     a = pd.DataFrame({"step": [1, 2, 3], "loss": [0.5, 0.25, 0.125], "kl_behaviour": [0.0, 0.1, 0.2],
                       "step_time_s": [1.0, 2.0, 3.0], "tokens_per_s": [9.0, 9.0, 9.0]})
@@ -132,7 +132,7 @@ def test_compare_metrics_names_first_differing_step_and_metric():
 
 # ---------------------------------------------------------------- real processes
 def _config(out_dir, name="prov", steps=20):
-    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(
         name=name,
@@ -148,7 +148,7 @@ def _config(out_dir, name="prov", steps=20):
 def recorded(loop, tmp_path_factory):
     """The 20-step synchronous run with two live changes, finished, checkpointed and shut down (its processes
     idle in ``pool`` for the replay)."""
-    from forgelab.pool import ProcessPool
+    from forgelab.engines.pool import ProcessPool
     from forgelab.run import Run
 
     head_before = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -187,7 +187,7 @@ def test_manifest_holds_hashes_and_versions(recorded):
     import torch
     import transformers
 
-    from forgelab.data import load_problems
+    from forgelab.data.datasets import load_problems
 
     m = json.loads((recorded["dir"] / "manifest.json").read_text())
     assert m["config"] == json.loads(json.dumps(recorded["config"].to_dict()))
@@ -219,7 +219,7 @@ def test_manifest_holds_hashes_and_versions(recorded):
 
 @pytest.mark.integration
 def test_event_log_records_each_live_change_with_source(recorded):
-    from forgelab.events import EventLog
+    from forgelab.controller.events import EventLog
 
     events = recorded["events"]
     assert EventLog.read(recorded["dir"]) == events  # the file and run.events agree
@@ -252,7 +252,7 @@ def test_replay_reproduces_learning_metrics_exactly(recorded, loop, tmp_path_fac
     assert report.steps == 20 and len(report.changes_applied) == 2
     assert report.ok, str(report)
     # the replay's own log records the same changes at the same points
-    from forgelab.events import EventLog
+    from forgelab.controller.events import EventLog
 
     again = EventLog.read(report.replay_dir)
     for kind, key in (("loss_swapped", "applies_at_step"), ("reward_effective", "first_episode")):

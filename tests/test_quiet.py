@@ -145,8 +145,8 @@ def test_a_generator_process_prints_no_third_party_line(tmp_path):
     script = tmp_path / "gen.py"
     script.write_text(textwrap.dedent("""
         import asyncio
-        from forgelab.config import SHIPPED_MODEL
-        from forgelab.generator import Generator, GeneratorConfig, SamplingConfig
+        from forgelab.config.run_config import SHIPPED_MODEL
+        from forgelab.engines.generator import Generator, GeneratorConfig, SamplingConfig
 
         async def main():
             gen = await Generator.options(procs=1).as_actor(GeneratorConfig(model_dir=SHIPPED_MODEL, max_model_len=256))

@@ -38,8 +38,8 @@ def write_gsm8k_file(path: Path, n: int = 40, seed: int = 0) -> Path:
 def test_gsm8k_file_loads_with_the_column_mapping(tmp_path):
     from transformers import AutoTokenizer
 
-    from forgelab.data import load_file, load_problems
-    from forgelab.rewards import REWARDS
+    from forgelab.data.datasets import load_file, load_problems
+    from forgelab.rewards.library import REWARDS
 
     path = write_gsm8k_file(tmp_path / "gsm8k_tiny.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -61,7 +61,7 @@ def test_gsm8k_file_loads_with_the_column_mapping(tmp_path):
 
 @pytest.fixture(scope="module")
 def gsm8k_run(loop, tmp_path_factory):
-    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
     from forgelab.run import Run
 
     tmp = tmp_path_factory.mktemp("gsm8k")

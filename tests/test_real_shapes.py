@@ -50,7 +50,7 @@ def qwen3_dir():
 
 @pytest.fixture(scope="module")
 def run(request, loop, tmp_path_factory):
-    from forgelab.config import EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
     from forgelab.run import Run
 
     shape = request.param
@@ -183,7 +183,7 @@ def test_run_trains_a_few_steps(run):
 async def _sample_and_export(run, out: str | None, trainer=None):
     """A fresh sample from the generator, the HF export (to ``out``; None: none) and logprobs of the same tokens
     of ``trainer`` (the run's)."""
-    from forgelab.generator import SamplingConfig
+    from forgelab.engines.generator import SamplingConfig
 
     trainer = trainer or run.trainer
     versions = await run.generators.fanout("version")
@@ -284,8 +284,8 @@ def test_two_fsdp_ranks_equal_one_on_the_tied_shape(loop, run, tmp_path):
     in the generator, which then scores as HF does on the 2-rank export."""
     import safetensors
 
-    from forgelab.spawn import component_configs
-    from forgelab.trainer import Trainer
+    from forgelab.engines.spawn import component_configs
+    from forgelab.engines.trainer import Trainer
 
     tokens = torch.randint(0, _vocab(run), (4, 12), generator=torch.Generator().manual_seed(2))
     ck, out0, out1, out2 = (str(tmp_path / n) for n in ("ck", "before", "export1", "export2"))
@@ -361,7 +361,7 @@ def test_plan_counts_the_real_parameters(shape):
 
 
 def test_plan_says_what_does_not_fit(tmp_path):
-    from forgelab.config import RunConfig
+    from forgelab.config.run_config import RunConfig
     from forgelab.plan import plan_memory
     from forgelab.recipes.real_shapes import real_shape_checkpoint
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-import forgelab.rewards as rewards_module
-from forgelab.rewards import (
+import forgelab.rewards.library as rewards_module
+from forgelab.rewards.library import (
     REWARDS,
     RewardComposer,
     RewardFailure,
@@ -183,10 +183,10 @@ def test_validate_with_no_samples_is_not_ok():
     assert validate(exact_answer, [("p", "1", "1")]).ok
 
 
-# --- rewards for real data (forgelab.rewards_math) --------------------------------------
+# --- rewards for real data (forgelab.rewards.math_answers) --------------------------------------
 
-import forgelab.rewards_math as rewards_math_module  # noqa: E402
-from forgelab.rewards_math import (  # noqa: E402
+import forgelab.rewards.math_answers as rewards_math_module  # noqa: E402
+from forgelab.rewards.math_answers import (  # noqa: E402
     extract_math_answer,
     make_overlong,
     math_answer,

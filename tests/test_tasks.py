@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from forgelab.tasks import TASKS, Problem, Task, get_task, safe_eval_int, split_of
+from forgelab.data.tasks import TASKS, Problem, Task, get_task, safe_eval_int, split_of
 
 
 def _independent_answer(p: Problem) -> int:

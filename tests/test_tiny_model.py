@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from forgelab.evaluate import format_prompt, greedy_accuracy_hf, greedy_generate_hf
+from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf, greedy_generate_hf
 from forgelab.recipes.tiny_model import DEFAULT_OUT, IGNORE, encode_sft
-from forgelab.tasks import TASKS, Problem, get_task
-from forgelab.tokenizer import END, build_tokenizer
+from forgelab.data.tasks import TASKS, Problem, get_task
+from forgelab.data.tokenizer import END, build_tokenizer
 
 MODEL_DIR = Path(DEFAULT_OUT)
 ACCURACY_TOLERANCE = 0.02  # card numbers are reproduced exactly on the machine that made them
@@ -84,7 +84,7 @@ def test_sft_labels_cover_only_the_answer_and_end_token():
 def test_base_accuracy_matches_model_card(hf, card):
     model, tok = hf
     ev = card["eval"]
-    assert ev["function"] == "forgelab.evaluate.greedy_accuracy_hf"
+    assert ev["function"] == "forgelab.controller.evaluate.greedy_accuracy_hf"
     for name, expected in ev["accuracy"].items():
         problems = get_task(name).make("test", ev["n_per_task"], ev["seed"])
         acc = greedy_accuracy_hf(model, tok, problems, max_new_tokens=ev["max_new_tokens"])
@@ -106,7 +106,7 @@ def test_greedy_accuracy_hf_loads_from_a_directory(hf):
 def test_torchtitan_llama3_adapter_maps_every_key_and_matches_logits(hf):
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    from forgelab.titan import titan_llama3_config_from_hf
+    from forgelab.engines.titan import titan_llama3_config_from_hf
 
     model, tok = hf
     config = json.loads((MODEL_DIR / "config.json").read_text())

@@ -37,9 +37,9 @@ def test_vllm_greedy_equals_hf_greedy():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from forgelab.evaluate import format_prompt, greedy_generate_hf
+    from forgelab.controller.evaluate import format_prompt, greedy_generate_hf
     from forgelab.recipes.tiny_model import DEFAULT_OUT
-    from forgelab.tasks import TASKS
+    from forgelab.data.tasks import TASKS
 
     tok = AutoTokenizer.from_pretrained(DEFAULT_OUT)
     problems = [p for t in TASKS.values() for p in t.make("test", 12, 0)]

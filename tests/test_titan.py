@@ -1,4 +1,4 @@
-"""forgelab.titan: HF checkpoints <-> torchtitan models, checked against transformers (in-process, no actors)."""
+"""forgelab.engines.titan: HF checkpoints <-> torchtitan models, checked against transformers (in-process, no actors)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from forgelab.titan import (
+from forgelab.engines.titan import (
     build_from_hf,
     export_hf,
     load_hf_state_dict,

@@ -5,9 +5,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from forgelab.evaluate import format_prompt
-from forgelab.tasks import TASKS
-from forgelab.tokenizer import CHARS, END, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
+from forgelab.controller.evaluate import format_prompt
+from forgelab.data.tasks import TASKS
+from forgelab.data.tokenizer import CHARS, END, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from forgelab.envs import ChatFormat
 from forgelab.recipes import tool_warmstart as tw
 from forgelab.recipes.tool_warmstart import IGNORE, TOOL_WARMSTART, ToolWarmstart
-from forgelab.tasks import get_task
+from forgelab.data.tasks import get_task
 
 SMALL = {"addition": 24, "multistep": 16}
 integration = pytest.mark.integration
@@ -153,7 +153,7 @@ GRPO_STEPS = 40
 
 
 def grpo_config(out_dir):
-    from forgelab.config import EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(
         name="tool",
@@ -171,7 +171,7 @@ def grpo_config(out_dir):
 @integration
 @pytest.mark.timeout(600)
 def test_grpo_from_warm_start_learns_to_call_the_calculator_and_use_its_result(hf, tmp_path):
-    from forgelab.generator import SamplingConfig
+    from forgelab.engines.generator import SamplingConfig
     from forgelab.run import Run
 
     model, tok = hf

@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from forgelab.trainer import ReferenceConfig, ReferenceModel, Trainer, TrainerConfig
+from forgelab.engines.trainer import ReferenceConfig, ReferenceModel, Trainer, TrainerConfig
 from trainer_actors import WeightSink, random_batches, tiny_model_dir
 
 integration = pytest.mark.integration
@@ -116,7 +116,7 @@ def test_two_ranks_packing_shared_prompts_equal_one_plain_rank(loop, meshes, voc
     its group (share_prompts "auto"), the 1-process trainer runs the plain rows one by one; at step 0 (identical
     weights) the loss and every metric agree. Run as a dry run, so the trainers stay at step 0 for the tests below."""
     from forgelab.algos.packing import plan_shared_prefix, spans_from_mask
-    from forgelab.titan import use_packing
+    from forgelab.engines.titan import use_packing
 
     t1, t2, _ = meshes
     batch = random_batches(vocab, 1, B=4, seed=5, shared_prompts=True)[0]
@@ -266,7 +266,7 @@ def test_loss_defined_in_main_runs_in_the_trainer(model_dir):
 
 
 def test_export_loads_in_vllm_and_real_generator_takes_pushed_weights(loop, meshes, tmp_path):
-    from forgelab.generator import Generator, GeneratorConfig
+    from forgelab.engines.generator import Generator, GeneratorConfig
 
     _, t2, _ = meshes
     out = str(tmp_path / "export")

@@ -181,8 +181,8 @@ def shm_dir():
 @pytest.fixture(scope="module")
 def actors(loop, shm_dir):
     """(generator, trainer): the trainer starts from the generator's checkpoint, with a large LR."""
-    from forgelab.generator import Generator, GeneratorConfig
-    from forgelab.trainer import Trainer, TrainerConfig
+    from forgelab.engines.generator import Generator, GeneratorConfig
+    from forgelab.engines.trainer import Trainer, TrainerConfig
 
     if not os.path.exists(os.path.join(SHIPPED, "model.safetensors")):
         pytest.fail(f"no model at {SHIPPED}: build it with `python -m forgelab.recipes.tiny_model`")
@@ -207,8 +207,8 @@ def hf():
 
 
 def _greedy(loop, gen, tok) -> list[list[int]]:
-    from forgelab.evaluate import format_prompt
-    from forgelab.generator import SamplingConfig
+    from forgelab.controller.evaluate import format_prompt
+    from forgelab.engines.generator import SamplingConfig
 
     prompts = [format_prompt(tok, p) for p in PROBLEMS]
     groups = loop.run_until_complete(gen.generate.call_one(prompts, n=1, sampling=SamplingConfig(temperature=0.0, max_tokens=10)))
@@ -217,7 +217,7 @@ def _greedy(loop, gen, tok) -> list[list[int]]:
 
 @torch.no_grad()
 def _hf_greedy(model, tok, weights: dict) -> list[list[int]]:
-    from forgelab.evaluate import format_prompt
+    from forgelab.controller.evaluate import format_prompt
 
     model.load_state_dict(weights)
     out = []

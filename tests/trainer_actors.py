@@ -40,7 +40,7 @@ def tiny_model_dir(tmp_dir: str) -> str:
     from transformers import LlamaForCausalLM
 
     from forgelab.recipes.tiny_model import model_config
-    from forgelab.tokenizer import build_tokenizer, save_tokenizer
+    from forgelab.data.tokenizer import build_tokenizer, save_tokenizer
 
     out = os.path.join(tmp_dir, "random-tiny-llama")
     if not os.path.exists(os.path.join(out, "model.safetensors")):

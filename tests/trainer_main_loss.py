@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from forgelab.trainer import Trainer, TrainerConfig
+from forgelab.engines.trainer import Trainer, TrainerConfig
 
 
 def nll_main(logprobs_B_T, *, mask_B_T, **_):

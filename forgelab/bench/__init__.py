@@ -1,6 +1,6 @@
 """Benchmarks: `python -m forgelab.bench NAME [--quick]`.
 
-Each suite is a module `forgelab.bench.NAME` with `main(argv)`; it prints a
+Each suite is a module `forgelab.bench.NAME` (or the module `MODULES` names) with `main(argv)`; it prints a
 table for people and, as its last line, one JSON object for tools
 (`common.emit_json`). Adding a suite is adding a module.
 """
@@ -8,8 +8,10 @@ import pkgutil
 
 _NOT_SUITES = {"common"}
 
-#: Suite name -> module name, where the name is a Python keyword (`async`).
-MODULES = {"async": "async_"}
+#: Suite name -> module name, where the module's name differs: a Python keyword (`async`), or a name that
+#: would repeat a module elsewhere in forgelab (`generator` is also `forgelab.engines.generator`).
+MODULES = {"async": "async_", "generator": "generator_bench", "envs": "envs_bench", "runtime": "runtime_bench",
+           "dashboard": "dashboard_bench"}
 
 
 def suites() -> list[str]:

@@ -57,9 +57,9 @@ def trl_child(spec: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from forgelab.data import load_problems
-    from forgelab.evaluate import format_prompt, greedy_accuracy_hf
-    from forgelab.rewards import REWARDS
+    from forgelab.data.datasets import load_problems
+    from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf
+    from forgelab.rewards.library import REWARDS
 
     model_dir, target, every = spec["model"], spec["target"], spec["every"]
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -138,8 +138,8 @@ def vllm_greedy_check(trainer, tok, problems, max_tokens: int) -> list[float]:
     """
     from vllm import SamplingParams
 
-    from forgelab.evaluate import format_prompt, greedy_accuracy_hf
-    from forgelab.tasks import get_task
+    from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf
+    from forgelab.data.tasks import get_task
 
     gen = trainer.vllm_generation
     gen.sync_weights()

@@ -53,7 +53,7 @@ def async_ratio(times_by_age: dict[int, list[float]], age: int = 1) -> float | N
 
 async def _pooled(cfgs: list, target: float, time_cap_s: float) -> list[dict]:
     """`run_forgelab` of each config in turn on one `ProcessPool` (one spawn, then re-initialised), summarised."""
-    from forgelab.pool import ProcessPool
+    from forgelab.engines.pool import ProcessPool
 
     pool = ProcessPool()
     try:

@@ -3,7 +3,7 @@
     python -m forgelab.bench e2e [--quick] [--target 0.40] [--pairs 3]
 
 Both train the shipped tiny model (3.2 M params) on the addition task from the
-same 4000 train problems, chat-templated by ``forgelab.evaluate.format_prompt``,
+same 4000 train problems, chat-templated by ``forgelab.controller.evaluate.format_prompt``,
 with the same rewards (``exact_answer`` 1.0 + ``answer_format`` 0.1, forgelab's
 own functions), group size 8, batch 64 (8 prompts x 8), at most 8 completion
 tokens, temperature 1, AdamW at lr 1e-4 with 5 warmup steps then cosine to
@@ -27,7 +27,7 @@ Each pair uses its own training seed on both sides (data order and problem
 draw, sampling, initialisation of anything random); the 200 held-out test
 problems are the same for every run. Held-out greedy accuracy is measured at
 step 0 and every ``--every`` steps: TRL's in-process by
-``forgelab.evaluate.greedy_accuracy_hf``, forgelab's by ``Run.evaluate``
+``forgelab.controller.evaluate.greedy_accuracy_hf``, forgelab's by ``Run.evaluate``
 (greedy on its generator); at the end of each forgelab run its trainer
 exports the weights and ``greedy_accuracy_hf`` scores them too (``hf_check``).
 
@@ -133,9 +133,9 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
 
     ``Run.evaluate`` is wrapped on the instance (no library change) to time each
     evaluation and stop at the target; the held-out set is the fixed one (seed 0).
-    `spawn` is passed to ``Run`` (a ``forgelab.pool.ProcessPool`` reuses processes; default: new ones).
+    `spawn` is passed to ``Run`` (a ``forgelab.engines.pool.ProcessPool`` reuses processes; default: new ones).
     """
-    from forgelab.data import load_problems
+    from forgelab.data.datasets import load_problems
     from forgelab.run import Run
 
     t_make = time.time()
@@ -174,7 +174,7 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
             await run.stop()
         check = None
         if hf_check:
-            from forgelab.evaluate import greedy_accuracy_hf
+            from forgelab.controller.evaluate import greedy_accuracy_hf
 
             with tempfile.TemporaryDirectory(prefix="forgelab-e2e-") as d:
                 await run.trainer.call("export_hf", d)
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     if argv and argv[0] == "--_forgelab":
         _forgelab_child(json.loads(argv[1]))
         return {}
-    from forgelab.config import SHIPPED_MODEL
+    from forgelab.config.run_config import SHIPPED_MODEL
 
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",

@@ -42,14 +42,14 @@ import tempfile
 import time
 
 from forgelab.bench.common import emit_json, print_machine, print_table
-from forgelab.bench.generator import SHIPPED, _process_env, _prompts
+from forgelab.bench.generator_bench import SHIPPED, _process_env, _prompts
 
 
 def flop_params(model_dir: str) -> dict:
     """Parameter counts from the checkpoint: total, and those in matmuls (total minus the input embedding)."""
     from transformers import AutoConfig
 
-    from forgelab.bench.generator import _state_dict
+    from forgelab.bench.generator_bench import _state_dict
 
     sd = _state_dict(model_dir)
     total = sum(v.numel() for v in sd.values())
@@ -96,7 +96,7 @@ def _gen_main(model_dir: str, count: int, n: int, max_tokens: int, repeats: int)
     import torch
 
     torch.set_num_threads(1)
-    from forgelab.generator import GeneratorConfig, SamplingConfig, VLLMEngine
+    from forgelab.engines.generator import GeneratorConfig, SamplingConfig, VLLMEngine
 
     engine = VLLMEngine(GeneratorConfig(model_dir=model_dir))
     params = SamplingConfig(temperature=1.0, max_tokens=max_tokens).to_vllm()
@@ -152,8 +152,8 @@ async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None, p
     padded = statistics.median(b["tokens_B_L"].numel() / t for t, b in rows)
     real = statistics.median(int((b["tokens_B_L"] != run.pad_id).sum()) / t for t, b in rows)
     # The same batches through the same step in this process (1 thread), timed by its CPU time too.
-    from forgelab.trainer import TrainerConfig
-    from forgelab.trainer_core import TrainerState
+    from forgelab.engines.trainer import TrainerConfig
+    from forgelab.engines.trainer_core import TrainerState
 
     state = TrainerState.create(TrainerConfig(model_dir=run.config.model.path, lr=run.config.train.lr), 0, 1)
     state.train_step(batches[0])  # warm-up

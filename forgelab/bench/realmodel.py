@@ -79,8 +79,8 @@ def _trainer_main(model_dir: str, B: int, L: int, steps: int) -> None:
     import torch
 
     torch.set_num_threads(2)
-    from forgelab.trainer import TrainerConfig
-    from forgelab.trainer_core import TrainerState
+    from forgelab.engines.trainer import TrainerConfig
+    from forgelab.engines.trainer_core import TrainerState
 
     st = TrainerState.create(TrainerConfig(model_dir=model_dir, lr=1e-5, device="cpu"), 0, 1)
     g = torch.Generator().manual_seed(0)
@@ -171,7 +171,7 @@ class _PssSampler:
 
 
 def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2):
-    from forgelab.config import (EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig,
+    from forgelab.config.run_config import (EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig,
                                  TrackingConfig, TrainConfig)
 
     return RunConfig(

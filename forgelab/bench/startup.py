@@ -5,7 +5,7 @@
 Both are timed from `Run(config)` to the first completed training step (the
 metrics row of step 1) with the shipped tiny model, on the same config (only
 the run name differs), with the step-0 evaluation off. Cold: `Run(cfg,
-spawn=pool)` on an empty `forgelab.pool.ProcessPool` spawns generator and
+spawn=pool)` on an empty `forgelab.engines.pool.ProcessPool` spawns generator and
 trainer (and reference) processes; warm: a second `Run` on the pool the first
 left idle re-initialises the same processes (trainer rebuilt from the config,
 generators reset to the fresh weights as version 0). Goal: warm_over_cold <= 0.15.
@@ -24,7 +24,7 @@ from forgelab.bench.common import emit_json, print_machine, print_table
 
 
 def _config(out_dir: str, name: str):
-    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(
         name=name,
@@ -53,7 +53,7 @@ async def _first_step(pool, out_dir: str, name: str) -> tuple[float, list[int], 
 
 
 async def _run(warm_repeats: int) -> dict:
-    from forgelab.pool import ProcessPool
+    from forgelab.engines.pool import ProcessPool
 
     pool = ProcessPool()
     out = tempfile.mkdtemp(prefix="forgelab-bench-startup-")

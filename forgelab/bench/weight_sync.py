@@ -51,7 +51,7 @@ import tempfile
 import time
 
 from forgelab.bench.common import Worker, emit_json, print_machine, print_table
-from forgelab.bench.generator import SHIPPED, _state_dict, make_large_model
+from forgelab.bench.generator_bench import SHIPPED, _state_dict, make_large_model
 
 
 class RawReload(Worker):
@@ -76,7 +76,7 @@ def _raw_main(model_dir: str, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from forgelab.generator import GeneratorConfig, VLLMEngine
+    from forgelab.engines.generator import GeneratorConfig, VLLMEngine
 
     engine = VLLMEngine(GeneratorConfig(model_dir=model_dir))
     sd = _state_dict(model_dir)
@@ -96,8 +96,8 @@ TRANSPORTS = {"shm": "auto", "message": "message"}  # bench label -> push_weight
 
 async def measure(model_dir: str, replicas: int, reps: int, threads: int = 1) -> dict:
     """Per repetition: raw, shm push, raw, message push; medians per side and the paired ratios."""
-    from forgelab.generator import Generator, GeneratorConfig
-    from forgelab.trainer import Trainer, TrainerConfig
+    from forgelab.engines.generator import Generator, GeneratorConfig
+    from forgelab.engines.trainer import Trainer, TrainerConfig
 
     raws = [RawReload(model_dir, threads) for _ in range(replicas)]
     raw = raws[0]

@@ -5,7 +5,7 @@
         async def step(self, action_text: str) -> (observation, reward, done, info)
 
 - `task` is whatever the caller hands out: in a `Run` it is a
-  `forgelab.tasks.Problem` (prompt, target, info), in a benchmark anything
+  `forgelab.data.tasks.Problem` (prompt, target, info), in a benchmark anything
   picklable. `reset` returns the text of the first user message.
 - `action_text` is the assistant's last turn, decoded (special tokens removed).
 - `observation` is the text of the next message (None when `done`), `reward`

@@ -20,12 +20,12 @@
   its counters: tool-call rate, well-formed calls, answers equal to the
   tool's result, accuracy with and without a call.
 
-Tasks are `forgelab.tasks.Problem`s (prompt "12+45=", target "57"); the first
+Tasks are `forgelab.data.tasks.Problem`s (prompt "12+45=", target "57"); the first
 user message is the problem prompt exactly as in single-turn training, so the
 shipped model answers it in the format it learnt.
 
     >>> import asyncio
-    >>> from forgelab.tasks import Problem
+    >>> from forgelab.data.tasks import Problem
     >>> env = CalculatorToolEnv()
     >>> asyncio.run(env.reset(Problem(prompt="12*7=", target="84", task="t")))
     '12*7='
@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from forgelab.envs.base import Env, task_prompt
 from forgelab.envs.episode import env_metric_means
-from forgelab.tasks import extract_integer_answer
+from forgelab.data.tasks import extract_integer_answer
 from forgelab.types import Episode
 
 __all__ = ["ArithmeticTutorEnv", "CalculatorToolEnv", "EchoEnv", "safe_calc", "tool_use_stats"]
@@ -57,7 +57,7 @@ def _target(task: Any) -> str:
         return str(task.target)
     if isinstance(task, dict) and "target" in task:
         return str(task["target"])
-    raise ValueError(f"this environment needs a task with a target (a forgelab.tasks.Problem), got {task!r}")
+    raise ValueError(f"this environment needs a task with a target (a forgelab.data.tasks.Problem), got {task!r}")
 
 
 class EchoEnv(Env):

@@ -85,7 +85,7 @@ class ChatFormat:
     context, so the template must be prefix-stable (appending a message only
     appends text), which chat templates normally are; if not, it raises.
 
-        >>> from forgelab.tokenizer import build_tokenizer
+        >>> from forgelab.data.tokenizer import build_tokenizer
         >>> fmt = ChatFormat(build_tokenizer())
         >>> fmt.tokenizer.decode(fmt.turn_ids("tool", "<result>84</result>"))
         '<|tool|><result>84</result><|end|><|assistant|>'

@@ -1,7 +1,7 @@
 """The live lab: Jupyter widgets over a running `forgelab.run.Run`.
 
 Widgets are views: they read the run's typed view (`run.snapshot()`, a
-`forgelab.view.RunSnapshot`), `run.metrics`, `run.rollouts`, `run.events` and
+`forgelab.controller.view.RunSnapshot`), `run.metrics`, `run.rollouts`, `run.events` and
 `run.status()`, and act only through the run's public methods (`pause`,
 `set_loss`, `set_reward_weights`, `add_reward`, `remove_reward`, ...). Nothing here imports
 Monarch or talks to an actor.
@@ -17,14 +17,14 @@ Outside a notebook every panel's repr() is a plain-text summary.
 """
 from forgelab.lab._base import Panel, Throttle, in_notebook
 from forgelab.lab.compare import Compare, compare  # the function shadows the submodule's name here
-from forgelab.lab.controls import Controls, ServicesPanel
+from forgelab.lab.controls_panel import Controls, ServicesPanel
 from forgelab.lab.dashboard import Dashboard, dashboard
 from forgelab.lab.inspector import RolloutInspector
 from forgelab.lab.loss_panel import LossPanel
 from forgelab.lab.metrics import MetricsPanel
 from forgelab.lab.rewards_panel import RewardPanel
 from forgelab.lab.summary import text_summary
-from forgelab.lab.timeline import Timeline, timeline
+from forgelab.lab.timeline_panel import Timeline, timeline
 
 __all__ = [
     "compare", "Compare", "dashboard", "Dashboard", "MetricsPanel", "RolloutInspector", "RewardPanel", "LossPanel", "Controls",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from forgelab.lab._base import Panel
-from forgelab.lab.controls import Controls, ServicesPanel
+from forgelab.lab.controls_panel import Controls, ServicesPanel
 from forgelab.lab.inspector import RolloutInspector
 from forgelab.lab.loss_panel import LossPanel
 from forgelab.lab.metrics import MetricsPanel

@@ -23,7 +23,7 @@ from typing import Any
 
 from forgelab.lab._base import Panel
 from forgelab.lab.summary import MARKED_EVENTS, event_label, events_lines, metrics_line, state_line
-from forgelab.view import events_of
+from forgelab.controller.view import events_of
 
 #: (title, metric columns) per subplot; "reward/*" expands to every reward function's column.
 DEFAULT_PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from forgelab.lab._base import field
-from forgelab.view import events_of
+from forgelab.controller.view import events_of
 
 #: Metric columns shown in the one-line "last metrics" summary, in order.
 SUMMARY_METRICS = ("reward_mean", "heldout_accuracy", "loss", "kl_ref", "entropy", "clip_frac", "policy_age_mean",
@@ -117,7 +117,7 @@ def services_rows(run: Any) -> list[dict]:
 
 
 def pool_line(run: Any) -> str:
-    """"pool: ..." when the run's processes come from a `forgelab.pool.ProcessPool`, else ""."""
+    """"pool: ..." when the run's processes come from a `forgelab.engines.pool.ProcessPool`, else ""."""
     parts = getattr(run, "parts", None)
     pool = getattr(parts, "pool", None)
     if pool is None:

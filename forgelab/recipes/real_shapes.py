@@ -71,7 +71,7 @@ def build_tokenizer_of_size(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from forgelab import tokenizer as ct
+    from forgelab.data import tokenizer as ct
 
     base = ct.SPECIAL_TOKENS + ct.CHARS
     if vocab_size < len(base):
@@ -132,7 +132,7 @@ def real_shape_checkpoint(name: str, *, layers: int | None = None, out: str | No
 
     A directory holding ``.complete`` is reused as is.
     """
-    from forgelab.tokenizer import save_tokenizer
+    from forgelab.data.tokenizer import save_tokenizer
 
     out = out or os.path.join(cache_dir(), _dir_name(name, layers, max_position_embeddings)
                               + ("-config" if config_only else ""))

@@ -4,15 +4,15 @@
 
 What it does, on CPU with at most 2 threads (a few minutes):
 
-1. builds the character tokenizer (``forgelab.tokenizer``);
+1. builds the character tokenizer (``forgelab.data.tokenizer``);
 2. builds ``LlamaForCausalLM`` (4 layers, hidden 256, 4 heads, 2 KV heads,
    untied embeddings, float32) with ``torch.manual_seed(seed)``;
 3. supervised pretraining with AdamW on chat-templated (prompt, answer) pairs
-   from the TRAIN split of every task in ``forgelab.tasks.TASKS``; the loss
+   from the TRAIN split of every task in ``forgelab.data.tasks.TASKS``; the loss
    covers only the answer tokens and the end-of-turn token;
 4. saves model (safetensors), tokenizer and generation config (eos = ``<|end|>``)
    to ``--out``, measures greedy accuracy on each task's TEST split with
-   ``forgelab.evaluate.greedy_accuracy_hf``, and writes ``model_card.json`` and
+   ``forgelab.controller.evaluate.greedy_accuracy_hf``, and writes ``model_card.json`` and
    ``README.md`` there.
 
 The step count is chosen so the model is deliberately weak -- well-formed
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from forgelab.evaluate import format_prompt, greedy_accuracy_hf
-from forgelab.tasks import TASKS, Problem
-from forgelab.tokenizer import build_tokenizer, save_tokenizer
+from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf
+from forgelab.data.tasks import TASKS, Problem
+from forgelab.data.tokenizer import build_tokenizer, save_tokenizer
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
 IGNORE = -100
@@ -168,7 +168,7 @@ def save_with_card(model, tokenizer, r: TinyRecipe, out: str, *, steps: int, los
         "train_seconds": round(train_s, 1),
         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
         "eval": {
-            "function": "forgelab.evaluate.greedy_accuracy_hf",
+            "function": "forgelab.controller.evaluate.greedy_accuracy_hf",
             "split": "test",
             "n_per_task": r.n_test,
             "seed": r.seed,
@@ -245,12 +245,12 @@ A deliberately weak {card['n_params'] / 1e6:.2f} M-parameter character-level Lla
 the base model for forgelab's RL tutorials. Built by `forgelab/recipes/tiny_model.py`.
 
 - **Architecture**: {card['architecture']}; vocabulary {card['vocab_size']}
-  (one token per character + special tokens, `forgelab/tokenizer.py`).
+  (one token per character + special tokens, `forgelab/data/tokenizer.py`).
 - **Parameters**: {card['n_params']:,}.
 - **Chat format**: `<|bos|><|user|>12+345=<|end|><|assistant|>357<|end|>`;
   `<|end|>` is the eos token and ends every turn.
 - **Data**: chat-templated (prompt, answer) pairs from the train split of the
-  tasks (`forgelab/tasks.py`) {', '.join(f'{k}: {v:,} problems' for k, v in card['train_problems'].items())},
+  tasks (`forgelab/data/tasks.py`) {', '.join(f'{k}: {v:,} problems' for k, v in card['train_problems'].items())},
   seed {card['recipe']['seed']}, shuffled together;
   loss on the answer tokens and the end token only.
 - **Training**: AdamW, lr {card['recipe']['lr']}, batch {card['recipe']['batch_size']},

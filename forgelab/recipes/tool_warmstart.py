@@ -7,7 +7,7 @@ on ``CalculatorToolEnv`` it answers directly, so RL has no tool call to
 reinforce. This recipe (CPU, one thread; 250 steps, 3-4 minutes on the shared
 2-core machine) makes ``forgelab/assets/tiny-llama-tool``:
 
-1. takes TRAIN-split problems of every task (``forgelab.tasks``) and plays each
+1. takes TRAIN-split problems of every task (``forgelab.data.tasks``) and plays each
    twice through the real episode runner (``forgelab.envs.run_episode``)
    against the real ``CalculatorToolEnv``, with a scripted teacher as the
    generator: once calling the tool (``<calc>12+45</calc>``; the environment
@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import torch
 
 from forgelab.envs import CalculatorToolEnv, ChatFormat, EpisodeLimits, run_episode, tool_use_stats
-from forgelab.tasks import TASKS, Problem
+from forgelab.data.tasks import TASKS, Problem
 from forgelab.types import Completion, Episode
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
@@ -161,7 +161,7 @@ def teacher_turns(problem: Problem, use_tool: bool) -> list[str]:
 def teacher_episodes(problems: Sequence[Problem], use_tool: Sequence[bool], fmt: ChatFormat,
                      env_kwargs: dict | None = None) -> list[Episode]:
     """Each problem played by the episode runner against `CalculatorToolEnv` with the scripted teacher."""
-    from forgelab.generator import SamplingConfig
+    from forgelab.engines.generator import SamplingConfig
 
     limits = EpisodeLimits(max_turns=3, max_total_tokens=512)
     sampling = SamplingConfig(temperature=0.0, max_tokens=64)
@@ -278,7 +278,7 @@ def play_hf(model, tokenizer, problems: Sequence[Problem], *, temperature: float
             seed: int = 0) -> list[Episode]:
     """Episodes of `CalculatorToolEnv` on `problems` (`samples` each), played by the episode runner with HF
     `generate` as the generator (greedy when `temperature` is 0). The same runner and format as RL rollouts."""
-    from forgelab.generator import SamplingConfig
+    from forgelab.engines.generator import SamplingConfig
 
     fmt = ChatFormat(tokenizer)
     sampling = SamplingConfig(temperature=temperature, max_tokens=max_tokens)
@@ -346,7 +346,7 @@ def train(r: ToolWarmstart) -> dict:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from forgelab.tokenizer import save_tokenizer
+    from forgelab.data.tokenizer import save_tokenizer
 
     decision = decision_fractions(r.call_rate, r.batch_tool, r.batch_direct)  # validates call_rate
     load = os.getloadavg()  # the machine is shared: timings mean little without it

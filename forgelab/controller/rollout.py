@@ -1,0 +1,353 @@
+"""The rollout path: problems -> episodes -> rewards -> advantages -> reference logprobs -> replay buffer.
+
+Every rollout is an environment episode. A single-turn task is a one-step
+environment played here, in the controller (`SingleTurn`: no extra process;
+each prompt is rendered once and its G samples share it, one generator call per
+rollout); a multi-turn `rollout.env` is played by the EnvActor service
+(`EnvEpisodes`). Both give `list[list[Episode]]` (groups in problem order), and
+from there one path scores, normalises and buffers them:
+
+    Rollouts.worker:  buffer.admit(P*G)  (the staleness bound at the source, forgelab.controller.buffer)
+                      -> take P problems, number their groups and episodes (at admission: deterministic ids)
+                      -> source.play(problems, G)            (forgelab.controller.rollout / forgelab.envs)
+                      -> RewardRunner.score                  (forgelab.controller.reward_runner: rollout.rewards, added to
+                                                              the environment's own reward)
+                      -> drop failed, ADVANTAGES per group    (forgelab.algos.advantages)
+                      -> reference logprobs                   (the reference service, if any)
+                      -> buffer.add                           (forgelab.controller.buffer)
+
+Accounting: an episode is *generated* once it reached the controller (an
+`Episode` exists). A rollout that fails or is cancelled after that drops its
+not-yet-buffered episodes (``rollout_error:<Type>`` / ``rollout_cancelled``);
+episodes lost inside a dead generator never existed here, and their admission
+slots are given back (their ids stay unused: `Rollouts.ids_unused`).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from forgelab.algos import ADVANTAGES
+from forgelab.controller.buffer import ReplayBuffer
+from forgelab.quiet import RepeatLimiter
+from forgelab.controller.reward_runner import RewardRunner
+from forgelab.types import Episode
+
+log = logging.getLogger("forgelab.controller.rollout")
+
+__all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "final_answer"]
+
+
+class Gate:
+    """What the controller's loops wait on: pause, stop, and "the buffer or the served version changed"."""
+
+    def __init__(self) -> None:
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.changed = asyncio.Condition()
+        self.stopping = False
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def running(self) -> bool:
+        """Wait while paused; False once stopping."""
+        await self.unpaused.wait()
+        return not self.stopping
+
+
+@dataclass
+class Admitted:
+    """Problems taken from the stream with their group ids and first episode id (assigned at admission)."""
+
+    problems: list
+    first_group: int
+    first_episode: int
+    group_size: int
+    seeds: list[list[int]] | None = None
+    """seeds_P_G: one sampling seed per episode (deterministic runs), else None."""
+    created: list[Episode] = field(default_factory=list)
+
+    def number(self, groups: list[list[Episode]]) -> None:
+        for g, (prob, eps) in enumerate(zip(self.problems, groups)):
+            for k, ep in enumerate(eps):
+                ep.id, ep.group_id = self.first_episode + g * self.group_size + k, self.first_group + g
+                ep.target, ep.task, ep.info = prob.target, prob.task, {**dict(prob.info), **ep.info}
+                self.created.append(ep)
+
+
+def _takes_seeds(fn: Any) -> bool:
+    try:
+        return "seeds" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class SingleTurn:
+    """A single-turn task as a one-step environment played in the controller: one generate call per rollout,
+    the prompt rendered once for its G samples; the episode's reward comes from `rollout.rewards` alone."""
+
+    def __init__(self, generators: Any, tokenizer: Any, sampling: Any = None):
+        self.generators, self.tokenizer, self.sampling = generators, tokenizer, sampling
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        from forgelab.controller.evaluate import format_prompt
+
+        return self.tokenizer.encode(format_prompt(self.tokenizer, prompt), add_special_tokens=False)
+
+    async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
+        kwargs: dict[str, Any] = {"sampling": sampling} if sampling is not None else {}
+        if seeds is not None:
+            kwargs["seeds"] = seeds
+        groups = await self.generators.route("generate", [self.prompt_ids(p.prompt) for p in problems], n=n, **kwargs)
+        return [[Episode(id=0, group_id=0, prompt_ids=list(c.prompt_ids), completion_ids=list(c.completion_ids),
+                         generator_logprobs=list(c.logprobs), policy_version=c.policy_version, prompt=p.prompt,
+                         completion=c.text, finish_reason=c.finish_reason) for c in comps]
+                for p, comps in zip(problems, groups)]
+
+
+class EnvEpisodes:
+    """Multi-turn episodes of `rollout.env`, played by the EnvActor service against the healthy generator replicas
+    (the env actors call them directly: no turn passes through the controller)."""
+
+    def __init__(self, envs: Any, generators: Any, config: Any):
+        self.envs, self.generators, self.config = envs, generators, config
+
+    async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
+        from forgelab.engines.generator import SamplingConfig
+
+        r = self.config.rollout
+        sampling = sampling or SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+        gens = [h.actor for h in self.generators.handles() if h is not None]
+        return await self.envs.route(
+            "run_groups", r.env, problems, n, gens, sampling, env_kwargs=dict(r.env_kwargs), max_turns=r.max_turns,
+            max_total_tokens=self.config.model.max_model_len, step_timeout_s=r.env_step_timeout_s,
+        )
+
+
+def final_answer(ep: Episode, tokenizer: Any) -> str:
+    """The text an episode answers with: the whole completion for one step, else the last assistant turn
+    ("" for an episode that failed: it counts as wrong)."""
+    from forgelab.envs import DROP_OUTCOMES
+
+    if "turns" not in ep.info:
+        return ep.completion
+    turns = [t for t in ep.info.get("turns", []) if t[2] == "assistant"]
+    if not turns or ep.info.get("outcome") in DROP_OUTCOMES:
+        return ""
+    start, end, _ = turns[-1]
+    return tokenizer.decode(ep.completion_ids[start:end], skip_special_tokens=True)
+
+
+class Rollouts:
+    """The rollout workers and everything between a problem and the replay buffer.
+
+    Args:
+        config: the run's `RunConfig`.
+        source: `SingleTurn` or `EnvEpisodes` (anything with `play(problems, n, sampling=None, seeds=None)`).
+        buffer: the run's replay buffer (admission, staleness, accounting).
+        rewards: the `RewardRunner` over the run's rewards.
+        reference: the reference service (`route("logprobs", tokens_B_L, spans_B_2)`) or None.
+        stream: the `ProblemStream` problems come from.
+        gate: the controller's `Gate`.
+        emit: ``emit(kind, **fields)`` records an event in the run's log.
+        pause: ``pause(message)`` pauses the run (too many hung reward calls).
+        rewards_for: ``rewards_for(episodes) -> RewardComposer``: the reward set one rollout is scored with
+            (fixed for all its episodes); None scores with the runner's composer.
+        pad_id: token id padding reference inputs.
+    """
+
+    def __init__(self, config: Any, source: Any, buffer: ReplayBuffer, rewards: RewardRunner, reference: Any,
+                 stream: Any, gate: Gate, emit: Callable[..., None], pause: Callable[[str], None], pad_id: int = 0,
+                 rewards_for: Callable[[list[Episode]], Any] | None = None):
+        self.config, self.source, self.buffer, self.rewards = config, source, buffer, rewards
+        self.reference, self.stream, self.gate, self.emit, self.pad_id = reference, stream, gate, emit, pad_id
+        self.pause, self.rewards_for = pause, rewards_for
+        self.recent: deque[Episode] = deque(maxlen=2000)  # buffered, trained or dropped, newest last
+        self.next_group_id = 0
+        self.next_episode_id = 0
+        self.ids_unused = 0  # ids admitted for episodes that were never generated (the rollout failed first)
+        self.failure_log = RepeatLimiter(log)  # a respawn fails every retry the same way: one line and a count
+        self.tokens = 0  # generated tokens not yet counted by a metrics row
+        r = config.rollout
+        self.per_call = r.prompts_per_rollout * r.group_size
+        # deterministic synchronous mode: max_policy_age 0 seeds every sample from (train.seed, episode id)
+        self.deterministic = config.train.max_policy_age == 0 and _takes_seeds(_generator_generate())
+
+    # -- admission ----------------------------------------------------------------------------------------
+    def admit(self) -> Admitted:
+        """Take the next problems and number them (group ids, episode ids, seeds): the order is fixed here."""
+        r = self.config.rollout
+        problems = self.stream.next(r.prompts_per_rollout)
+        a = Admitted(problems, self.next_group_id, self.next_episode_id, r.group_size)
+        self.next_group_id += len(problems)
+        self.next_episode_id += len(problems) * r.group_size
+        if self.deterministic and isinstance(self.source, SingleTurn):
+            a.seeds = [[episode_seed(self.config.train.seed, a.first_episode + p * r.group_size + g)
+                        for g in range(r.group_size)] for p in range(len(problems))]
+        return a
+
+    async def worker(self) -> None:
+        """One rollout task: admit, play, score, buffer, until the run stops."""
+        while await self.gate.running():
+            async with self.gate.changed:
+                # back-pressure: generate no more than the trainer can use before the episodes go stale
+                await self.gate.changed.wait_for(lambda: self.gate.stopping or self.buffer.may_admit(self.per_call))
+                if self.gate.stopping:
+                    return
+                self.buffer.admit(self.per_call)
+                admitted = self.admit()
+            try:
+                await self.one(admitted)
+                self.failure_log.flush()
+            except asyncio.CancelledError:
+                self._drop_unaccounted(admitted, "rollout_cancelled")
+                self.ids_unused += self.per_call - len(admitted.created)
+                raise
+            except Exception as e:
+                lost = self._drop_unaccounted(admitted, f"rollout_error:{type(e).__name__}")
+                self.ids_unused += self.per_call - len(admitted.created)
+                self.emit("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost)
+                self.failure_log.warning("forgelab: rollout failed: %s", e)
+                await asyncio.sleep(0.5)  # back off before the next attempt (a dying replica, a respawn)
+            finally:
+                async with self.gate.changed:
+                    self.buffer.release(self.per_call)
+                    self.gate.changed.notify_all()
+
+    def _drop_unaccounted(self, admitted: Admitted, reason: str) -> int:
+        lost = [ep for ep in admitted.created if self.buffer.status(ep.id) is None]
+        if lost:
+            self.buffer.drop(lost, reason)
+            self.recent.extend(lost)  # never buffered or dropped before: not in `recent` yet
+        return len(lost)
+
+    # -- one rollout --------------------------------------------------------------------------------------
+    async def one(self, admitted: Admitted | None = None) -> None:
+        """Play, score and buffer one rollout's P*G episodes (admitting them first if not given)."""
+        admitted = admitted or self.admit()
+        groups = await self.source.play(admitted.problems, admitted.group_size, seeds=admitted.seeds)
+        admitted.number(groups)
+        flat = [ep for g in groups for ep in g]
+        self.tokens += sum(sum(ep.loss_mask) if ep.loss_mask is not None else len(ep.completion_ids) for ep in flat)
+        failed = self._env_failures(groups)
+        scored = [ep for ep in flat if ep.id not in failed]
+        composer = self.rewards_for(scored) if self.rewards_for is not None else None
+        failed.update(await self.rewards.score(scored, composer))
+        hung = self.rewards.hung_message()
+        if hung is not None:
+            self.pause(hung)  # logs it
+        await self._advantages_and_buffer(groups, failed)
+
+    def _env_failures(self, groups: list[list[Episode]]) -> dict[int, str]:
+        from forgelab.envs import DROP_OUTCOMES
+
+        failed = {ep.id: ep.info["outcome"] for g in groups for ep in g if ep.info.get("outcome") in DROP_OUTCOMES}
+        if failed:
+            reasons: dict[str, int] = {}
+            for v in failed.values():
+                reasons[v] = reasons.get(v, 0) + 1
+            first = next(ep for g in groups for ep in g if ep.id in failed)
+            self.emit("env_dropped", reasons=reasons, error=str(first.info.get("error", ""))[:300])
+        return failed
+
+    async def _advantages_and_buffer(self, groups: list[list[Episode]], failed: dict[int, str]) -> None:
+        """Drop failed episodes, compute group advantages, add reference logprobs, buffer the rest."""
+        r = self.config.rollout
+        keep: list[Episode] = []
+        for g in groups:
+            ok = [ep for ep in g if ep.id not in failed]
+            for ep in g:
+                if ep.id in failed:
+                    self._drop([ep], failed[ep.id])
+            if len(ok) < 2:
+                self._drop(ok, "group_too_small")
+                continue
+            rewards_1_G = torch.tensor([[ep.reward for ep in ok]], dtype=torch.float64)
+            if r.drop_zero_variance_groups and float(rewards_1_G.std()) == 0.0:
+                self._drop(ok, "zero_variance_group")
+                continue
+            for ep, a in zip(ok, ADVANTAGES[r.advantage](rewards_1_G)[0].tolist()):
+                ep.advantage = float(a)
+            keep += ok
+        if not keep:
+            return
+        if self.reference is not None:
+            await self._add_ref_logprobs(keep)
+        async with self.gate.changed:
+            self.buffer.add(keep)
+            self.recent.extend(keep)
+            self.gate.changed.notify_all()
+
+    def _drop(self, eps: list[Episode], reason: str) -> None:
+        if eps:
+            self.buffer.drop(eps, reason)
+            self.recent.extend(eps)
+
+    async def _add_ref_logprobs(self, eps: list[Episode]) -> None:
+        from forgelab.runtime.service import NoHealthyReplicaError, ReplicaFailedError
+
+        rows = [ep.prompt_ids + ep.completion_ids for ep in eps]
+        tokens_B_L = torch.full((len(rows), max(len(x) for x in rows)), self.pad_id, dtype=torch.long)
+        for i, x in enumerate(rows):
+            tokens_B_L[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        # (prompt length, length): only completion logprobs are computed, a group's prompt once
+        spans_B_2 = torch.tensor([[len(ep.prompt_ids), len(x)] if ep.completion_ids else [0, 0]
+                                  for ep, x in zip(eps, rows)], dtype=torch.long)
+        try:
+            lp = await self.reference.route("logprobs", tokens_B_L, spans_B_2)
+        except (NoHealthyReplicaError, ReplicaFailedError) as e:
+            # the reference died and is being respawned: wait for it rather than lose these episodes
+            self.emit("reference_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
+            await self.reference.wait_healthy(count=1, timeout=600)
+            lp = await self.reference.route("logprobs", tokens_B_L, spans_B_2)
+        lp_B_L = torch.as_tensor(lp)
+        for i, ep in enumerate(eps):
+            p, c = len(ep.prompt_ids), len(ep.completion_ids)
+            ep.ref_logprobs = lp_B_L[i, p - 1 : p - 1 + c].tolist()
+
+    # -- views --------------------------------------------------------------------------------------------
+    def dataframe(self):
+        """Recent episodes (newest last) with token ids, logprobs, rewards, advantages and buffer status."""
+        import pandas as pd
+
+        rows = []
+        for ep in list(self.recent):
+            status = self.buffer.status(ep.id) or ""
+            if status == "dropped":
+                status = "dropped:" + self.buffer.drop_reason(ep.id)
+            row = {
+                "id": ep.id, "group_id": ep.group_id, "task": ep.task, "prompt": ep.prompt,
+                "completion": ep.completion, "target": ep.target, "reward": ep.reward, "advantage": ep.advantage,
+                "policy_version": ep.policy_version, "finish_reason": ep.finish_reason, "status": status,
+                "prompt_ids": ep.prompt_ids, "completion_ids": ep.completion_ids,
+                "generator_logprobs": ep.generator_logprobs, "ref_logprobs": ep.ref_logprobs,
+                "loss_mask": ep.loss_mask, "turns": ep.info.get("turns"),
+            }
+            row.update({f"reward/{k}": v for k, v in ep.reward_parts.items()})
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+
+def episode_seed(seed: int, episode_id: int) -> int:
+    """The sampling seed of one episode in a deterministic run (forgelab.experiments.replay's when it exists)."""
+    try:
+        from forgelab.experiments.replay import episode_seed as seed_of
+    except ImportError:
+        return (seed * 1_000_003 + episode_id) % (2**31 - 1)
+    return seed_of(seed, episode_id)
+
+
+def _generator_generate() -> Any:
+    try:
+        from forgelab.engines.generator import VLLMEngine
+    except Exception:  # noqa: BLE001 -- no generator module: no seeds
+        return None
+    return VLLMEngine.generate

@@ -1,0 +1,121 @@
+"""A run's timeline: config summary, then each change at its step, with code diffs between versions.
+
+    print(format_timeline("runs/my-run"))      # what `forgelab show runs/my-run` prints
+    entries = timeline_entries(run)            # a live Run or a run directory; the lab widget draws these
+
+Read from the run's manifest (config) and event log; nothing else.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from forgelab.controller.events import EventLog
+from forgelab.controller.provenance import code_diff, read_manifest
+from forgelab.controller.reward_runner import reward_weights
+
+#: event kinds shown on a timeline (others, e.g. per-episode reward errors, are counted, not listed)
+SHOWN = {
+    "loss_swapped": "loss", "loss_refused": "loss", "reward_weights": "reward", "reward_added": "reward",
+    "reward_removed": "reward", "reward_effective": "reward", "paused": "control", "resumed": "control",
+    "stopped": "control", "finished": "control", "failed": "control", "checkpoint": "checkpoint",
+    "resumed_from_checkpoint": "checkpoint", "forked": "fork", "forked_from": "fork",
+    "replica_failed": "fault", "replica_restarted": "fault", "replica_respawned": "fault", "spawned": "control",
+    "eval": "eval", "step_skipped": "fault",
+}
+
+
+def _source(run_or_dir: Any) -> tuple[dict, list[dict]]:
+    """(config dict, events) of a live Run or of a run directory."""
+    if isinstance(run_or_dir, (str, Path)):
+        return read_manifest(run_or_dir)["config"], EventLog.read(run_or_dir)
+    return run_or_dir.config.to_dict(), list(run_or_dir.events)
+
+
+def config_summary(cfg: dict) -> str:
+    t, r, m = cfg["train"], cfg["rollout"], cfg["model"]
+    kw = f" {t['loss_kwargs']}" if t.get("loss_kwargs") else ""
+    return (f"{cfg['name']}: task {r['task']}, model {Path(m['path']).name}, loss {t['loss']}{kw}, "
+            f"rewards {reward_weights(r)}, {t['steps']} steps x batch {t['batch_size']} (G={r['group_size']}), "
+            f"lr {t['lr']}, max_policy_age {t['max_policy_age']}, seed {t['seed']}")
+
+
+def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
+    """One dict per shown event: step, kind, category, text, diff (a unified diff of code, or '')."""
+    from forgelab.controller.fncode import loss_record, reward_record
+    from forgelab.rewards.library import REWARDS
+
+    cfg, events = _source(run_or_dir)
+    try:
+        loss_src = loss_record(cfg["train"]["loss"])["source"]
+    except KeyError:
+        loss_src = ""
+    loss_name = cfg["train"]["loss"]
+    reward_src = {n: reward_record(REWARDS[n])["source"] for n in reward_weights(cfg["rollout"]) if n in REWARDS}
+    out = []
+    for e in events:
+        kind = e["kind"]
+        if kind not in SHOWN:
+            continue
+        step, diff = e.get("step", 0), ""
+        if kind == "loss_swapped":
+            code = e.get("code") or {}
+            text = (f"loss {loss_name} -> {e['loss']} {e.get('kwargs') or {}} applies at step {e.get('applies_at_step')} "
+                    f"(sha256 {str(code.get('sha256'))[:12]}{', built-in' if code.get('builtin') else ''})")
+            diff = code_diff(loss_src, code.get("source", ""), loss_name, e["loss"])
+            loss_src, loss_name = code.get("source", ""), e["loss"]
+        elif kind == "reward_added":
+            code = e.get("code") or {}
+            old = reward_src.get(e["name"], "")
+            verb = "replaced" if e.get("replace") and e["name"] in reward_src else "added"
+            text = f"reward {e['name']} {verb}, weight {e['weight']} (sha256 {str(code.get('sha256'))[:12]})"
+            diff = code_diff(old, code.get("source", ""), f"{e['name']} (before)", e["name"])
+            reward_src[e["name"]] = code.get("source", "")
+        elif kind == "reward_removed":
+            text = f"reward {e['name']} removed"
+            reward_src.pop(e["name"], None)
+        elif kind == "reward_weights":
+            changed = {k: v for k, v in (e.get("new") or {}).items() if (e.get("old") or {}).get(k) != v}
+            text = f"reward weights {changed}"
+        elif kind == "reward_effective":
+            text = f"reward changes in effect from episode {e['first_episode']}: {e.get('rewards')}"
+        elif kind == "checkpoint":
+            text = f"checkpoint {e.get('path')}"
+        elif kind == "resumed_from_checkpoint":
+            text = f"resumed from {e.get('path')} (loss {e.get('loss')}, rewards {e.get('rewards')})"
+        elif kind in ("forked", "forked_from"):
+            text = f"{kind} {e.get('parent') or e.get('child') or ''} at step {e.get('at_step', step)}"
+        elif kind == "eval":
+            text = f"held-out accuracy {e.get('accuracy')}"
+        elif kind.startswith("replica_"):
+            text = f"{kind} replica {e.get('replica')}: {str(e.get('detail', ''))[:120]}"
+        else:
+            msg = e.get("message") or e.get("reason") or ""
+            text = kind + (f": {msg}" if msg else "")
+        out.append({"step": step, "kind": kind, "category": SHOWN[kind], "text": text, "diff": diff, "time": e.get("time")})
+    return out
+
+
+def format_timeline(run_or_dir: Any, *, diffs: bool = True) -> str:
+    """The text `forgelab show` prints."""
+    cfg, events = _source(run_or_dir)
+    lines = [config_summary(cfg)]
+    if isinstance(run_or_dir, (str, Path)):
+        try:
+            m = read_manifest(run_or_dir)
+            v = m["versions"]
+            git = (m["forgelab"].get("git") or {})
+            lines.append(f"  forgelab {m['forgelab']['version']} git {str(git.get('commit'))[:10]}{' (dirty)' if git.get('dirty') else ''}; "
+                         + ", ".join(f"{k} {val}" for k, val in v.items()))
+            lines.append(f"  host {m['hardware']['host']}, {m['hardware']['cores_usable']} cores, GPUs {m['hardware']['gpus'] or 'none'}; "
+                         f"model sha256 {m['model']['sha256'][:12]}")
+        except FileNotFoundError:
+            pass
+    for en in timeline_entries(run_or_dir):
+        lines.append(f"step {en['step']:>5}  {en['text']}")
+        if diffs and en["diff"]:
+            lines += ["             " + ln for ln in en["diff"].rstrip("\n").splitlines()]
+    hidden = len(events) - len(timeline_entries(run_or_dir))
+    if hidden:
+        lines.append(f"({hidden} more events, e.g. reward errors: see events.jsonl)")
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""The training side of the loop: buffer -> batch -> trainer.train_step -> weights -> metrics row.
+
+    await train_loop(run)     # until run.config.train.steps, a stop, or a failure
+
+Each step: wait until the buffer holds a batch of fresh-enough episodes
+(`ReplayBuffer.ready`: the staleness bound on the training side), `collate` it,
+`train_step` on the trainer; a skipped step (non-finite loss, shape error)
+drops its episodes with reason ``step_skipped`` and, after
+`train.max_consecutive_failures` in a row, pauses the run with a message. A
+trained step bumps `run.version`, pushes the weights (`forgelab.weight_sync`),
+which frees admission for the next rollouts (`buffer.served_version`), and logs
+one metrics row (`metrics_row`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from forgelab.algos.batching import collate
+from forgelab.controller.rollout_log import record_step
+from forgelab.types import Episode
+
+log = logging.getLogger("forgelab.controller.training")
+
+__all__ = ["train_loop", "train_on", "metrics_row", "TokenRate"]
+
+
+async def train_loop(run: Any) -> None:
+    gate, buffer = run.gate, run.buffer
+    while run.step < run.config.train.steps and await gate.running():
+        async with gate.changed:
+            await gate.changed.wait_for(lambda: gate.stopping or not gate.unpaused.is_set() or buffer.ready(run.version))
+            if gate.stopping:
+                break
+            if not gate.unpaused.is_set():
+                continue
+            batch_eps = buffer.sample(run.version)
+            gate.changed.notify_all()
+        if batch_eps is not None:
+            await train_on(run, batch_eps)
+    await gate.notify()
+
+
+async def train_on(run: Any, batch_eps: list[Episode]) -> None:
+    """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint."""
+    cfg, gate = run.config, run.gate
+    t0 = time.time()
+    if run._replay is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
+        await run._replay.before_step(run, run.step + 1)
+    batch = collate(batch_eps, run.pad_id)
+    run.last_batch = batch
+    run.training_in_flight = True
+    try:
+        m = dict((await run.trainer.call("train_step", batch))[0])
+    finally:
+        run.training_in_flight = False
+    if m.get("skipped"):
+        reason = str(m.get("skip_reason", "skipped"))
+        async with gate.changed:  # frees admission slots: wake the rollout workers
+            run.buffer.mark_dropped(batch_eps, "step_skipped")
+            gate.changed.notify_all()
+        run.consecutive_failures += 1
+        run._event("step_skipped", reason=reason)
+        if run.consecutive_failures >= cfg.train.max_consecutive_failures:
+            run.pause(f"paused after {run.consecutive_failures} skipped steps in a row; last reason: {reason}. "
+                      "Fix the loss (run.set_loss(...)) or the data, then run.resume()")
+        return
+    run.consecutive_failures = 0
+    run.buffer.mark_trained(batch_eps)
+    run.step += 1
+    run.version += 1
+    t_train = time.time() - t0
+    report = await run.push_weights()
+    row = metrics_row(run, batch_eps, m, t_train, report.sync_ms, time.time() - t0)
+    if cfg.eval.every and run.step % cfg.eval.every == 0:
+        row["heldout_accuracy"] = await run.evaluate()
+    if cfg.tracking.checkpoint_every and run.step % cfg.tracking.checkpoint_every == 0:
+        await run.save_checkpoint()
+    run.tracker.log(row)
+    record_step(run)  # scored rollouts -> <run dir>/rollouts/*.parquet every few steps (forgelab.controller.rollout_log)
+    run._notify(row)
+
+
+class TokenRate:
+    """Generated tokens per second over a window of recent steps (a single step may see no rollout finish)."""
+
+    def __init__(self, window: int = 11):
+        self._window: deque[tuple[float, int]] = deque(maxlen=window)
+        self._t_last = time.time()
+
+    def add(self, tokens: int, now: float) -> float:
+        self._window.append((now, tokens))
+        w = list(self._window)
+        dt = now - (w[0][0] if len(w) > 1 else self._t_last)
+        total = sum(n for _, n in w[1:]) if len(w) > 1 else w[-1][1]
+        self._t_last = now
+        return total / dt if dt > 0 else float("nan")
+
+
+def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: float, t_step: float) -> dict:
+    """The per-step metrics row: rewards (total and per part), policy age, lengths, the trainer's metrics,
+    throughput, times and the episode counters. Columns are stable: widgets, CSVs and tests read them."""
+    now = time.time()
+    tokens, run.rollout.tokens = run.rollout.tokens, 0
+    counts = run.buffer.counts()
+    row: dict[str, Any] = {"step": run.step, "time": now, "version": run.version,
+                           "reward_mean": sum(ep.reward for ep in eps) / len(eps)}
+    names = run.rewards.names
+    for name in [*names, *sorted({k for ep in eps for k in ep.reward_parts} - set(names))]:
+        vals = [ep.reward_parts[name] for ep in eps if name in ep.reward_parts]
+        if vals:
+            row[f"reward/{name}"] = sum(vals) / len(vals)
+    if run.config.rollout.env is not None:  # environment counters (e.g. tool calls) per episode
+        from forgelab.envs.episode import env_metric_means
+
+        row.update({f"env/{k}": v for k, v in env_metric_means(eps).items()})
+    ages = [run.version - 1 - ep.policy_version for ep in eps]
+    row["policy_age_mean"] = sum(ages) / len(ages)
+    row["policy_age_max"] = max(ages)
+    row["completion_len"] = sum(len(ep.completion_ids) for ep in eps) / len(eps)
+    for k, v in m.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            row[k if k not in row else f"train/{k}"] = float(v)
+    # the loss the trainer actually used for this step (a swap applies at a step boundary)
+    row["loss_name"] = str(m.get("loss_name") or run.loss_name)
+    row["tokens_per_s"] = run.token_rate.add(tokens, now)
+    row["step_time_s"] = t_step
+    row["train_time_s"] = t_train
+    row["weight_sync_ms"] = sync_ms
+    for k in ("generated", "trained", "evicted", "dropped", "buffered"):
+        row[f"episodes_{k}"] = counts[k]
+    return row

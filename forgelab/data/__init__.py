@@ -1,0 +1,13 @@
+"""Data: the toy tasks (generated deterministically), dataset files, the problem stream, the tiny tokenizer.
+
+    from forgelab.data import get_task, load_file, ProblemStream
+    problems = get_task("addition").make("test", 200, seed=0)
+
+`tasks` defines the toy tasks and `Problem`; `datasets` reads jsonl/parquet files (GSM8K columns map
+as they are) and streams problems to the rollouts; `tokenizer` builds the shipped character-level one.
+"""
+from forgelab.data.datasets import ProblemStream, gsm8k_target, load_file, load_problems
+from forgelab.data.tasks import TASKS, Problem, Task, extract_integer_answer, get_task
+
+__all__ = ["TASKS", "Problem", "ProblemStream", "Task", "extract_integer_answer", "get_task", "gsm8k_target",
+           "load_file", "load_problems"]

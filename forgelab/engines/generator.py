@@ -1,0 +1,376 @@
+"""The rollout generator: a vLLM engine inside a Monarch actor, token-in/token-out.
+
+    gen = await Generator.options(procs=1).as_actor(GeneratorConfig(model_dir=...))
+    groups_P_G = await gen.generate.call_one(prompts, n=8)     # list[list[Completion]]
+    await gen.update_weights.call_one(version=1, weights=hf_state_dict)
+
+What it really is: one in-process vLLM v1 engine (`vllm.LLM`, no engine
+subprocess) driven by an asyncio loop in the actor. Every `generate` call adds
+its requests to the engine and awaits them; the loop runs `engine.step()` while
+anything is unfinished, so concurrent calls share the same continuous batch
+instead of queueing one `LLM.generate` after another. `generate` and
+`update_weights` answer through an explicit response port: Monarch delivers one
+endpoint call at a time per actor, and an endpoint that awaited its completions
+would block every other caller until it returned.
+
+Logprobs: `Completion.logprobs[i]` is log softmax of the raw model logits at
+the step that produced `completion_ids[i]` (vLLM `logprobs_mode="raw_logprobs"`):
+log pi(token) of the policy at temperature 1, before temperature, top-k and
+top-p. That equals the trainer's recomputation at temperature 1 whatever
+sampling settings were used; it is the *sampling* probability only when
+temperature=1, top_k=0, top_p=1 (set `logprobs_mode="processed_logprobs"` to get
+the log-probability under the temperature/top-k/top-p-processed distribution).
+
+Weight updates (`update_weights`; `update_weights_shared` for a same-host shm handle) are checked and loaded
+in place between batches by `forgelab.weights.receiver`; `Completion.policy_version` names the weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import operator
+import os
+import time
+from typing import Any, Awaitable, Callable, Sequence
+
+from monarch.actor import Port, endpoint
+
+from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, SamplingConfig  # noqa: F401 -- re-exported
+from forgelab.runtime.component import Component
+from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
+from forgelab.types import Completion
+from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared  # noqa: F401
+
+
+class VLLMEngine:
+    """A `vllm.LLM` driven by an asyncio loop: concurrent `generate` calls share one batch.
+
+    Not an actor: the `Generator` actor wraps it, and benchmarks use it in-process.
+    Everything runs on the event-loop thread that created it (vLLM is not thread-safe).
+    """
+
+    def __init__(self, config: GeneratorConfig):
+        config.validate()
+        self.config = config
+        self.device = config.resolved_device()
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("GeneratorConfig.device='cuda' but this process sees no GPU; "
+                                 "spawn it with Generator.options(with_gpus=True) or use device='auto'")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.device == "cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
+        import vllm  # noqa: F401  (after the environment is set)
+
+        kwargs: dict[str, Any] = dict(
+            model=config.model_dir,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_seqs=config.max_num_seqs,
+            logprobs_mode=config.logprobs_mode,
+            worker_extension_cls="forgelab.weights.receiver.WeightUpdateExtension",
+            use_tqdm_on_load=False,  # a progress bar per replica start is noise in a notebook cell
+        )
+        block_size = config.block_size or (32 if self.device == "cpu" else None)
+        if block_size is not None:
+            kwargs["block_size"] = block_size
+        if self.device == "cuda":
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        self.llm = vllm.LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        freeze_startup_objects()  # the engine/tokenizer's objects: never scanned by later collections
+        gc_stats()  # start timing garbage-collection pauses
+        self.expected_shapes = checkpoint_shapes(config.model_dir)
+        self.version = 0
+        self._ids = itertools.count()
+        self._pending: dict[str, asyncio.Future] = {}
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._admitting = asyncio.Event()  # cleared while weights are swapped
+        self._admitting.set()
+        self._update_lock = asyncio.Lock()
+        self._shared: Any = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
+        self._loop_task: asyncio.Task | None = None
+        self._last_add = 0.0
+        self._idle_since: float | None = None  # when the engine loop last ran out of requests
+        self._stats = dict(
+            busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
+            tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
+            sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0,
+        )
+
+    # -- requests -------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            # Text is already chat-templated (forgelab.controller.evaluate.format_prompt): no extra specials.
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            if len(prompt) > 0:
+                return [operator.index(t) for t in prompt]  # ints, numpy ints, 0-d int tensors
+        except TypeError:
+            pass
+        raise ValueError(
+            f"generate: each prompt must be a str or a non-empty list of token ids, got {str(prompt)[:80]!r}"
+        )
+
+    def _render(self, prompt_ids: list[int]):
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        # Pre-rendering avoids vLLM 0.32's "Passing raw prompts to InputProcessor is deprecated".
+        preprocess = getattr(self.llm, "_preprocess_cmpl", None)
+        return preprocess([prompt])[0] if preprocess is not None else prompt
+
+    async def generate(
+        self, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
+    ) -> list[list[Completion]]:
+        """`n` completions of each prompt (text or token ids), in prompt order.
+
+        `seeds` (seeds_P_G, optional): one vLLM seed per sample, for reproducible sampling
+        (deterministic runs derive them from the run seed and the episode id).
+        """
+        sampling = sampling or self.config.sampling
+        sampling.validate("generate(sampling=...)")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"generate: n must be a positive integer, got {n!r}")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("generate: prompts must be a list of strings or of token-id lists")
+        if seeds is not None and (len(seeds) != len(prompts) or any(len(s) != n for s in seeds)):
+            raise ValueError(f"generate: seeds must be one list of n={n} ints per prompt ({len(prompts)} prompts)")
+        texts = [p if isinstance(p, str) else "" for p in prompts]
+        ids_P = [self._prompt_ids(p) for p in prompts]
+        for ids in ids_P:
+            if len(ids) + sampling.max_tokens > self.config.max_model_len:
+                raise ValueError(
+                    f"generate: prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds "
+                    f"max_model_len={self.config.max_model_len}; shorten it or raise GeneratorConfig.max_model_len"
+                )
+        await self._admitting.wait()
+        # No await between here and the last add_request: a weight update cannot slip in.
+        version = self.version
+        params = sampling.to_vllm()
+        loop = asyncio.get_running_loop()
+        futures_P_G: list[list[asyncio.Future]] = []
+        added: list[str] = []
+        self._end_idle()  # taking in requests is work: an idle period ends here
+        t_add = time.perf_counter()
+        try:
+            for p, ids in enumerate(ids_P):
+                # One request per sample (not vLLM's n-way parent request): each sample keeps its
+                # own prefix-cache count. The prompt is rendered once per group.
+                rendered = self._render(ids)
+                row = []
+                for g in range(n):
+                    rid = f"fg{next(self._ids)}"
+                    self.engine.add_request(rid, rendered, params if seeds is None else sampling.to_vllm(int(seeds[p][g])))  # vLLM copies prompt and params
+                    added.append(rid)
+                    row.append(self._pending.setdefault(rid, loop.create_future()))
+                futures_P_G.append(row)
+        except Exception:  # e.g. a token id outside the vocabulary: drop this call's requests
+            self.engine.abort_request(added)
+            for rid in added:
+                self._pending.pop(rid, None)
+            raise
+        self._last_add = time.perf_counter()
+        self._stats["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
+        self._ensure_loop()
+        outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
+        return [
+            [self._completion(o, ids, text, version) for o in outs]
+            for outs, ids, text in zip(outs_P_G, ids_P, texts)
+        ]
+
+    def _completion(self, out: Any, prompt_ids: list[int], text: str, version: int) -> Completion:
+        c = out.outputs[0]
+        ids = list(c.token_ids)
+        logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)] if c.logprobs is not None else []
+        return Completion(
+            prompt_ids=list(prompt_ids),
+            completion_ids=ids,
+            logprobs=[float(x) for x in logprobs],
+            text=c.text,
+            finish_reason=str(c.finish_reason),
+            policy_version=version,
+            prompt=text,
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+        )
+
+    # -- engine loop ----------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        self._idle.clear()
+        self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        s = self._stats
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._idle.set()
+                self._wake.clear()
+                self._idle_since = time.perf_counter()
+                s["idle_periods"] += 1
+                await self._wake.wait()
+                self._end_idle()
+                continue
+            t_admit = time.perf_counter()
+            await self._admit_arrivals()
+            s["admission_wait_s"] += time.perf_counter() - t_admit
+            concurrent = self.engine.get_num_unfinished_requests()
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # fail the waiting calls, keep the loop alive
+                self._fail_all(e)
+                continue
+            s["busy_time_s"] += time.perf_counter() - t0
+            s["steps"] += 1
+            s["max_concurrent_requests"] = max(s["max_concurrent_requests"], concurrent)
+            s["sum_concurrent_requests"] += concurrent
+            for out in outputs:
+                if not out.finished:
+                    continue
+                s["requests"] += 1
+                s["tokens_generated"] += len(out.outputs[0].token_ids)
+                s["prompt_tokens"] += len(out.prompt_token_ids or ())
+                s["cached_prompt_tokens"] += int(out.num_cached_tokens or 0)
+                fut = self._pending.pop(out.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(out)
+            # Let Monarch deliver new calls (their requests join the next step).
+            await asyncio.sleep(0)
+
+    def _end_idle(self) -> None:
+        if self._idle_since is not None:
+            self._stats["idle_time_s"] += time.perf_counter() - self._idle_since
+            self._idle_since = None
+
+    async def _admit_arrivals(self) -> None:
+        """Let calls that are still arriving join this step (see `admission_window_ms`).
+
+        Not when the running batch is already full: a newcomer would only wait in
+        vLLM's queue, and the engine would idle for the window."""
+        if self.engine.get_num_unfinished_requests() >= self.config.max_num_seqs:
+            return
+        window = self.config.admission_window_ms / 1e3
+        deadline = time.perf_counter() + 4 * window
+        while (now := time.perf_counter()) < deadline and now - self._last_add < window:
+            await asyncio.sleep(window - (now - self._last_add))
+
+    def _fail_all(self, error: Exception) -> None:
+        ids = list(self._pending)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            pass
+        for rid in ids:
+            fut = self._pending.pop(rid)
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"vLLM engine step failed: {error!r}"))
+
+    # weights: forgelab.weights.receiver.receive(engine, version, weights) / receive_shared(engine, handle)
+
+    # -- introspection --------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        s = dict(self._stats)
+        s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
+        s["cpu_time_s"] = time.process_time()  # this process, all threads
+        s.update(gc_stats())
+        s["prefix_cache_hit_rate"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
+        return s
+
+    def status(self) -> dict[str, Any]:
+        return {"version": self.version, "in_flight_requests": len(self._pending),
+                "admitting": self._admitting.is_set(), "device": self.device, "stats": self.stats()}
+
+
+_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
+    """Run `start()` in the background; answer `port` with its value or its error (every error goes to the
+    port: an explicit-port endpoint that raised would leave its caller waiting forever)."""
+
+    async def run() -> None:
+        try:
+            port.send(await start())
+        except Exception as e:
+            from monarch._src.actor.actor_mesh import ActorError
+
+            port.exception(ActorError(e, f"Generator.{what} failed."))
+
+    task = asyncio.get_running_loop().create_task(run())
+    _replies.add(task)
+    task.add_done_callback(_replies.discard)
+
+
+class Generator(Component):
+    """vLLM rollout generator. Endpoints: generate, update_weights, version, status, stats."""
+
+    IDEMPOTENT = frozenset({"generate"})
+
+    def __init__(self, config: GeneratorConfig):
+        config.validate()
+        self.config = config
+        self.engine: VLLMEngine | None = None
+
+    @endpoint
+    async def setup(self) -> None:
+        import torch
+
+        # vLLM's CPU worker turns later torch.set_num_threads calls into no-ops.
+        torch.set_num_threads(int(os.environ.get("FORGELAB_THREADS", "1")))
+        self.engine = VLLMEngine(self.config)
+
+    def _engine(self) -> VLLMEngine:
+        if self.engine is None:
+            raise RuntimeError("Generator.setup() has not run; spawn it with Generator.options(...).as_actor(config)")
+        return self.engine
+
+    @endpoint(explicit_response_port=True)
+    async def generate(
+        self, port: Port, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """`list[list[Completion]]`: `n` completions per prompt (text or token ids), in order; `seeds` per sample."""
+        _reply(port, lambda: self._engine().generate(prompts, n, sampling, seeds), "generate")
+
+    @endpoint(explicit_response_port=True)
+    async def update_weights(self, port: Port, version: int, weights: dict) -> None:
+        """Load HF-named `weights` as `version` (strictly increasing); answers the new version."""
+        _reply(port, lambda: receive(self._engine(), version, weights), "update_weights")
+
+    @endpoint(explicit_response_port=True)
+    async def update_weights_shared(self, port: Port, handle: Any) -> None:
+        """Load the weights a trainer on this host wrote to shared memory: the new version (an int), or a str
+        saying why the file cannot be reached from here (the trainer then sends the tensors)."""
+        _reply(port, lambda: receive_shared(self._engine(), handle), "update_weights_shared")
+
+    @endpoint
+    async def version(self) -> int:
+        return self._engine().version
+
+    @endpoint
+    async def reset_version(self, version: int = -1) -> int:
+        """Forget the served version (a warm pool's next run): the next weight push may carry any later one."""
+        self._engine().version = int(version)
+        return self._engine().version
+
+    @endpoint
+    async def status(self) -> dict[str, Any]:
+        return self._engine().status()
+
+    @endpoint
+    async def stats(self) -> dict[str, float]:
+        return self._engine().stats()
+
+
+__all__ = ["Generator", "GeneratorConfig", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",
+           "checkpoint_shapes"]

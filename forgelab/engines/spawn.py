@@ -1,0 +1,117 @@
+"""Spawning a run's parts: the generator service, the trainer, the reference service and the env service.
+
+    parts = await spawn_parts(cfg)        # all started in parallel; a failure stops the others
+    parts.generators, parts.trainer, parts.reference, parts.envs
+    await parts.shutdown()
+
+The component configs each actor receives are built by `component_configs(cfg)`
+(pure: no process starts), so what a YAML file sets can be checked without a spawn.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from forgelab.config.run_config import RunConfig
+
+log = logging.getLogger("forgelab.engines.spawn")
+
+
+@dataclass
+class Parts:
+    """The processes of one run. `reference` / `envs` are None when the config asks for none."""
+
+    generators: Any
+    trainer: Any
+    reference: Any = None
+    envs: Any = None
+    job: Any = None
+    """The `monarch.job` job the parts run on (None: this host); `shutdown` kills it."""
+    seconds: float = 0.0
+    """Wall time the spawn took."""
+
+    async def shutdown(self) -> None:
+        """Stop every part, all at once, then kill the hosts job. A part that fails to stop is logged and
+        the rest still stop; the job is killed whatever happened before (its hosts would outlive the run).
+
+        At once because a part's stop is mostly waiting for its processes to exit (1.5-4 s each on the
+        tiny model): one after the other, the waits added up (7.1 s for generator, reference and trainer
+        vs 3.7 s together)."""
+        try:
+            names = [n for n in ("generators", "reference", "envs", "trainer") if getattr(self, n) is not None]
+            results = await asyncio.gather(*(getattr(self, n).shutdown() for n in names), return_exceptions=True)
+            for name, err in zip(names, results):  # the other parts and the job still stopped
+                if isinstance(err, Exception):
+                    log.warning("forgelab: stopping the %s failed: %s: %s", name, type(err).__name__, err)
+            for err in results:
+                if isinstance(err, BaseException) and not isinstance(err, Exception):
+                    raise err
+        finally:
+            if self.job is not None:
+                try:
+                    self.job.kill()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("forgelab: killing the hosts job failed: %s: %s", type(err).__name__, err)
+            self.generators = self.trainer = self.reference = self.envs = self.job = None
+
+
+def component_configs(cfg: RunConfig) -> dict[str, Any]:
+    """The config object each component is spawned with: {"generator", "trainer", "reference", "envs"}."""
+    from forgelab.algos.loss_checks import completion_budget, with_completion_budget
+
+    cc = {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
+    t = cc["trainer"]  # dr_grpo normalises by the completion budget unless loss_kwargs set max_tokens
+    t.loss_kwargs = with_completion_budget(t.loss, t.loss_kwargs, completion_budget(cfg.rollout))
+    return cc
+
+
+def _where(job: Any, mesh: str | None) -> dict[str, Any]:
+    """Placement keywords putting a part on host mesh `mesh` of `job` (this host when either is None)."""
+    return {"job": job, "mesh": mesh} if job is not None and mesh is not None else {}
+
+
+async def spawn_parts(cfg: RunConfig) -> Parts:
+    """Start every part of `cfg` in parallel; if one fails, stop the others (and the job) and raise its error."""
+    from forgelab.engines.generator import Generator
+    from forgelab.engines.trainer import ReferenceModel, Trainer
+
+    p, h = cfg.placement, cfg.hosts
+    cc = component_configs(cfg)
+    job = None
+    if h.job is not None:
+        from forgelab.runtime.placement import job_from_config
+
+        job = job_from_config(h.job)
+    common = dict(threads=p.threads, with_gpus=p.with_gpus)
+    trainer_hosts = {"hosts": h.trainer_hosts} if h.trainer_hosts > 1 else {}
+    jobs = [
+        Generator.options(num_replicas=p.generator_replicas, **common, **_where(job, h.generator)).as_service(cc["generator"]),
+        Trainer.options(procs=p.trainer_procs, **common, **trainer_hosts, **_where(job, h.trainer)).as_actor(cc["trainer"]),
+    ]
+    if p.reference:
+        jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common,
+                                           **_where(job, h.reference)).as_service(cc["reference"]))
+    if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
+        from forgelab.envs.actor import EnvActor
+
+        jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads,
+                                     **_where(job, h.envs)).as_service(cc["envs"]))
+    t0 = time.time()
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for r in results:
+            if not isinstance(r, BaseException):
+                await r.shutdown()
+        if job is not None:
+            job.kill()
+        raise failed[0]
+    return Parts(
+        generators=results[0], trainer=results[1],
+        reference=results[2] if p.reference else None,
+        envs=results[-1] if cfg.rollout.env is not None else None,
+        job=job, seconds=time.time() - t0,
+    )

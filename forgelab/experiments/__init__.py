@@ -1,0 +1,20 @@
+"""Experiment operations over a run: each a function over the run's parts, with a one-line method on `Run`.
+
+    child = await run.fork(loss="dapo")                  fork.py     (a child from the next step boundary)
+    report = await run.compare_losses(["grpo", "dapo"])  loss_ab.py  (losses on one frozen batch)
+    report = await forgelab.replay(run_dir)              replay.py   (rerun a recorded run, compare metrics)
+"""
+from forgelab.lazy import lazy_exports
+
+_LAZY = {
+    "fork": "forgelab.experiments.fork",
+    "fork_from": "forgelab.experiments.fork",
+    "compare_losses": "forgelab.experiments.loss_ab",
+    "LossComparison": "forgelab.experiments.loss_ab",
+    "replay": "forgelab.experiments.replay",
+    "replay_sync": "forgelab.experiments.replay",
+    "ReplayReport": "forgelab.experiments.replay",
+    "compare_metrics": "forgelab.experiments.replay",
+}
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

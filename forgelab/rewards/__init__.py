@@ -1,0 +1,17 @@
+"""Rewards: plain callables `fn(prompt, completion, target, **info) -> float`, a registry and a composer.
+
+    from forgelab.rewards import REWARDS, RewardComposer, validate
+    REWARDS["my_reward"] = my_reward        # adding one is adding an entry
+
+`library` holds the registry, the composer (weights, hot swaps) and the call/validation helpers;
+`math_answers` the rewards for real data (GSM8K/MATH answers, think tags, overlong shaping).
+"""
+from forgelab.rewards.library import (REWARDS, RewardComposer, RewardFailure, RewardFn, RewardResult,
+                                      ValidationReport, WeightedReward, answer_format, call_reward, exact_answer,
+                                      extract_answer, validate)
+from forgelab.rewards.math_answers import (extract_math_answer, make_overlong, math_answer, overlong, parse_number,
+                                           target_value, think_format)
+
+__all__ = ["REWARDS", "RewardComposer", "RewardFailure", "RewardFn", "RewardResult", "ValidationReport",
+           "WeightedReward", "answer_format", "call_reward", "exact_answer", "extract_answer", "extract_math_answer",
+           "make_overlong", "math_answer", "overlong", "parse_number", "target_value", "think_format", "validate"]
