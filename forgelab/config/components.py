@@ -15,9 +15,80 @@ from collections.abc import Callable
 from forgelab.envs.episode import EpisodeLimits
 
 __all__ = ["LOGPROBS_MODES", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSPORTS", "TrainerConfig",
-           "ReferenceConfig", "EnvActorConfig"]
+           "ReferenceConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+# --- LoRA (shared by the trainer and the generator) -----------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections a LoRA adapter may target (HF and PEFT names); the default targets all of them."""
+LORA_REFERENCES = ("base", "process")
+_LORA_REFUSED = {
+    "lm_head": "forgelab computes logprobs from lm_head.weight in chunks without calling its forward, so an "
+               "adapter there would never be applied",
+    "embed_tokens": "embedding adapters are not supported (PEFT's lora_embedding_A/B layout)",
+}
+
+
+def check_lora_targets(targets, where: str = "lora.targets") -> tuple[str, ...]:
+    """``targets`` as a tuple, or ValueError naming the bad one and the valid names."""
+    if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets:
+        raise ValueError(f"{where}: expected a non-empty list of projection names from {list(LORA_TARGETS)}, "
+                         f"got {targets!r}")
+    for t in targets:
+        if t in _LORA_REFUSED:
+            raise ValueError(f"{where}: {t!r} cannot be a LoRA target: {_LORA_REFUSED[t]}; "
+                             f"choose from {list(LORA_TARGETS)}")
+        if t not in LORA_TARGETS:
+            import difflib
+
+            near = difflib.get_close_matches(str(t), LORA_TARGETS, n=1)
+            raise ValueError(f"{where}: {t!r} is not a projection of the model"
+                             + (f"; did you mean {near[0]!r}?" if near else "")
+                             + f" (valid: {list(LORA_TARGETS)}, HF names as in PEFT)")
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"{where}: {list(targets)} names a projection twice")
+    return tuple(targets)
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters instead of full fine-tuning (forgelab.engines.lora); off unless ``enabled``.
+
+    With LoRA the trainer trains (and checkpoints) only the adapters, a weight push sends only the adapter
+    (PEFT format) and the generator serves it with vLLM's LoRA support on top of the unchanged base.
+    """
+
+    enabled: bool = False
+    """Train LoRA adapters on a frozen base; False: full fine-tuning (nothing below is used)."""
+    rank: int = 8
+    """r: rank of each adapter (A is [r, in], B is [out, r])."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Probability of zeroing an adapter's input element in training forward passes (0: none)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Projections that get an adapter in every layer (HF names); the output projection and embeddings cannot."""
+    reference: str = "base"
+    """"base": the reference logprobs are the base model's, computed by the trainer with the adapters off
+    (no reference process is spawned); "process": a separate reference process (placement.reference), for a
+    reference that is not the base."""
+
+    def validate(self, where: str = "lora") -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"{where}.enabled must be true or false, got {self.enabled!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= 512:
+            raise ValueError(f"{where}.rank must be an integer in [1, 512] (vLLM serves ranks up to 512), "
+                             f"got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"{where}.alpha must be a positive number, got {self.alpha!r}")
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ValueError(f"{where}.dropout must be in [0, 1), got {self.dropout!r}")
+        check_lora_targets(self.targets, f"{where}.targets")
+        if self.reference not in LORA_REFERENCES:
+            raise ValueError(f"{where}.reference must be one of {LORA_REFERENCES}, got {self.reference!r}")
 
 
 @dataclass(kw_only=True)
@@ -104,6 +175,10 @@ class GeneratorConfig:
     "processed_logprobs": after temperature / top-k / top-p."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Default sampling of `generate` calls that pass none."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """With ``lora.enabled``: vLLM serves LoRA adapters (a weight push sends the adapter only)."""
+    max_loras: int = 1
+    """With LoRA: most adapters in one engine batch (vLLM ``max_loras``)."""
 
     def validate(self) -> None:
         if not self.model_dir or not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -132,6 +207,9 @@ class GeneratorConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"GeneratorConfig.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         self.sampling.validate("GeneratorConfig.sampling")
+        self.lora.validate("GeneratorConfig.lora")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"GeneratorConfig.max_loras must be a positive integer, got {self.max_loras!r}")
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -210,6 +288,8 @@ class TrainerConfig:
     shm_dir: str | None = None
     """Folder (a tmpfs) for ``"auto"``'s per-trainer weights directory; None: ``/dev/shm`` (no fast path
     when it is missing). The directory is removed when the trainer process exits."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """With ``lora.enabled``: train LoRA adapters on the frozen base (forgelab.engines.lora)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""
@@ -263,6 +343,7 @@ class TrainerConfig:
             bad("weight_transport", f"must be one of {WEIGHT_TRANSPORTS}")
         if self.shm_dir is not None and not os.path.isdir(self.shm_dir):
             bad("shm_dir", "must be None (/dev/shm) or an existing folder, ideally a tmpfs")
+        self.lora.validate("TrainerConfig.lora")
 
 
 @dataclass(kw_only=True)

@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 
 # The component sections (generator, trainer, reference, envs) are derived from the actors' own config
 # dataclasses: see forgelab/config/sections.py. Importing them loads torch and monarch (~2 s).
+from forgelab.config.components import LoraConfig  # noqa: E402
 from forgelab.config.sections import (  # noqa: E402
     EnvsSection,
     GeneratorSection,
@@ -207,6 +208,8 @@ class RunConfig:
     envs: EnvsSection = field(default_factory=EnvsSection)
     """EnvActor settings (every EnvActorConfig field not set by model/placement/rollout)."""
     hosts: HostsConfig = field(default_factory=HostsConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (shared by trainer and generator); off by default."""
 
     # -- loading ---------------------------------------------------------
     @classmethod
@@ -216,7 +219,9 @@ class RunConfig:
         return cfg
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "RunConfig":
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> "RunConfig":
+        """Read a YAML config; `overrides` are ``dotted.key=value`` strings (the CLI's ``--set``), each value
+        parsed as YAML, applied before validation."""
         import yaml
 
         p = Path(path)
@@ -228,6 +233,17 @@ class RunConfig:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level, got {type(data).__name__}")
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.steps=20")
+            key, raw = item.split("=", 1)
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node[leaf] = yaml.safe_load(raw)
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -375,6 +391,10 @@ class RunConfig:
         _nonneg("eval.every", e.every)
         _positive("eval.n", e.n)
         _nonneg("tracking.checkpoint_every", self.tracking.checkpoint_every)
+        try:
+            self.lora.validate("lora")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         self._validate_hosts()
         for section in ("generator", "trainer", "reference", "envs"):
             try:

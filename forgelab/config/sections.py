@@ -7,8 +7,8 @@ components and therefore set in one place elsewhere in the `RunConfig`
 rate from `train`, ...):
 
     section      component config                    shared fields come from
-    generator    forgelab.engines.generator.GeneratorConfig   model.*, placement.kv_cache_gib, rollout.temperature/top_p/max_tokens
-    trainer      forgelab.engines.trainer.TrainerConfig       model.path/dtype, train.*
+    generator    forgelab.engines.generator.GeneratorConfig   model.*, placement.kv_cache_gib, rollout.temperature/top_p/max_tokens, lora
+    trainer      forgelab.engines.trainer.TrainerConfig       model.path/dtype, train.*, lora
     reference    forgelab.engines.trainer.ReferenceConfig     model.path/dtype
     envs         forgelab.envs.actor.EnvActorConfig   model.*, placement.env_max_concurrent, rollout.max_turns/env_step_timeout_s
 
@@ -22,7 +22,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from forgelab.config.components import EnvActorConfig, GeneratorConfig, ReferenceConfig, TrainerConfig
+from forgelab.config.components import EnvActorConfig, GeneratorConfig, LoraConfig, ReferenceConfig, TrainerConfig
 
 #: RunConfig section -> its component's config class.
 COMPONENTS: dict[str, type] = {
@@ -32,18 +32,21 @@ COMPONENTS: dict[str, type] = {
     "envs": EnvActorConfig,
 }
 
+#: The top-level `lora` section sets every field of the trainer's and the generator's LoRA config.
+_LORA = {f.name: f"lora.{f.name}" for f in dataclasses.fields(LoraConfig)}
+
 #: Component field -> the RunConfig path that sets it for every component (a dict for a nested config).
 SHARED: dict[str, dict[str, Any]] = {
     "generator": {
         "model_dir": "model.path", "dtype": "model.dtype", "max_model_len": "model.max_model_len",
-        "kv_cache_gib": "placement.kv_cache_gib",
+        "kv_cache_gib": "placement.kv_cache_gib", "lora": _LORA,
         "sampling": {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "max_tokens": "rollout.max_tokens"},
     },
     "trainer": {
         "model_dir": "model.path", "dtype": "model.dtype", "lr": "train.lr", "warmup_steps": "train.warmup_steps",
         "total_steps": "train.steps", "min_lr_ratio": "train.min_lr_ratio", "weight_decay": "train.weight_decay",
         "max_grad_norm": "train.max_grad_norm", "loss": "train.loss", "loss_kwargs": "train.loss_kwargs",
-        "is_cap": "train.is_cap", "seed": "train.seed",
+        "is_cap": "train.is_cap", "seed": "train.seed", "lora": _LORA,
     },
     "reference": {"model_dir": "model.path", "dtype": "model.dtype"},
     "envs": {

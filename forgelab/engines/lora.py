@@ -36,10 +36,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from forgelab.config.components import check_lora_targets
 from forgelab.weights.adapter import HF_TARGETS, peft_config, peft_name
 
 __all__ = ["TITAN_MODULE", "LoRAAdapter", "check_targets", "add_adapters", "adapters", "adapters_disabled",
-           "dropout_seed", "is_adapter_key", "adapter_state_dict", "peft_tensors", "base_hash"]
+           "dropout_seed", "is_adapter_key", "adapter_state_dict", "peft_tensors", "adapter_config", "base_hash",
+           "merged_hf_state_dict"]
 
 #: HF projection name -> (torchtitan module path inside a decoder layer, part of a fused qkv or None).
 TITAN_MODULE = {
@@ -48,31 +50,11 @@ TITAN_MODULE = {
     "gate_proj": ("feed_forward.w1", None), "up_proj": ("feed_forward.w3", None),
     "down_proj": ("feed_forward.w2", None),
 }
-_REFUSED = {
-    "lm_head": "forgelab computes logprobs from lm_head.weight in chunks without calling its forward, so an "
-               "adapter there would never be applied",
-    "embed_tokens": "embedding adapters are not supported (PEFT's lora_embedding_A/B layout)",
-}
 
 
 def check_targets(targets: Any, where: str = "lora.targets") -> tuple[str, ...]:
-    """The targets as a tuple, or ValueError naming the bad one and the valid names."""
-    if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets:
-        raise ValueError(f"{where}: expected a non-empty list of projection names from {list(HF_TARGETS)}, "
-                         f"got {targets!r}")
-    for t in targets:
-        if t in _REFUSED:
-            raise ValueError(f"{where}: {t!r} cannot be a LoRA target: {_REFUSED[t]}; choose from {list(HF_TARGETS)}")
-        if t not in HF_TARGETS:
-            import difflib
-
-            near = difflib.get_close_matches(str(t), HF_TARGETS, n=1)
-            raise ValueError(f"{where}: {t!r} is not a projection of the model"
-                             + (f"; did you mean {near[0]!r}?" if near else "")
-                             + f" (valid: {list(HF_TARGETS)}, HF names as in PEFT)")
-    if len(set(targets)) != len(targets):
-        raise ValueError(f"{where}: {list(targets)} names a projection twice")
-    return tuple(targets)
+    """The targets as a tuple, or ValueError naming the bad one (`forgelab.config.components.check_lora_targets`)."""
+    return check_lora_targets(targets, where)
 
 
 class LoRAAdapter(nn.Module):
@@ -249,3 +231,14 @@ def base_hash(model_dir: str) -> str:
             for block in iter(lambda: f.read(1 << 22), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def merged_hf_state_dict(model: nn.Module, ckpt: Any, lora: Any) -> dict[str, torch.Tensor]:
+    """The base's HF weights with the adapters merged in (``W + scaling * B @ A``): what ``export --merge``
+    writes and what the generator computes with the adapter. Collective under FSDP (gathers every parameter)."""
+    from forgelab.engines.titan import full_state_dict, titan_to_hf
+    from forgelab.weights.adapter import merge_adapter
+
+    full = full_state_dict(model)
+    base = titan_to_hf({k: v for k, v in full.items() if not is_adapter_key(k)}, ckpt)
+    return merge_adapter(base, peft_tensors(model, ckpt), float(lora.alpha) / int(lora.rank))

@@ -368,10 +368,37 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def titan_to_hf(titan_sd: dict[str, torch.Tensor], ckpt: TitanCheckpoint) -> dict[str, torch.Tensor]:
+    """The torchtitan adapter's ``to_hf``, refusing any parameter it would drop.
+
+    torchtitan's adapters skip names they do not know without a word; a model carrying anything
+    else (LoRA adapters, a new module) would then export, and push, only part of itself. Each name
+    is mapped on its own with a meta tensor of its shape first (no data is copied for the check).
+    """
+    adapter = ckpt.adapter()
+    tied = bool(getattr(ckpt.config, "enable_weight_tying", False))
+    unmapped = []
+    for key, value in titan_sd.items():
+        if tied and key == "lm_head.weight":
+            continue  # the tied output projection is the embedding: HF saves it once
+        try:
+            mapped = adapter.to_hf({key: torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")})
+        except KeyError:
+            mapped = {}
+        if not mapped:
+            unmapped.append(key)
+    if unmapped:
+        hint = (" (LoRA adapters: export them with forgelab.engines.lora.peft_tensors, or merge them with "
+                "merged_hf_state_dict)" if any(".lora." in k for k in unmapped) else "")
+        raise ValueError(f"{len(unmapped)} torchtitan parameters have no HF name in the {ckpt.family} adapter, "
+                         f"e.g. {unmapped[:4]}; refusing to export part of the model{hint}")
+    return {k: v.to("cpu").contiguous() for k, v in adapter.to_hf(dict(titan_sd)).items()}
+
+
 def to_hf_state_dict(model: torch.nn.Module, ckpt: TitanCheckpoint) -> dict[str, torch.Tensor]:
-    """HF-named full tensors of ``model`` (contiguous, CPU). Collective under FSDP."""
-    hf_sd = ckpt.adapter().to_hf(full_state_dict(model))
-    return {k: v.to("cpu").contiguous() for k, v in hf_sd.items()}
+    """HF-named full tensors of ``model`` (contiguous, CPU); every parameter must map (`titan_to_hf`).
+    Collective under FSDP."""
+    return titan_to_hf(full_state_dict(model), ckpt)
 
 
 def save_hf(out_dir: str, hf_state_dict: dict[str, torch.Tensor], ckpt: TitanCheckpoint) -> str:

@@ -197,8 +197,8 @@ class Trainer(Component):
     @endpoint
     async def compare_losses(self, specs: list, batch: dict[str, Any]) -> dict[str, Any]:
         """Each loss's value, grad norm and metrics on ``batch`` and the pairwise gradient cosines; nothing changes
-        (see `forgelab.experiments.loss_ab.compare_on_state`)."""
-        from forgelab.experiments.loss_ab import compare_on_state
+        (see `forgelab.engines.loss_eval.compare_on_state`)."""
+        from forgelab.engines.loss_eval import compare_on_state
 
         return compare_on_state(self.state, specs, batch)
 
@@ -221,7 +221,8 @@ class Trainer(Component):
 
     @endpoint
     async def push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> dict[str, Any]:
-        """Gather the HF weights and load them into each generator mesh as ``version``.
+        """Gather the HF weights (with LoRA: the adapter only, PEFT names) and load them into each generator mesh
+        as ``version``.
 
         ``generators`` are Monarch actor meshes (``ActorHandle.actor``) of healthy
         generator replicas; rank 0 sends to all of them concurrently. ``transport``
@@ -234,15 +235,25 @@ class Trainer(Component):
         "shm" | "message" | "mixed" | "none", "transports": [per generator: "shm",
         "message" or None when failed], "fallback": {index: why not shm}}``.
         """
-        out = await self._sender.push(self.state.hf_state_dict, self.state.rank == 0, int(version), generators,
+        out = await self._sender.push(self.state.push_state_dict, self.state.rank == 0, int(version), generators,
                                       transport or self.config.weight_transport)
         self.state.policy_version = int(version)
         return out
 
     @endpoint
     async def export_hf(self, path: str) -> str:
-        """Write the current weights as a HF directory (rank 0 writes; every rank gathers)."""
+        """Write the current weights as a HF directory (rank 0 writes; every rank gathers). With LoRA: merged."""
         return self.state.export_hf(path)
+
+    @endpoint
+    async def export_adapter(self, path: str) -> str:
+        """LoRA: write the adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``)."""
+        return self.state.export_adapter(path)
+
+    @endpoint
+    async def base_logprobs(self, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None) -> torch.Tensor:
+        """LoRA: the base model's ``logprobs_B_T`` (adapters off, fp32, no grad), the full batch on every rank."""
+        return self.state.base_logprobs(tokens_B_L, spans_B_2)
 
     # -- checkpoints -----------------------------------------------------------
 

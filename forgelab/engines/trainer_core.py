@@ -3,7 +3,7 @@
 `forgelab.engines.trainer.Trainer` is a thin Monarch actor around `TrainerState`;
 this module can be driven from any process group (a test under torchrun, a
 single process). See `forgelab.engines.trainer` for the normalisation across ranks
-and the fault rule; the code implementing both is `TrainerState._forward_loss_backward`.
+and the fault rule; the code implementing both is `TrainerState.forward_loss_backward`.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from forgelab.engines.trainer_support import (  # noqa: F401  (re-exported: forg
     REQUIRED_BATCH_KEYS,
     PackedLoss,
     WarmupCosine,
-    _local,
-    _rendezvous,
-    _rng_state,
-    _set_rng_state,
-    _sha,
+    local_tensor,
+    rendezvous,
+    rng_state,
+    set_rng_state,
+    sha256_hex,
     check_batch,
     check_spans,
     check_tokens,
@@ -43,7 +43,7 @@ from forgelab.engines.trainer_support import (  # noqa: F401  (re-exported: forg
 _EXTRA_FILE = "trainer_rank{}.pkl"
 
 
-class _Skip(Exception):
+class SkipStep(Exception):
     """A step that must not change anything (see the fault rule)."""
 
 
@@ -68,6 +68,11 @@ class TrainerState:
         from forgelab.engines.titan import build_from_hf
 
         model, self.ckpt = build_from_hf(config.model_dir, device=self.device)
+        self.lora = config.lora if config.lora.enabled else None
+        if self.lora is not None:  # adapters on the frozen base (forgelab.engines.lora); before sharding
+            from forgelab.engines.lora import add_adapters
+
+            add_adapters(model, self.ckpt, self.lora, seed=config.seed)
         from forgelab.engines.precision import needs_mixed_precision
 
         if world > 1 or needs_mixed_precision(getattr(config, "dtype", "float32"), self.device.type):
@@ -102,7 +107,7 @@ class TrainerState:
                 "TrainerConfig.master_port is None with a multi-process trainer: spawn it with "
                 "Trainer.options(procs=...).as_actor(config), which picks a free port, or set master_port"
             )
-        store, pg_options = _rendezvous(self.config.master_addr, self.config.master_port, self.rank, self.world,
+        store, pg_options = rendezvous(self.config.master_addr, self.config.master_port, self.rank, self.world,
                                         timeout, backend)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout,
                                 pg_options=pg_options)
@@ -199,7 +204,7 @@ class TrainerState:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
-    def _sum(self, values: list[float]) -> list[float]:
+    def sum_across_ranks(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
             dist.all_reduce(t)
@@ -207,10 +212,10 @@ class TrainerState:
 
     # -- the step ------------------------------------------------------------------
 
-    def _forward_loss_backward(self, batch: dict, fn: Callable, name: str, kwargs: dict) -> tuple[float, dict, float]:
+    def forward_loss_backward(self, batch: dict, fn: Callable, name: str, kwargs: dict) -> tuple[float, dict, float]:
         """Accumulate ``dL/dtheta`` of the global-batch loss into ``.grad``; ``(loss, metrics, grad_norm)``.
 
-        Raises `_Skip` (on every rank together) when the loss or the gradients are unusable.
+        Raises `SkipStep` (on every rank together) when the loss or the gradients are unusable.
         """
         from forgelab.algos.importance import truncated_is_weights
         from forgelab.algos.losses import validate_loss_output
@@ -227,12 +232,17 @@ class TrainerState:
         micro = self._micro_batches(B)
         rows = torch.cat(micro)
         spans_B_2 = spans_from_mask(batch["mask_B_T"].cpu())  # only masked positions enter the loss
+        if ref_B_T is None and self.ref_from_base:
+            ref_B_T = self._base_logprobs(tokens, micro, spans_B_2, B).to(dev)
+            metrics_ref = {"ref_from_base": 1.0}
+        else:
+            metrics_ref = {}
 
         # Pass 1: this rank's logprobs (keeping the graph when there is one micro-batch).
         graphs, parts, ents = [], [], []
         keep_graph = len(micro) == 1
-        for mb in micro:
-            with torch.set_grad_enabled(keep_graph):
+        for i, mb in enumerate(micro):
+            with torch.set_grad_enabled(keep_graph), self._dropout(i):
                 lp, ent = self._forward(tokens, mb, need_entropy=True, spans_B_2=spans_B_2)
             graphs.append(lp if keep_graph else None)
             parts.append(lp.detach())
@@ -240,8 +250,9 @@ class TrainerState:
         local_lp = torch.cat(parts)
         ent_local = torch.cat(ents)
         m_local = mask_B_T[rows]
-        e_sum, e_cnt = self._sum([float((ent_local * m_local).sum()), float(m_local.sum())])
-        metrics: dict[str, Any] = {"entropy": e_sum / max(e_cnt, 1.0), "n_tokens": e_cnt, "n_seqs": float(B)}
+        e_sum, e_cnt = self.sum_across_ranks([float((ent_local * m_local).sum()), float(m_local.sum())])
+        metrics: dict[str, Any] = {"entropy": e_sum / max(e_cnt, 1.0), "n_tokens": e_cnt, "n_seqs": float(B),
+                                   **metrics_ref}
 
         # The loss of the global batch, identical on every rank.
         lp_leaf = self._all_gather_rows(local_lp, B).detach().requires_grad_(True)
@@ -263,7 +274,7 @@ class TrainerState:
         except Exception as e:  # a user's loss may raise anything: it must skip, not desynchronise ranks
             reason = f"loss {name!r}: {type(e).__name__}: {e}".strip()
         if self._any(bool(reason)):
-            raise _Skip(reason or "another rank's loss failed")
+            raise SkipStep(reason or "another rank's loss failed")
         loss_value = float(loss_t.detach())
 
         # Pass 2: back-propagate this rank's slice of dL/dlogprobs through the model.
@@ -272,7 +283,8 @@ class TrainerState:
             if keep_graph:
                 lp = graphs[i]
             else:
-                lp, _ = self._forward(tokens, mb, need_entropy=False, spans_B_2=spans_B_2)
+                with self._dropout(i):  # the same adapter-dropout mask as pass 1 drew for this micro-batch
+                    lp, _ = self._forward(tokens, mb, need_entropy=False, spans_B_2=spans_B_2)
             if len(mb) == 0:
                 lp.sum().backward()  # zero-valued: keeps this rank in the FSDP reduce-scatter
             else:
@@ -281,8 +293,46 @@ class TrainerState:
 
         grad_norm = self._grad_norm()
         if self._any(not math.isfinite(grad_norm)):
-            raise _Skip(f"non-finite gradients (grad_norm={grad_norm}) from loss {name!r}")
+            raise SkipStep(f"non-finite gradients (grad_norm={grad_norm}) from loss {name!r}")
         return loss_value, metrics, grad_norm
+
+    @property
+    def ref_from_base(self) -> bool:
+        """LoRA with ``lora.reference == "base"``: a batch without reference logprobs gets the base model's."""
+        return self.lora is not None and self.lora.reference == "base"
+
+    def _base_logprobs(self, tokens_B_L: torch.Tensor, micro: list[torch.Tensor], spans_B_2: torch.Tensor | None,
+                       B: int) -> torch.Tensor:
+        """The base model's ``logprobs_B_T`` (adapters off, no grad), all rows on every rank: the free reference."""
+        from forgelab.engines.lora import adapters_disabled
+
+        with torch.no_grad(), adapters_disabled(self.model):
+            parts = [self._forward(tokens_B_L, mb, need_entropy=False, spans_B_2=spans_B_2)[0] for mb in micro]
+        return self._all_gather_rows(torch.cat(parts), B)
+
+    def _dropout(self, micro_index: int):
+        """Adapter dropout for one micro-batch's training forward passes (a no-op without LoRA dropout).
+
+        The mask's seed depends on (seed, step, rank, micro-batch) only: the no-grad pass 1 and the
+        backward pass 2 of a micro-batch draw the same mask, and a resumed run draws the same masks."""
+        import contextlib
+
+        if self.lora is None or not self.lora.dropout:
+            return contextlib.nullcontext()
+        from forgelab.engines.lora import dropout_seed
+
+        seed = ((self.config.seed * 1_000_003 + self.step) * 1_009 + self.rank) * 1_013 + micro_index
+        return dropout_seed(self.model, seed)
+
+    def base_logprobs(self, tokens_B_L: Any, spans_B_2: Any = None) -> torch.Tensor:
+        """The base model's logprobs (adapters off): what a reference on the base would answer. LoRA only."""
+        if self.lora is None:
+            raise ValueError("base_logprobs: this trainer has no LoRA adapters; its base is its policy "
+                             "(use a ReferenceModel for a frozen copy)")
+        tokens_B_L = check_tokens(tokens_B_L)
+        spans_B_2 = check_spans(spans_B_2, tokens_B_L)
+        B = tokens_B_L.shape[0]
+        return self._base_logprobs(tokens_B_L, self._micro_batches(B), spans_B_2, B).float().cpu()
 
     def _grad_norm(self) -> float:
         """The global L2 norm of the gradients (float64 sum of squares: `sum_of_squares`)."""
@@ -309,8 +359,8 @@ class TrainerState:
         batch = check_batch(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
         try:
-            loss, metrics, grad_norm = self._forward_loss_backward(batch, self.loss_fn, self.loss_name, self.loss_kwargs)
-        except _Skip as skip:
+            loss, metrics, grad_norm = self.forward_loss_backward(batch, self.loss_fn, self.loss_name, self.loss_kwargs)
+        except SkipStep as skip:
             self.optimizer.zero_grad(set_to_none=True)
             return {"skipped": 1, "skip_reason": str(skip), "step": self.step, "lr": lr,
                     "step_time_s": time.perf_counter() - t0}
@@ -326,15 +376,15 @@ class TrainerState:
     def dry_run_loss(self, spec: Any, batch: Any, loss_kwargs: dict | None) -> dict[str, Any]:
         name, fn = resolve_loss(spec)
         batch = check_batch(batch)
-        rng = _rng_state()
+        rng = rng_state()
         try:
-            loss, metrics, _ = self._forward_loss_backward(batch, fn, name, dict(loss_kwargs or {}))
+            loss, metrics, _ = self.forward_loss_backward(batch, fn, name, dict(loss_kwargs or {}))
             result = {"ok": True, "reason": "", "loss": loss, "metrics": metrics}
-        except _Skip as skip:
+        except SkipStep as skip:
             result = {"ok": False, "reason": str(skip), "loss": float("nan"), "metrics": {}}
         finally:
             self.optimizer.zero_grad(set_to_none=True)
-            _set_rng_state(rng)
+            set_rng_state(rng)
         return result
 
     def logprobs(self, tokens_B_L: Any, spans_B_2: Any = None) -> torch.Tensor:
@@ -349,9 +399,36 @@ class TrainerState:
     # -- weights and checkpoints --------------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights (with LoRA: the base with the adapters merged in). Collective."""
         from forgelab.engines.titan import to_hf_state_dict
 
-        return to_hf_state_dict(self.model, self.ckpt)
+        if self.lora is None:
+            return to_hf_state_dict(self.model, self.ckpt)
+        from forgelab.engines.lora import merged_hf_state_dict
+
+        return merged_hf_state_dict(self.model, self.ckpt, self.lora)
+
+    def push_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a weight push sends: the full HF weights, or with LoRA only the adapter (PEFT names). Collective."""
+        if self.lora is None:
+            return self.hf_state_dict()
+        from forgelab.engines.lora import peft_tensors
+
+        return peft_tensors(self.model, self.ckpt)
+
+    def export_adapter(self, path: str) -> str:
+        """Write the adapter as a PEFT directory (rank 0 writes; every rank gathers). LoRA only."""
+        from forgelab.engines.lora import adapter_config, peft_tensors
+        from forgelab.weights.adapter import write_adapter
+
+        if self.lora is None:
+            raise ValueError("export_adapter: this trainer has no LoRA adapters; use export_hf")
+        tensors = peft_tensors(self.model, self.ckpt)
+        if self.rank == 0:
+            write_adapter(path, tensors, adapter_config(self.lora, self.ckpt.model_dir))
+        if self.world > 1:
+            dist.barrier()
+        return path
 
     def export_hf(self, path: str) -> str:
         from forgelab.engines.titan import save_hf
@@ -379,14 +456,14 @@ class TrainerState:
         import torch.distributed.checkpoint as dcp
 
         osd, fresh = self._optim_sd()
-        dcp.save({"model": self.model.state_dict(), "optim": osd}, checkpoint_id=path)
+        dcp.save({"model": self._model_sd(), "optim": osd}, checkpoint_id=path)
         loss_spec = self.loss_spec
         if not isinstance(loss_spec, (str, PackedLoss)):
             loss_spec = pack_loss(loss_spec)
         extra = {
             "scheduler": self.scheduler.state_dict(), "step": self.step, "policy_version": self.policy_version,
             "optim_fresh": fresh, "loss": loss_spec, "loss_kwargs": self.loss_kwargs, "world": self.world,
-            "rng": _rng_state(),
+            "rng": rng_state(), "lora": self._lora_record(),
         }
         with open(os.path.join(path, _EXTRA_FILE.format(self.rank)), "wb") as f:
             pickle.dump(extra, f)
@@ -404,11 +481,13 @@ class TrainerState:
             raise FileNotFoundError(f"{path!r} is not a forgelab trainer checkpoint (no {_EXTRA_FILE.format(0)})")
         with open(extra_path, "rb") as f:
             extra = pickle.load(f)
-        model_sd = self.model.state_dict()
+        self._check_lora_record(extra.get("lora"), path)
+        model_sd = self._model_sd()
         osd, _ = self._optim_sd()
         state = {"model": model_sd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=self.lora is None)
+        assert not unexpected, unexpected
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if extra["optim_fresh"]:
             self.optimizer.state.clear()
@@ -417,17 +496,58 @@ class TrainerState:
         self.step, self.policy_version = extra["step"], extra["policy_version"]
         self._apply_loss(extra["loss"], extra["loss_kwargs"])
         self._pending = None
-        _set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"])
         return self.info()
 
+    def _model_sd(self) -> dict[str, Any]:
+        """What a checkpoint holds of the model: every parameter, or with LoRA the adapters only."""
+        if self.lora is None:
+            return self.model.state_dict()
+        from forgelab.engines.lora import adapter_state_dict
+
+        return adapter_state_dict(self.model)
+
+    def _lora_record(self) -> dict[str, Any] | None:
+        """The adapters' shape and the base they sit on (path and content hash), saved with a LoRA checkpoint."""
+        if self.lora is None:
+            return None
+        from dataclasses import asdict
+
+        from forgelab.engines.lora import base_hash
+
+        if getattr(self, "_base_sha256", None) is None:
+            self._base_sha256 = base_hash(self.config.model_dir)
+        return {"config": asdict(self.lora), "base_path": os.path.abspath(self.config.model_dir),
+                "base_sha256": self._base_sha256}
+
+    def _check_lora_record(self, saved: dict[str, Any] | None, path: str) -> None:
+        """Refuse a checkpoint whose adapters (or lack of them) or base do not match this trainer."""
+        mine = self._lora_record()
+        if (saved is None) != (mine is None):
+            has = "LoRA adapters only" if saved is not None else "full weights"
+            raise ValueError(f"{path!r} holds {has}, but this trainer is "
+                             f"{'a LoRA' if mine is not None else 'a full fine-tuning'} trainer; "
+                             "resume with the lora config the checkpoint was saved with")
+        if saved is None:
+            return
+        if saved["base_sha256"] != mine["base_sha256"]:
+            raise ValueError(f"{path!r} holds LoRA adapters trained on the base at {saved['base_path']!r} "
+                             f"(sha256 {saved['base_sha256'][:12]}), but this trainer's base "
+                             f"{mine['base_path']!r} has sha256 {mine['base_sha256'][:12]}: adapters only make "
+                             "sense on their own base; set model.path to it")
+        shape = lambda c: (c["rank"], sorted(c["targets"]))  # noqa: E731
+        if shape(saved["config"]) != shape(mine["config"]):
+            raise ValueError(f"{path!r} holds rank-{saved['config']['rank']} adapters on {saved['config']['targets']}, "
+                             f"this trainer has rank {mine['config']['rank']} on {mine['config']['targets']}")
+
     def fingerprint(self) -> dict[str, Any]:
-        params = [_local(v) for _, v in sorted(self.model.state_dict().items())]
+        params = [local_tensor(v) for _, v in sorted(self.model.state_dict().items())]
         opt = []
         for p in self.params:
             for k, v in sorted(self.optimizer.state.get(p, {}).items()):
-                opt.append(_local(v) if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+                opt.append(local_tensor(v) if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
         return {
-            "params": _sha(params), "optim": _sha(opt), "optim_entries": len(opt),
+            "params": sha256_hex(params), "optim": sha256_hex(opt), "optim_entries": len(opt),
             "scheduler": repr(sorted(self.scheduler.state_dict().items())), "step": self.step,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
         }
@@ -436,4 +556,5 @@ class TrainerState:
         n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global size
         return {"rank": self.rank, "world": self.world, "device": str(self.device), "step": self.step,
                 "policy_version": self.policy_version, "loss": self.loss_name, "loss_kwargs": dict(self.loss_kwargs),
-                "family": self.ckpt.family, "params": int(n_params)}
+                "family": self.ckpt.family, "params": int(n_params),
+                "trainable_params": int(sum(p.numel() for p in self.params)), "lora": self.lora is not None}

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from forgelab.config.components import LORA_TARGETS as HF_TARGETS  # the projections an adapter may target
+
 __all__ = ["HF_TARGETS", "HF_MODULE", "peft_name", "hf_weight_name", "parse_peft_name", "adapter_shapes",
            "check_adapter", "peft_config", "write_adapter", "read_adapter", "merge_adapter"]
 
-#: The projections an adapter may target, by their HF (and PEFT) name.
-HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: HF sub-module of each target within a decoder layer.
 HF_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
