@@ -41,7 +41,7 @@ def resolve(path: str | Path) -> Path:
 
 def reward_state(rewards) -> list[dict[str, Any]]:
     """The reward set as data: name, weight and code record of each reward, in order."""
-    terms = rewards._terms  # one read: a consistent snapshot even while a cell changes it
+    terms = rewards.terms  # one read: a consistent snapshot even while a cell changes it
     return [{"name": n, "weight": w, "fn": reward_record(fn)} for n, (fn, w) in terms.items()]
 
 
@@ -51,7 +51,10 @@ def rewards_from_state(saved: list[dict[str, Any]]):
 
     terms = {}
     for r in saved:
-        terms[r["name"]] = (restore_fn(r["fn"], REWARDS, what=f"reward {r['name']!r}"), float(r["weight"]))
+        # resuming from a checkpoint trusts it (its trainer state is a pickle too: docs/security.md);
+        # the pickle's recorded sha256 still catches an edited or corrupted payload
+        terms[r["name"]] = (restore_fn(r["fn"], REWARDS, what=f"reward {r['name']!r}", trusted=True),
+                            float(r["weight"]))
     return RewardComposer(terms)
 
 
@@ -76,7 +79,7 @@ async def save(run, path: str | Path | None = None) -> Path:
     }
     (path / "controller.json").write_text(json.dumps(state))
     (path.parent / "LATEST").write_text(path.name)
-    run._event("checkpoint", path=str(path), loss=state["loss"], loss_kwargs=state["loss_kwargs"],
+    run.emit("checkpoint", path=str(path), loss=state["loss"], loss_kwargs=state["loss_kwargs"],
                rewards={r["name"]: r["weight"] for r in state["rewards"]})
     return path
 
@@ -93,7 +96,7 @@ async def restore(run, path: str | Path) -> None:
     run.stream.load_state_dict(state["stream"])
     run.buffer.load_state_dict(state["buffer"])
     if rewards is not None:
-        run.rewards._terms = rewards._terms  # same composer object: widgets and the scorer hold it
+        run.rewards.replace_all(rewards)  # same composer object: widgets and the scorer hold it
     else:  # a checkpoint from before reward code was saved: weights of the rewards this run knows
         run.rewards.set_weights({k: v for k, v in state["reward_weights"].items() if k in run.rewards.weights})
     run.rollout.next_episode_id, run.rollout.next_group_id = state["next_episode_id"], state["next_group_id"]
@@ -109,7 +112,7 @@ async def restore(run, path: str | Path) -> None:
     if match is False:
         log.warning("forgelab: trainer state after restore differs from the one saved in %s", path)
     restore_metrics(run, path.parent.parent / "metrics.csv")
-    run._event("resumed_from_checkpoint", path=str(path), fingerprint_match=match,
+    run.emit("resumed_from_checkpoint", path=str(path), fingerprint_match=match,
                trainer_fingerprint=fp, stream=run.stream.state_dict(), loss=run.loss_name,
                loss_kwargs=info.get("loss_kwargs") if isinstance(info, dict) else None,
                loss_code=_no_pickle(state.get("loss_code")), rewards={n: w for n, w in run.rewards.weights.items()},

@@ -1,14 +1,22 @@
 """A function's code as data: source, SHA-256 and a serialised copy, for checkpoints and the event log.
 
-    rec = fn_record(my_loss)          # {"name", "qualname", "module", "builtin", "source", "sha256", "pickle"}
-    fn = restore_fn(rec, what="loss 'my_loss'")   # the same function, in any process, later
+    rec = fn_record(my_loss)   # {"name", "qualname", "module", "builtin", "source", "sha256", "pickle", "pickle_sha256"}
+    fn = restore_fn(rec, what="loss 'my_loss'", trusted=True)   # the same function, in any process, later
 
 A built-in (a value of ``LOSSES`` / ``REWARDS``) is recorded by its registry name
 and restored from the registry; anything else (a notebook cell's function, a
 lambda, a closure) by value with cloudpickle, base64 in JSON. ``sha256`` hashes
 the source when it can be read (the same code gives the same hash in any
-process), else the serialised bytes. A record that cannot be turned back into a
-function raises `FunctionRestoreError` naming the function and why.
+process), else the serialised bytes; ``pickle_sha256`` hashes the pickle bytes
+as written.
+
+Unpickling is running code, so `restore_fn` unpickles only when the caller says
+the record comes from a trusted place (``trusted=True``; the CLI's ``--trust``)
+and raises `UntrustedCodeError` otherwise; even then a payload whose bytes do not
+hash to the recorded ``pickle_sha256`` (edited, corrupted, or the hash removed) is
+refused with `TamperedCodeError` before anything is unpickled. Built-ins are
+rebuilt from this process's registry and need no trust. A record that cannot be
+turned back into a function raises `FunctionRestoreError` naming the function and why.
 """
 from __future__ import annotations
 
@@ -21,6 +29,14 @@ from typing import Any, Callable, Mapping
 
 class FunctionRestoreError(RuntimeError):
     """A recorded function (loss or reward) cannot be rebuilt in this process."""
+
+
+class UntrustedCodeError(FunctionRestoreError):
+    """A recorded function would have to be unpickled (run) and the caller did not say its source is trusted."""
+
+
+class TamperedCodeError(FunctionRestoreError):
+    """A recorded function's pickle does not hash to the SHA-256 recorded when it was written."""
 
 
 def source_of(fn: Callable) -> str:
@@ -62,14 +78,25 @@ def fn_record(fn: Callable, registry: Mapping[str, Any] | None = None) -> dict[s
         try:
             payload = cloudpickle.dumps(fn)
             rec["pickle"] = base64.b64encode(payload).decode("ascii")
+            rec["pickle_sha256"] = hashlib.sha256(payload).hexdigest()
         except Exception as e:  # recorded anyway (source, hash); restoring it will say why it cannot
             rec["pickle_error"] = f"{type(e).__name__}: {e}"
     rec["sha256"] = hashlib.sha256(src.encode() if src else payload).hexdigest()
     return rec
 
 
-def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None, *, what: str = "function") -> Callable:
-    """The function a `fn_record` describes: from `registry` for a built-in, else unpickled."""
+def needs_trust(rec: Mapping[str, Any] | None) -> bool:
+    """True when restoring `rec` would unpickle code (not a built-in restored by name)."""
+    return bool(rec) and not rec.get("builtin") and bool(rec.get("pickle"))
+
+
+def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None, *, what: str = "function",
+               trusted: bool = False) -> Callable:
+    """The function a `fn_record` describes: from `registry` for a built-in, else unpickled.
+
+    Unpickling runs code: it happens only with ``trusted=True`` (else `UntrustedCodeError`), and only when the
+    pickle's bytes hash to the recorded ``pickle_sha256`` (else `TamperedCodeError`).
+    """
     import cloudpickle
 
     if rec.get("builtin"):
@@ -81,8 +108,24 @@ def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None
         why = rec.get("pickle_error", "no serialised copy was recorded")
         raise FunctionRestoreError(f"{what} ({rec.get('qualname') or rec.get('name')}) cannot be restored: {why}. "
                                    "Define it again and pass it in (run.add_reward / run.set_loss).")
+    label = f"{what} ({rec.get('qualname') or rec.get('name')})"
+    if not trusted:
+        raise UntrustedCodeError(
+            f"{label}: refusing to unpickle its recorded code: unpickling runs code, and the caller did not say "
+            "where it comes from is trusted. If you (or someone you trust) wrote this run directory or checkpoint, "
+            "pass trusted=True (CLI: --trust). Its source was:\n" + (rec.get("source") or "(unknown)"))
     try:
-        return cloudpickle.loads(base64.b64decode(rec["pickle"]))
+        payload = base64.b64decode(rec["pickle"], validate=True)
+    except Exception as e:
+        raise TamperedCodeError(f"{label}: its pickle is not valid base64 ({e}); the record was edited or corrupted") from e
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != rec.get("pickle_sha256"):
+        raise TamperedCodeError(
+            f"{label}: its pickle's sha256 {digest[:12]}... does not match the sha256 recorded when it was written "
+            f"({str(rec.get('pickle_sha256'))[:12]}...): the payload was edited or corrupted (or written without a "
+            "hash); refusing to unpickle it, even though the caller trusts the directory")
+    try:
+        return cloudpickle.loads(payload)
     except Exception as e:
         raise FunctionRestoreError(
             f"{what} ({rec.get('qualname') or rec.get('name')}, sha256 {str(rec.get('sha256'))[:12]}) cannot be "
