@@ -1,7 +1,9 @@
 """Metrics tracking: an in-memory table, a CSV that grows step by step, Parquet and wandb.
 
 wandb runs offline unless the user is logged in and sets WANDB_MODE=online;
-the offline run directory can be synced later with `wandb sync`.
+the offline run directory can be synced later with `wandb sync`. Each `Tracker`
+(each run: a parent, its forks, a replay) has its own wandb run under its run
+directory, and several can be alive in one process.
 """
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ class Tracker:
                 os.environ.setdefault("WANDB_SILENT", "true")
                 import wandb
 
+                # "create_new": a fork (or a second run in one notebook) gets its own wandb run while the
+                # parent keeps logging to its own; "finish_previous" would end the parent's run at the fork.
+                # This class logs through its own run object only, never the global wandb.run.
                 self._wandb = wandb.init(
                     project="forgelab", name=run_name, dir=str(self.out_dir), config=config or {},
-                    reinit="finish_previous",
+                    reinit="create_new",
                 )
                 self.wandb_dir = str(Path(self._wandb.dir).parent)
             except Exception as e:  # tracking must never take the run down
