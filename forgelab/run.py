@@ -42,6 +42,7 @@ from forgelab.controller.events import EventLog
 from forgelab.controller.reward_runner import RewardRunner, configured_rewards
 from forgelab.rewards.library import RewardComposer
 from forgelab.controller.rollout import EnvEpisodes, Gate, Rollouts, SingleTurn
+from forgelab.controller.rollout_log import RolloutRecorder
 from forgelab.controller.tracking import Tracker, plot_learning_curve
 from forgelab.controller.training import TokenRate, train_loop
 from forgelab.controller.view import RunSnapshot, snapshot_of, status_of
@@ -76,9 +77,11 @@ class Run(experiments.Experiments):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.out_dir = Path(cfg.tracking.out_dir) / cfg.name
         self.rewards: RewardComposer = configured_rewards(cfg.rollout)
-        self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self._event)
+        self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self.emit)
         self.loss_name: str = cfg.train.loss
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
+        self.records = RolloutRecorder()  # every episode the buffer closes -> out_dir/rollouts/*.parquet
+        self.buffer.add_close_listener(self.records.on_close)
         self.stream = ProblemStream(load_problems(cfg.rollout.task, "train", 4000, cfg.train.seed), seed=cfg.train.seed)
         self.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, cfg.train.seed)
         self._task_reward = heldout_reward(cfg.rollout)
@@ -94,8 +97,8 @@ class Run(experiments.Experiments):
         self.last_batch: dict | None = None
         self.training_in_flight = False
         self.consecutive_failures = 0
-        self._reward_rev = self._reward_rev_scored = 0  # reward changes made / in effect (see _rewards_for)
-        self._replay = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
+        self.reward_revisions = controls.RewardRevisions()  # reward changes made / in effect (see rewards_for)
+        self.replayer = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
         self._listeners: list[Callable[[dict], None]] = []
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
@@ -106,6 +109,7 @@ class Run(experiments.Experiments):
     reference = property(lambda self: self.parts.reference if self.parts else None)
     envs = property(lambda self: self.parts.envs if self.parts else None)
     reward_failures = property(lambda self: self.reward_runner.failures)
+    main_task = property(lambda self: self._main, doc="The training task (None before `start`).")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Run":
@@ -117,7 +121,7 @@ class Run(experiments.Experiments):
             self.rollout.gate = self.gate
         if self.parts is None:
             self.state = "starting"
-            await self._spawn()
+            await self.spawn()
         self.state = "running"
         self._main = asyncio.ensure_future(self._run_main())
         return self
@@ -149,13 +153,13 @@ class Run(experiments.Experiments):
                 log.warning("forgelab: %s", message)
             self.gate.unpaused.clear()
             self.state = "paused"
-            self._event("paused", message=self.message)
+            self.emit("paused", message=self.message)
 
     def resume(self) -> None:
         if self.state == "paused":
             self.message, self.consecutive_failures, self.state = "", 0, "running"
             self.gate.unpaused.set()
-            self._event("resumed")
+            self.emit("resumed")
 
     async def stop(self) -> None:
         """Stop after the current step; processes stay up until `shutdown()`."""
@@ -169,7 +173,7 @@ class Run(experiments.Experiments):
                 pass
         if self.state not in ("failed", "finished", "stopped", "created"):
             self.state = "stopped"
-            self._event("stopped")
+            self.emit("stopped")
 
     async def shutdown(self) -> None:
         """Stop training and free every process."""
@@ -180,33 +184,35 @@ class Run(experiments.Experiments):
         if self.tracker is not None:
             self.tracker.finish()
 
-    async def _spawn(self) -> None:
+    async def spawn(self) -> None:
+        """Spawn the processes (and restore `resume_from`) without starting training; `start` calls it."""
         from forgelab.engines.spawn import spawn_parts
 
         cfg = self.config
         self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
-        self.weights = WeightSync(parts.trainer, parts.generators, self._event, lambda: self.version)
+        self.weights = WeightSync(parts.trainer, parts.generators, self.emit, lambda: self.version)
         parts.generators.on_respawn = self.weights.catch_up
         for svc in (parts.generators, parts.reference):
             if svc is not None and hasattr(svc, "add_listener"):
-                svc.add_listener(lambda ev: self._event(str(getattr(ev, "kind", "service")), replica=getattr(ev, "replica", None),
+                svc.add_listener(lambda ev: self.emit(str(getattr(ev, "kind", "service")), replica=getattr(ev, "replica", None),
                                                         detail=str(getattr(ev, "detail", ev))))
         source = EnvEpisodes(parts.envs, parts.generators, cfg) if cfg.rollout.env is not None else SingleTurn(parts.generators, self.tokenizer)
         self.rollout = Rollouts(cfg, source, self.buffer, self.reward_runner, parts.reference, self.stream, self.gate,
-                                self._event, self.pause, self.pad_id, rewards_for=self._rewards_for)
+                                self.emit, self.pause, self.pad_id, rewards_for=self._rewards_for)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed_here = self.resume_from is not None and self.out_dir.resolve() in self.resume_from.resolve().parents
         self.events.attach(self.out_dir, append=resumed_here)
+        self.records.attach(self.out_dir, append=resumed_here)
         provenance.write_manifest(self)  # config, versions, git state, hardware, model and data hashes
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
-        self._event("spawned", seconds=round(parts.seconds, 1))
+        self.emit("spawned", seconds=round(parts.seconds, 1))
         if self.resume_from is not None:
             await checkpoint.restore(self, self.resume_from)
 
     async def _run_main(self) -> None:
         try:
             if self.step == 0 and not self.accuracy_history:
-                self._event("eval", accuracy=await self.evaluate())
+                self.emit("eval", accuracy=await self.evaluate())
             self._tasks = [asyncio.ensure_future(self.rollout.worker()) for _ in range(self.config.rollout.concurrency)]
             await train_loop(self)
             if not self.accuracy_history or self.accuracy_history[-1][0] != self.step:
@@ -214,13 +220,13 @@ class Run(experiments.Experiments):
                 if self.tracker and self.tracker.rows:
                     self.tracker.rows[-1]["heldout_accuracy"] = acc
             self.state = "stopped" if self.gate.stopping else "finished"
-            self._event(self.state, message=self.message)
+            self.emit(self.state, message=self.message)
         except asyncio.CancelledError:
             self.state = "stopped"
             raise
         except Exception as e:
             self.state, self.message = "failed", f"{type(e).__name__}: {e}"
-            self._event("failed", message=self.message)
+            self.emit("failed", message=self.message)
             log.exception("forgelab: run failed")
             raise
         finally:
@@ -229,6 +235,7 @@ class Run(experiments.Experiments):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks = []
+            self.records.flush()  # every episode closed so far, the cancelled rollouts' included
             if self.tracker is not None and self.tracker.rows:
                 try:
                     plot_learning_curve(self.tracker.dataframe(), self.out_dir / "learning_curve.png", self.events,
@@ -261,7 +268,7 @@ class Run(experiments.Experiments):
         """Change reward weights; applies from the next scored rollout. Unknown names raise KeyError."""
         old = self.rewards.weights
         self.rewards.set_weights(weights)
-        self._reward_changed("reward_weights", old=old, new=self.rewards.weights)
+        self.reward_changed("reward_weights", old=old, new=self.rewards.weights)
 
     def add_reward(self, name: str, fn: Callable[..., float], weight: float = 1.0, *, replace: bool = False) -> None:
         """Register a reward function from a cell; validated on recent rollouts first (`RewardChangeRefused`)."""
@@ -270,11 +277,11 @@ class Run(experiments.Experiments):
     def remove_reward(self, name: str) -> None:
         """Remove a reward; applies from the next scored rollout. Unknown names raise KeyError."""
         self.rewards.remove(name)
-        self._reward_changed("reward_removed", name=name)
+        self.reward_changed("reward_removed", name=name)
 
-    def _reward_changed(self, kind: str, **fields: Any) -> None:
-        self._reward_rev += 1
-        self._event(kind, **fields, rev=self._reward_rev)
+    def reward_changed(self, kind: str, **fields: Any) -> None:
+        """Record a change to the reward set (the event carries its revision number)."""
+        self.emit(kind, **fields, rev=self.reward_revisions.bump())
 
     def _rewards_for(self, flat: list) -> RewardComposer:
         return controls.rewards_for(self, flat)
@@ -287,18 +294,13 @@ class Run(experiments.Experiments):
         """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code)."""
         return await checkpoint.save(self, path)
 
-    @staticmethod
-    async def replay(run_dir: str | Path, *, until: int | None = None, **kwargs: Any):
-        """Re-execute a recorded run with its live changes; a `ReplayReport` (see forgelab.experiments.replay)."""
-        from forgelab.experiments.replay import replay as replay_run
-
-        return await replay_run(run_dir, until=until, **kwargs)
-
     # ------------------------------------------------------------------ views
-    def _event(self, kind: str, **fields: Any) -> None:
-        self._notify({"event": self.events.emit(kind, **{"step": self.step, **fields})})
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Record an event (kind, this step, fields) in the run's event log and tell the listeners."""
+        self.notify({"event": self.events.emit(kind, **{"step": self.step, **fields})})
 
-    def _notify(self, msg: dict) -> None:
+    def notify(self, msg: dict) -> None:
+        """Tell every listener (widgets, `until`) about a metrics row or an event; a failing listener is logged."""
         for fn in list(self._listeners):
             try:
                 fn(msg)
@@ -347,3 +349,8 @@ class Run(experiments.Experiments):
 
     def __repr__(self) -> str:
         return f"<Run {self.config.name} {self.state} step {self.step}/{self.config.train.steps} version {self.version}>"
+
+
+async def replay(run_dir: str | Path, **kwargs: Any):
+    """`forgelab.replay(run_dir, until=None, out_dir=None, name=None, spawn=None)`: `Run.replay`."""
+    return await Run.replay(run_dir, **kwargs)

@@ -247,7 +247,7 @@ def _saved_buffer():
 def _corrupt(state, how):
     state = json.loads(json.dumps(state))
     if how == "format":
-        state["format"] = 2
+        state["format"] = 3
     elif how == "missing_key":
         del state["closed"]
     elif how == "negative":

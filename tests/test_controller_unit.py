@@ -481,3 +481,118 @@ def test_lab_panels_read_the_view_and_follow_remove_reward(tmp_path):
         await run.shutdown()
 
     asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------- records that hold (issue #25: 2, 7)
+
+
+def test_rollout_log_records_every_closed_episode_once_and_flushes_on_stop(tmp_path):
+    """Stopped at a step that is no multiple of the log's flush period: every episode the buffer closed (trained,
+    evicted, dropped) is in the log once, with the status and reason it closed with; held ones are not."""
+    from forgelab.controller.rollout_log import FLUSH_EVERY, read_rollouts
+
+    cfg = config(tmp_path, steps=100, max_policy_age=0)
+    cfg.train.max_buffer = 8  # = batch_size: a second rollout arriving before a step overflows (buffer_full)
+    parts = {}
+
+    async def spawn(c):
+        parts["p"] = await fake_spawn(c)
+        return parts["p"]
+
+    async def go():
+        run = Run(cfg, spawn=spawn)
+        await run.start()
+        await run.until(step=FLUSH_EVERY + 1, timeout=60)
+        await run.shutdown()
+        return run
+
+    run = asyncio.run(go())
+    assert run.step % FLUSH_EVERY != 0
+    c = check_accounting(run)
+    log = read_rollouts(run.out_dir)
+    assert log["id"].is_unique
+    by_status = log["status"].value_counts().to_dict()
+    # the fake trainer's own count of the episodes it stepped on, independent of the buffer and the log
+    assert by_status.get("trained", 0) == c["trained"] == sum(s["episodes"] for s in parts["p"].trainer.steps)
+    assert by_status.get("evicted", 0) == c["evicted"] and by_status.get("dropped", 0) == c["dropped"] > 0
+    dropped = log[log["status"] == "dropped"]["reason"].value_counts().to_dict()
+    assert dropped == c["dropped_reasons"]
+    held = {ep.id for ep in run.buffer.buffered()}
+    assert held.isdisjoint(log["id"]) and len(log) + len(held) == c["generated"]
+
+
+def _block(first: int, n: int, version: int, group: int):
+    from forgelab.types import Episode
+
+    return [Episode(id=first + k, group_id=group, prompt_ids=[1], completion_ids=[2], generator_logprobs=[-1.0],
+                    policy_version=version) for k in range(n)]
+
+
+def _drive(buf, steps: int, start: int = 0):
+    """A synchronous loop on the buffer alone: two blocks of 4 admitted per step, the second one half failed
+    (2 episodes never generated), one whole block trained; what it sampled, per step."""
+    sampled = []
+    for step in range(start, start + steps):
+        first = step * 8
+        assert buf.admit(4, first_id=first) and buf.admit(4, first_id=first + 4)
+        buf.add(_block(first, 4, step, 2 * step))
+        buf.drop(_block(first + 4, 2, step, 2 * step + 1), "reward_error:f")  # the other 2 ids: never generated
+        buf.release(4, first_id=first + 4)
+        batch = buf.sample(step)
+        sampled.append([e.id for e in batch])
+        buf.mark_trained(batch)
+        buf.release(4, first_id=first)
+        buf.served_version = step + 1
+    return sampled
+
+
+def test_buffer_bookkeeping_is_bounded_by_a_watermark():
+    from forgelab.controller.buffer import CLOSED, ReplayBuffer
+
+    buf = ReplayBuffer(batch_size=4, max_policy_age=1, keep_statuses=10)
+    _drive(buf, 500)
+    c = buf.check_accounting()
+    assert c["generated"] == 500 * 6 and c["trained"] == 2000 and c["dropped"] == 1000
+    state = buf.state_dict()
+    # every id below the watermark is closed or never generated: nothing above it is left to keep
+    assert buf.watermark == 4000 and state["watermark"] == 4000 and state["closed"] == [] and state["episodes"] == []
+    assert buf.status(3999) == CLOSED  # never generated (its rollout failed), below the watermark
+    assert buf.status(3996) == "dropped" and buf.drop_reason(3996) == "reward_error:f"  # recent: kept for views
+    assert buf.status(3995) == "trained" and buf.status(8) == CLOSED and buf.drop_reason(12) == ""
+    with pytest.raises(ValueError, match="already seen"):
+        buf.add(_block(8, 1, 0, 0))
+    with pytest.raises(ValueError, match="watermark"):
+        buf.admit(4, first_id=16)
+
+
+def test_buffer_checkpoint_with_a_watermark_resumes_exactly():
+    """Saved mid-run (a block admitted and buffered, statuses above the watermark), restored into a new buffer
+    (as a resumed run's): the same operations then give the same batches, statuses and counters."""
+    import json
+
+    from forgelab.controller.buffer import ReplayBuffer
+
+    a = ReplayBuffer(batch_size=4, max_policy_age=2, max_size=64)
+    _drive(a, 50)
+    assert a.admit(4, first_id=400)
+    a.add(_block(400, 4, 50, 100))
+    state = json.loads(json.dumps(a.state_dict()))  # as a checkpoint stores it
+    assert state["watermark"] == 400 and [e["id"] for e in state["episodes"]] == [400, 401, 402, 403]
+    a.release(4, first_id=400)
+    b = ReplayBuffer(batch_size=4, max_policy_age=2, max_size=64)
+    b.load_state_dict(state)
+    b.served_version = a.served_version  # a resumed run pushes its weights: the generators serve its version
+    assert b.counts() == a.counts() and b.watermark == 400
+    assert _drive(a, 30, start=51) == _drive(b, 30, start=51)
+    assert a.counts() == b.counts() and a.state_dict() == b.state_dict()
+    assert [a.status(i) for i in range(640, 700)] == [b.status(i) for i in range(640, 700)]
+
+
+def test_run_checkpoints_stay_small_over_a_long_run(tmp_path):
+    """A run's buffer state (what every checkpoint stores) holds the watermark and a few steps of statuses, not
+    one entry per episode ever closed."""
+    run = run_to_end(Run(config(tmp_path, steps=30), spawn=fake_spawn))
+    state = run.buffer.state_dict()
+    c = check_accounting(run)
+    assert c["trained"] == 30 * 8 and c["generated"] >= 30 * 8
+    assert state["watermark"] > 0 and len(state["closed"]) + len(state["episodes"]) <= 4 * 8

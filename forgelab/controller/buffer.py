@@ -19,6 +19,17 @@ is on-policy training. The accounting identity
 holds after every call (``check_accounting`` asserts it), and no episode is
 ever trained twice (``mark_trained`` raises ``EpisodeAlreadyTrained``).
 
+Closing an episode (trained, evicted, dropped) notifies the close listeners
+(``add_close_listener``): the rollout log records each episode once, there.
+
+Bounded bookkeeping. Episode ids are assigned in increasing blocks at
+admission (``admit(n, first_id=...)``). The *watermark* is the lowest id that
+may still matter: below it every id is closed or was never generated (its
+rollout failed first). Exact statuses are kept for ids at or above it (a few
+steps' worth); below it only the latest ``keep_statuses`` closed statuses are
+kept, for views, and an older id reads ``"closed"``. Checkpoints hold the
+watermark and the statuses above it, so their size does not grow with the run.
+
 The buffer is not locked: call it from one thread (the controller's event loop).
 
     >>> from forgelab.types import Episode
@@ -38,14 +49,20 @@ The buffer is not locked: call it from one thread (the controller's event loop).
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
-from collections.abc import Iterable, Sequence
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 
 from forgelab.types import Episode
 
-__all__ = ["ReplayBuffer", "EpisodeAlreadyTrained", "STATUSES"]
+__all__ = ["ReplayBuffer", "EpisodeAlreadyTrained", "STATUSES", "CLOSED"]
+
+log = logging.getLogger("forgelab.controller.buffer")
 
 STATUSES = ("buffered", "in_flight", "trained", "evicted", "dropped")
+CLOSED = "closed"
+"""`status` of an id below the watermark whose exact status is no longer kept (trained, evicted or dropped:
+the rollout log has which), or that was never generated (its rollout failed first)."""
 
 
 class EpisodeAlreadyTrained(RuntimeError):
@@ -62,9 +79,13 @@ class ReplayBuffer:
         max_size: most episodes held in the buffer (in-flight ones excluded);
             None for unbounded. When an ``add`` exceeds it the oldest are
             dropped with reason ``"buffer_full"``.
+        keep_statuses: how many closed statuses below the watermark stay
+            readable through ``status`` / ``drop_reason`` (for views of recent
+            episodes); older ids read ``"closed"``.
     """
 
-    def __init__(self, batch_size: int, max_policy_age: int, max_size: int | None = None):
+    def __init__(self, batch_size: int, max_policy_age: int, max_size: int | None = None, *,
+                 keep_statuses: int = 16384):
         if batch_size < 1:
             raise ValueError(f"ReplayBuffer: batch_size must be >= 1, got {batch_size}")
         if max_policy_age < 0:
@@ -79,8 +100,14 @@ class ReplayBuffer:
         self.max_size = max_size
         self._buffered: dict[int, Episode] = {}  # insertion order is age order: oldest first
         self._in_flight: dict[int, Episode] = {}
-        self._closed: dict[int, str] = {}  # id -> "trained" | "evicted" | "dropped"
-        self._reasons: dict[int, str] = {}  # id -> why it was dropped
+        self._closed: dict[int, str] = {}  # id >= watermark -> "trained" | "evicted" | "dropped"
+        self._reasons: dict[int, str] = {}  # id >= watermark -> why it was dropped
+        self._watermark = 0  # every id below is closed or was never generated
+        self._old: OrderedDict[int, tuple[str, str]] = OrderedDict()  # latest (status, reason) below the watermark
+        self.keep_statuses = keep_statuses
+        self._pending: dict[int, int] = {}  # first id -> ids of an admitted block (admit(n, first_id))
+        self._next_id = 0  # one past the highest id seen (added, closed or admitted)
+        self._close_listeners: list[Callable[[list[Episode], str, str], None]] = []
         self._generated = 0
         self._trained = 0
         self._evicted = 0
@@ -109,18 +136,66 @@ class ReplayBuffer:
         live = self._trained + len(self._buffered) + len(self._in_flight) + self._reserved
         return live + n <= (self.served_version + self.max_policy_age + 1) * self.batch_size
 
-    def admit(self, n: int) -> bool:
-        """Reserve ``n`` episode slots if ``may_admit(n)``; the caller later calls ``release(n)``."""
+    def admit(self, n: int, first_id: int | None = None) -> bool:
+        """Reserve ``n`` episode slots if ``may_admit(n)``; the caller later calls ``release(n, first_id)``.
+
+        ``first_id``: the episodes will have ids ``first_id .. first_id + n - 1`` (blocks admitted in increasing
+        order). Given, it lets the buffer bound its bookkeeping (the watermark, see the module docstring).
+        """
         if not self.may_admit(n):
             return False
+        if first_id is not None:
+            if first_id < self._watermark or first_id in self._pending:
+                raise ValueError(f"ReplayBuffer.admit: ids from {first_id} are below the watermark "
+                                 f"{self._watermark} or already admitted; admit fresh, increasing ids")
+            self._pending[first_id] = n
+            self._next_id = max(self._next_id, first_id + n)
         self._reserved += n
         return True
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, first_id: int | None = None) -> None:
         """Give back ``n`` reserved slots (their episodes were added or dropped, or never generated)."""
         if n < 0 or n > self._reserved:
             raise ValueError(f"ReplayBuffer.release: {n} slots released but {self._reserved} are reserved")
+        if first_id is not None and self._pending.pop(first_id, None) is None:
+            raise ValueError(f"ReplayBuffer.release: no block admitted from id {first_id}")
         self._reserved -= n
+        if first_id is not None:
+            self._advance_watermark()
+
+    @property
+    def watermark(self) -> int:
+        """The lowest episode id whose exact status is kept: every id below is closed or was never generated."""
+        return self._watermark
+
+    def _advance_watermark(self) -> None:
+        held = [*self._buffered, *self._in_flight]
+        w = min([*self._pending, *held, self._next_id])
+        if w <= self._watermark:
+            return
+        for i in [i for i in self._closed if i < w]:
+            self._old[i] = (self._closed.pop(i), self._reasons.pop(i, ""))
+        while len(self._old) > self.keep_statuses:
+            self._old.popitem(last=False)
+        self._watermark = w
+
+    def add_close_listener(self, fn: Callable[[list[Episode], str, str], None]) -> None:
+        """``fn(episodes, status, reason)`` each time episodes close: status "trained", "evicted" (reason
+        "stale") or "dropped" (with its reason). Called after the buffer's state changed; an error is logged."""
+        self._close_listeners.append(fn)
+
+    def remove_close_listener(self, fn: Callable[[list[Episode], str, str], None]) -> None:
+        if fn in self._close_listeners:
+            self._close_listeners.remove(fn)
+
+    def _closed_now(self, episodes: list[Episode], status: str, reason: str = "") -> None:
+        if not episodes:
+            return
+        for fn in list(self._close_listeners):
+            try:
+                fn(episodes, status, reason)
+            except Exception:  # a listener (the rollout log) must not break the accounting
+                log.exception("forgelab: a replay-buffer close listener failed")
 
     @property
     def reserved(self) -> int:
@@ -138,12 +213,21 @@ class ReplayBuffer:
         return len(self._buffered)
 
     def status(self, episode_id: int) -> str | None:
-        """``"buffered"``, ``"in_flight"``, ``"trained"``, ``"evicted"``, ``"dropped"``, or None if never seen."""
+        """``"buffered"``, ``"in_flight"``, ``"trained"``, ``"evicted"``, ``"dropped"``, or None if never seen;
+        `CLOSED` (``"closed"``) for an id below the watermark whose exact status is no longer kept."""
         if episode_id in self._buffered:
             return "buffered"
         if episode_id in self._in_flight:
             return "in_flight"
-        return self._closed.get(episode_id)
+        if episode_id in self._closed:
+            return self._closed[episode_id]
+        if episode_id < self._watermark:
+            old = self._old.get(episode_id)
+            return old[0] if old is not None else CLOSED
+        return None
+
+    def _is_closed(self, episode_id: int) -> bool:
+        return episode_id in self._closed or episode_id < self._watermark
 
     def buffered(self) -> list[Episode]:
         """The buffered episodes, oldest first (a copy of the list; the episodes are shared)."""
@@ -193,12 +277,17 @@ class ReplayBuffer:
                 )
 
     def drop_reason(self, episode_id: int) -> str:
-        """Why a dropped episode was dropped ("" if it was not, or the reason was not kept across a restore)."""
-        return self._reasons.get(episode_id, "")
+        """Why a dropped episode was dropped ("" if it was not, or the reason was not kept across a restore
+        or below the watermark)."""
+        if episode_id in self._reasons:
+            return self._reasons[episode_id]
+        old = self._old.get(episode_id)
+        return old[1] if old is not None else ""
 
     def _close_dropped(self, episode_id: int, reason: str) -> None:
         self._reasons[episode_id] = reason
         self._closed[episode_id] = "dropped"
+        self._next_id = max(self._next_id, episode_id + 1)
         self._dropped += 1
         self._dropped_reasons[reason] += 1
 
@@ -209,6 +298,7 @@ class ReplayBuffer:
         self._generated += len(episodes)
         for ep in episodes:
             self._buffered[ep.id] = ep
+            self._next_id = max(self._next_id, ep.id + 1)
         return self._enforce_max_size()
 
     def _enforce_max_size(self) -> list[Episode]:
@@ -219,6 +309,7 @@ class ReplayBuffer:
             oldest_id = next(iter(self._buffered))
             overflow.append(self._buffered.pop(oldest_id))
             self._close_dropped(oldest_id, "buffer_full")
+        self._closed_now(overflow, "dropped", "buffer_full")
         return overflow
 
     def drop(self, episodes: Iterable[Episode], reason: str) -> None:
@@ -231,9 +322,9 @@ class ReplayBuffer:
         if repeated:
             raise ValueError(f"ReplayBuffer.drop: episode ids {repeated[:10]} appear twice in one call")
         for ep in episodes:
-            if ep.id in self._closed:
+            if self._is_closed(ep.id):
                 raise ValueError(
-                    f"ReplayBuffer.drop: episode {ep.id} is already {self._closed[ep.id]}; it cannot be dropped"
+                    f"ReplayBuffer.drop: episode {ep.id} is already {self.status(ep.id)}; it cannot be dropped"
                 )
         for ep in episodes:
             if ep.id in self._buffered:
@@ -243,6 +334,7 @@ class ReplayBuffer:
             else:
                 self._generated += 1
             self._close_dropped(ep.id, reason)
+        self._closed_now(episodes, "dropped", reason)
 
     def record_generated(self, n: int, reason: str) -> None:
         """Count ``n`` episodes that were generated and dropped with ``reason`` without an ``Episode`` object."""
@@ -263,6 +355,7 @@ class ReplayBuffer:
             del self._buffered[ep.id]
             self._closed[ep.id] = "evicted"
         self._evicted += len(stale)
+        self._closed_now(stale, "evicted", "stale")
         return stale
 
     def sample(self, current_version: int) -> list[Episode] | None:
@@ -310,7 +403,7 @@ class ReplayBuffer:
         for ep in episodes:
             if ep.id in self._in_flight:
                 continue
-            if self._closed.get(ep.id) == "trained":
+            if self.status(ep.id) == "trained":
                 raise EpisodeAlreadyTrained(
                     f"ReplayBuffer.{what}: episode {ep.id} was already trained on; an episode is never trained "
                     "twice (did two steps share a batch?)"
@@ -328,14 +421,18 @@ class ReplayBuffer:
 
     def mark_trained(self, episodes: Iterable[Episode]) -> None:
         """Record that the trainer stepped on these in-flight episodes."""
-        for ep in self._take_in_flight(episodes, "mark_trained"):
+        taken = self._take_in_flight(episodes, "mark_trained")
+        for ep in taken:
             self._closed[ep.id] = "trained"
             self._trained += 1
+        self._closed_now(taken, "trained")
 
     def mark_dropped(self, episodes: Iterable[Episode], reason: str) -> None:
         """Record that these in-flight episodes will not be trained on (e.g. the step was skipped)."""
-        for ep in self._take_in_flight(episodes, "mark_dropped"):
+        taken = self._take_in_flight(episodes, "mark_dropped")
+        for ep in taken:
             self._close_dropped(ep.id, reason)
+        self._closed_now(taken, "dropped", reason)
 
     def requeue(self, episodes: Iterable[Episode]) -> list[Episode]:
         """Put in-flight episodes back at the front of the buffer (e.g. the trainer failed transiently).
@@ -353,10 +450,12 @@ class ReplayBuffer:
         """Counters, episode statuses and the episodes still held, as plain Python (picklable, JSON-able).
 
         In-flight episodes are saved as buffered: the step that took them has
-        not been recorded, so after a restore they can be sampled again.
+        not been recorded, so after a restore they can be sampled again. Statuses
+        are saved from the watermark up (format 2): the size does not grow with the run.
         """
         return {
-            "format": 1,
+            "format": 2,
+            "watermark": self._watermark,
             "generated": self._generated,
             "trained": self._trained,
             "evicted": self._evicted,
@@ -384,12 +483,18 @@ class ReplayBuffer:
         self._generated, self._trained = checked["generated"], checked["trained"]
         self._evicted, self._dropped = checked["evicted"], checked["dropped"]
         self._dropped_reasons, self._closed = checked["dropped_reasons"], checked["closed"]
+        self._watermark = checked["watermark"]
         self._reasons = {}
+        self._old = OrderedDict()
+        self._pending = {}
         self._reserved = 0
         self._in_flight = {}
         self._buffered = {ep.id: ep for ep in episodes}
+        self._next_id = max([self._watermark, *(i + 1 for i in self._closed), *(ep.id + 1 for ep in overflow),
+                             *(i + 1 for i in self._buffered)])
         for ep in overflow:
             self._close_dropped(ep.id, "buffer_full")
+        self._closed_now(overflow, "dropped", "buffer_full")
         self.check_accounting()
         return overflow
 
@@ -410,13 +515,18 @@ def _checked_state(state) -> dict:
 
     if not isinstance(state, dict):
         raise bad(f"expected the dict from state_dict(), got {type(state).__name__}")
-    if state.get("format") != 1:
-        raise bad(f"unknown format {state.get('format')!r}, expected 1")
+    fmt = state.get("format")
+    if fmt not in (1, 2):
+        raise bad(f"unknown format {fmt!r}, expected 1 or 2")
     missing = [k for k in ("generated", "trained", "evicted", "dropped", "dropped_reasons", "closed", "episodes")
                if k not in state]
     if missing:
         raise bad(f"missing keys {missing}")
     out = {k: count(state[k], k) for k in ("generated", "trained", "evicted", "dropped")}
+    # format 1 listed every closed id; format 2 those from the watermark up (the others are counted only)
+    out["watermark"] = count(state["watermark"], "watermark") if fmt == 2 and "watermark" in state else 0
+    if fmt == 2 and "watermark" not in state:
+        raise bad("missing key 'watermark' (format 2)")
     reasons = state["dropped_reasons"]
     if not isinstance(reasons, dict) or not all(isinstance(k, str) for k in reasons):
         raise bad(f"dropped_reasons must map reason strings to counts, got {reasons!r}")
@@ -428,13 +538,15 @@ def _checked_state(state) -> dict:
         if not isinstance(item, (list, tuple)) or len(item) != 2 or item[1] not in ("trained", "evicted", "dropped"):
             raise bad(f"closed entry {item!r} is not [episode_id, 'trained' | 'evicted' | 'dropped']")
         i = count(item[0], "closed episode id")
+        if i < out["watermark"]:
+            raise bad(f"closed episode {i} is below the watermark {out['watermark']}")
         if i in closed:
             raise bad(f"episode {i} appears twice in closed")
         closed[i] = item[1]
     out["closed"] = closed
     statuses = Counter(closed.values())
-    for status in ("trained", "evicted"):  # every trained/evicted episode keeps its id
-        if statuses[status] != out[status]:
+    for status in ("trained", "evicted"):  # with no watermark, every trained/evicted episode keeps its id
+        if statuses[status] > out[status] or (out["watermark"] == 0 and statuses[status] != out[status]):
             raise bad(f"{status}={out[status]} but {statuses[status]} episodes are closed as {status}")
     if statuses["dropped"] > out["dropped"]:
         raise bad(f"dropped={out['dropped']} but {statuses['dropped']} episodes are closed as dropped")
@@ -447,6 +559,8 @@ def _checked_state(state) -> dict:
             raise bad(f"episode {n} cannot be rebuilt ({e})") from None
         if ep.id in closed or ep.id in held_ids:
             raise bad(f"episode {ep.id} is held twice, or is also closed as {closed.get(ep.id, 'held')}")
+        if ep.id < out["watermark"]:
+            raise bad(f"held episode {ep.id} is below the watermark {out['watermark']}")
         held_ids.add(ep.id)
         episodes.append(ep)
     out["episodes"] = episodes

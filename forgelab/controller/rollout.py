@@ -25,6 +25,7 @@ slots are given back (their ids stay unused: `Rollouts.ids_unused`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 from collections import deque
@@ -41,7 +42,7 @@ from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.rollout")
 
-__all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "final_answer"]
+__all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "episode_seed"]
 
 
 class Gate:
@@ -98,7 +99,7 @@ class SingleTurn:
         self.generators, self.tokenizer, self.sampling = generators, tokenizer, sampling
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        from forgelab.controller.evaluate import format_prompt
+        from forgelab.data.prompts import format_prompt
 
         return self.tokenizer.encode(format_prompt(self.tokenizer, prompt), add_special_tokens=False)
 
@@ -130,20 +131,6 @@ class EnvEpisodes:
             "run_groups", r.env, problems, n, gens, sampling, env_kwargs=dict(r.env_kwargs), max_turns=r.max_turns,
             max_total_tokens=self.config.model.max_model_len, step_timeout_s=r.env_step_timeout_s,
         )
-
-
-def final_answer(ep: Episode, tokenizer: Any) -> str:
-    """The text an episode answers with: the whole completion for one step, else the last assistant turn
-    ("" for an episode that failed: it counts as wrong)."""
-    from forgelab.envs import DROP_OUTCOMES
-
-    if "turns" not in ep.info:
-        return ep.completion
-    turns = [t for t in ep.info.get("turns", []) if t[2] == "assistant"]
-    if not turns or ep.info.get("outcome") in DROP_OUTCOMES:
-        return ""
-    start, end, _ = turns[-1]
-    return tokenizer.decode(ep.completion_ids[start:end], skip_special_tokens=True)
 
 
 class Rollouts:
@@ -202,7 +189,7 @@ class Rollouts:
                 await self.gate.changed.wait_for(lambda: self.gate.stopping or self.buffer.may_admit(self.per_call))
                 if self.gate.stopping:
                     return
-                self.buffer.admit(self.per_call)
+                self.buffer.admit(self.per_call, first_id=self.next_episode_id)  # ids bound the buffer's bookkeeping
                 admitted = self.admit()
             try:
                 await self.one(admitted)
@@ -219,7 +206,7 @@ class Rollouts:
                 await asyncio.sleep(0.5)  # back off before the next attempt (a dying replica, a respawn)
             finally:
                 async with self.gate.changed:
-                    self.buffer.release(self.per_call)
+                    self.buffer.release(self.per_call, first_id=admitted.first_episode)
                     self.gate.changed.notify_all()
 
     def _drop_unaccounted(self, admitted: Admitted, reason: str) -> int:
@@ -336,13 +323,17 @@ class Rollouts:
         return pd.DataFrame(rows)
 
 
-def episode_seed(seed: int, episode_id: int) -> int:
-    """The sampling seed of one episode in a deterministic run (forgelab.experiments.replay's when it exists)."""
-    try:
-        from forgelab.experiments.replay import episode_seed as seed_of
-    except ImportError:
-        return (seed * 1_000_003 + episode_id) % (2**31 - 1)
-    return seed_of(seed, episode_id)
+def episode_seed(run_seed: int, episode_id: int) -> int:
+    """The vLLM seed of one sample: a hash of (run seed, episode id), 31 bits.
+
+    Different for every episode (so samples within a group differ, unlike one
+    fixed seed for all), the same for the same episode in a replay or a fork.
+
+    >>> episode_seed(0, 5) == episode_seed(0, 5), episode_seed(0, 5) != episode_seed(0, 6) != episode_seed(1, 5)
+    (True, True)
+    """
+    digest = hashlib.sha256(f"{int(run_seed)}:{int(episode_id)}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def _generator_generate() -> Any:

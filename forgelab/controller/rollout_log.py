@@ -5,11 +5,14 @@
     df = forgelab.rescore("runs/my-run", my_reward)   # a finished run, from rollouts/*.parquet
     df.attrs["correlation"], df.attrs["flipped_groups"]
 
-**Recording.** Every run writes its scored rollouts to ``<run dir>/rollouts/``
-as parquet parts (`RolloutRecorder`, called after each trained step, flushing
-every `FLUSH_EVERY` steps and at the last step): id, group id, prompt,
-completion, target, token ids, generator logprobs, reward and its parts,
-advantage, policy version, status, finish reason and the problem's info (JSON).
+**Recording.** Every run writes each episode to ``<run dir>/rollouts/`` when the
+replay buffer closes it (trained, evicted or dropped: `RolloutRecorder`, a close
+listener of the buffer), as parquet parts written every `FLUSH_EVERY` trained
+steps, whenever `MAX_PENDING` rows wait, and when the run stops: id, group id,
+prompt, completion, target, token ids, generator logprobs, reward and its parts,
+advantage, policy version, status, drop reason, finish reason and the problem's
+info (JSON). Nothing is capped: an episode still buffered when the run stops is
+not closed, and is not in the log (a resume may train it).
 Read them all with `read_rollouts(run_dir)`.
 
 **Rescoring** touches no process and trains nothing. The new reward is a
@@ -28,56 +31,76 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["RolloutRecorder", "record_step", "read_rollouts", "rescore_frame", "rescore_run", "rescore"]
+__all__ = ["RolloutRecorder", "read_rollouts", "rescore_frame", "rescore_run", "rescore"]
 
 FLUSH_EVERY = 4
-"""Steps between parquet parts (and the last step of a run)."""
+"""Trained steps between parquet parts (and a part when the run stops)."""
+MAX_PENDING = 8192
+"""Rows waiting in memory that make the next trained step write a part whatever the step."""
 
 
 class RolloutRecorder:
-    """Appends a run's scored episodes to ``<out_dir>/rollouts/part-NNNNNN.parquet``."""
+    """Writes every episode the replay buffer closes to ``<out_dir>/rollouts/part-NNNNNN.parquet``.
 
-    def __init__(self, out_dir: Path):
+        rec = RolloutRecorder()
+        buffer.add_close_listener(rec.on_close)   # a row per closed episode, with its final status
+        rec.attach(run_dir)                       # where parts go (rows closed before wait for it)
+        rec.step_done(step)                       # after a trained step: a part every FLUSH_EVERY steps
+        rec.flush()                               # when the run stops: whatever is waiting
+    """
+
+    def __init__(self, out_dir: Path | None = None):
+        self.dir: Path | None = None
+        self.parts = 0
+        self.pending: list[dict] = []
+        self.written = 0
+        """Rows written so far by this recorder."""
+        if out_dir is not None:
+            self.attach(out_dir, append=True)
+
+    def attach(self, out_dir: Path, append: bool = False) -> None:
+        """Write parts under ``out_dir/rollouts``; without ``append`` the parts a previous run of the same
+        directory left are removed first (as its event log is restarted), so the log holds this run only."""
         self.dir = Path(out_dir) / "rollouts"
-        self.seen: set[int] = set()
-        self.parts = len(list(self.dir.glob("part-*.parquet"))) if self.dir.is_dir() else 0
+        old = sorted(self.dir.glob("part-*.parquet")) if self.dir.is_dir() else []
+        if not append:
+            for f in old:
+                f.unlink()
+            old = []
+        self.parts = max([int(f.stem.split("-")[1]) for f in old], default=0)
 
-    def flush(self, episodes: list, status: Callable[[int], str]) -> int:
-        """Write the episodes not written before that were scored (rewarded or dropped after scoring); their count."""
+    def on_close(self, episodes: list, status: str, reason: str = "") -> None:
+        """The buffer's close listener: one row per episode, with the status it closed with."""
+        self.pending.extend(_row(ep, status, reason) for ep in episodes)
+
+    def step_done(self, step: int) -> None:
+        """After trained step ``step``: write a part every `FLUSH_EVERY` steps or when `MAX_PENDING` rows wait."""
+        if step % FLUSH_EVERY == 0 or len(self.pending) >= MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> int:
+        """Write the waiting rows as one part; their count (0 with none waiting or no directory attached)."""
         import pandas as pd
 
-        new = [ep for ep in episodes if ep.id not in self.seen and (ep.reward_parts or status(ep.id) != "dropped")]
-        if not new:
+        if not self.pending or self.dir is None:
             return 0
-        rows = [_row(ep, status(ep.id)) for ep in new]
+        rows, self.pending = self.pending, []
         self.dir.mkdir(parents=True, exist_ok=True)
         self.parts += 1
         pd.DataFrame(rows).to_parquet(self.dir / f"part-{self.parts:06d}.parquet", index=False)
-        self.seen.update(ep.id for ep in new)
-        return len(new)
+        self.written += len(rows)
+        return len(rows)
 
 
-def _row(ep: Any, status: str) -> dict:
+def _row(ep: Any, status: str, reason: str = "") -> dict:
     return {
         "id": ep.id, "group_id": ep.group_id, "task": ep.task, "prompt": ep.prompt, "completion": ep.completion,
         "target": ep.target, "prompt_ids": list(ep.prompt_ids), "completion_ids": list(ep.completion_ids),
         "generator_logprobs": [float(x) for x in ep.generator_logprobs], "reward": float(ep.reward),
         "reward_parts": json.dumps(ep.reward_parts), "advantage": float(ep.advantage),
-        "policy_version": int(ep.policy_version), "status": status, "finish_reason": ep.finish_reason,
-        "info": json.dumps(ep.info, default=repr),
+        "policy_version": int(ep.policy_version), "status": status, "reason": reason,
+        "finish_reason": ep.finish_reason, "info": json.dumps(ep.info, default=repr),
     }
-
-
-def record_step(run: Any) -> None:
-    """After a trained step: flush the run's recent scored rollouts every `FLUSH_EVERY` steps and at the end."""
-    if run.rollout is None:
-        return
-    rec = getattr(run.rollout, "recorder", None)
-    if rec is None or rec.dir.parent != Path(run.out_dir):
-        rec = run.rollout.recorder = RolloutRecorder(run.out_dir)
-    if run.step % FLUSH_EVERY == 0 or run.step >= run.config.train.steps:
-        st = run.buffer.status
-        rec.flush(list(run.rollout.recent), lambda i: st(i) or "")
 
 
 def read_rollouts(run_dir: str | Path):
@@ -88,7 +111,8 @@ def read_rollouts(run_dir: str | Path):
     files = sorted(d.glob("part-*.parquet")) if d.is_dir() else []
     if not files:
         raise FileNotFoundError(f"{run_dir}: no recorded rollouts (rollouts/part-*.parquet); "
-                                "runs record them every few trained steps")
+                                "runs record each episode when it is trained, evicted or dropped, in parts "
+                                "written every few trained steps and when the run stops")
     df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True).drop_duplicates("id", keep="last")
     df["reward_parts"] = df["reward_parts"].map(json.loads)
     df["info"] = df["info"].map(json.loads)

@@ -19,7 +19,6 @@ from collections import deque
 from typing import Any
 
 from forgelab.algos.batching import collate
-from forgelab.controller.rollout_log import record_step
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
@@ -47,8 +46,8 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint."""
     cfg, gate = run.config, run.gate
     t0 = time.time()
-    if run._replay is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
-        await run._replay.before_step(run, run.step + 1)
+    if run.replayer is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
+        await run.replayer.before_step(run, run.step + 1)
     batch = collate(batch_eps, run.pad_id)
     run.last_batch = batch
     run.training_in_flight = True
@@ -62,7 +61,7 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
             run.buffer.mark_dropped(batch_eps, "step_skipped")
             gate.changed.notify_all()
         run.consecutive_failures += 1
-        run._event("step_skipped", reason=reason)
+        run.emit("step_skipped", reason=reason)
         if run.consecutive_failures >= cfg.train.max_consecutive_failures:
             run.pause(f"paused after {run.consecutive_failures} skipped steps in a row; last reason: {reason}. "
                       "Fix the loss (run.set_loss(...)) or the data, then run.resume()")
@@ -79,8 +78,8 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     if cfg.tracking.checkpoint_every and run.step % cfg.tracking.checkpoint_every == 0:
         await run.save_checkpoint()
     run.tracker.log(row)
-    record_step(run)  # scored rollouts -> <run dir>/rollouts/*.parquet every few steps (forgelab.controller.rollout_log)
-    run._notify(row)
+    run.records.step_done(run.step)  # closed episodes -> <run dir>/rollouts/*.parquet (forgelab.controller.rollout_log)
+    run.notify(row)
 
 
 class TokenRate:
