@@ -31,7 +31,7 @@ _LAZY = {
     "ConfigError": "forgelab.config",
     "ProcessPool": "forgelab.engines",
     "rescore": "forgelab.controller",
-    "replay": "forgelab.experiments",
+    "replay": "forgelab.run",
 }
 
 __all__ = sorted(_LAZY)

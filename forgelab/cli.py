@@ -6,7 +6,7 @@
     forgelab plan CONFIG.yaml [--gpus N --gpu-mem GiB]     each process's planned peak memory; does it fit?
     forgelab show RUN_DIR                                  a run's timeline: config, each change, code diffs
     forgelab diff RUN_A RUN_B                              config, swapped functions, versions, hardware
-    forgelab replay RUN_DIR [--until N]                    re-run with its recorded changes, compare metrics
+    forgelab replay RUN_DIR [--until N] [--trust]          re-run with its recorded changes, compare metrics
 """
 from __future__ import annotations
 
@@ -17,32 +17,10 @@ import sys
 import time
 
 
-def _apply_overrides(data: dict, sets: list[str]) -> dict:
-    import yaml
-
-    for item in sets or []:
-        if "=" not in item:
-            raise SystemExit(f"--set {item!r}: expected dotted.key=value, e.g. train.steps=20")
-        key, raw = item.split("=", 1)
-        node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(raw)
-    return data
-
-
 def _load(path: str, sets: list[str]):
-    import yaml
+    from forgelab.config import RunConfig
 
-    from forgelab.config.run_config import ConfigError, RunConfig
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
-    return RunConfig.from_dict(_apply_overrides(data, sets))
+    return RunConfig.from_yaml(path, overrides=sets)
 
 
 def _print_plan(cfg, *, strict: bool = False, **where) -> int:
@@ -90,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     p_rep.add_argument("run_dir")
     p_rep.add_argument("--until", type=int, default=None, help="stop after this step")
     p_rep.add_argument("--out", default=None, help="runs folder for the replay (default: the original's)")
+    p_rep.add_argument("--trust", action="store_true",
+                       help="the run directory is trusted: run the code recorded in it (pickled losses and rewards, "
+                            "a fork's checkpoint); refused otherwise")
+    p_rep.add_argument("--allow-mismatch", action="store_true",
+                       help="replay even where package versions or built-in code differ from the manifest's")
     args = parser.parse_args(argv)
 
     from forgelab.config.run_config import ConfigError
@@ -130,10 +113,24 @@ def _provenance(args) -> int:
 
         print(format_diff(diff_runs(args.run_a, args.run_b)))
         return 0
-    from forgelab.experiments.replay import replay_sync
+    import asyncio
 
-    report = replay_sync(args.run_dir, until=args.until, out_dir=args.out)
+    from forgelab.run import Run
+
+    from forgelab.controller.fncode import FunctionRestoreError
+    from forgelab.experiments.replay import ReplayRefused
+
+    try:
+        report = asyncio.run(Run.replay(args.run_dir, until=args.until, out_dir=args.out, trusted=args.trust,
+                                        allow_mismatch=args.allow_mismatch))
+    except (FunctionRestoreError, ReplayRefused) as e:  # refused before anything ran
+        msg = str(e).replace("trusted=True (CLI: --trust)", "--trust").replace(
+            "allow_mismatch=True (CLI: --allow-mismatch)", "--allow-mismatch")
+        print(f"forgelab replay: {msg}", file=sys.stderr)
+        return 2
     print(report)
+    for note in report.notes:
+        print(f"note: {note}")
     return 0 if report.ok else 1
 
 

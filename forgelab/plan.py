@@ -272,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-mem", type=float, default=None, help="host memory, GiB (default: this machine's)")
     ap.add_argument("--set", action="append", default=[])
     args = ap.parse_args(argv)
-    from forgelab.cli import _load
+    from forgelab.config import RunConfig
 
-    cfg = _load(args.config, args.set)
+    cfg = RunConfig.from_yaml(args.config, overrides=args.set)
     plan = plan_memory(cfg, gpus=args.gpus, gpu_mem_gib=args.gpu_mem, host_mem_gib=args.host_mem)
     print(f"memory plan for {cfg.name} ({os.path.basename(cfg.model.path.rstrip('/'))}):")
     print(plan.table())

@@ -42,6 +42,9 @@ class ConsoleReporter:
     def _on(self, row: dict) -> None:
         if "event" in row:
             ev = row["event"]
+            if ev["kind"] == "data":  # the data split the run made, in words
+                self.bar.write(f"  {ev.get('message', '')}", file=self.stream)
+                return
             if ev["kind"] in ("loss_swapped", "reward_weights", "step_skipped", "paused", "replica_failed",
                               "replica_restarted", "failed", "eval"):
                 detail = {k: v for k, v in ev.items() if k not in ("kind", "time")}

@@ -35,7 +35,7 @@ from forgelab.controller import checkpoint, controls, provenance
 from forgelab.experiments import ops as experiments
 from forgelab.controller.buffer import ReplayBuffer
 from forgelab.config.run_config import ConfigError, RunConfig
-from forgelab.data.datasets import ProblemStream, load_problems
+from forgelab.data.datasets import ProblemStream, load_split
 from forgelab.controller.controls import LossSwapRefused, RewardChangeRefused  # noqa: F401 -- re-exported
 from forgelab.controller.evaluate import heldout_reward
 from forgelab.controller.events import EventLog
@@ -82,8 +82,10 @@ class Run(experiments.Experiments):
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
         self.records = RolloutRecorder()  # every episode the buffer closes -> out_dir/rollouts/*.parquet
         self.buffer.add_close_listener(self.records.on_close)
-        self.stream = ProblemStream(load_problems(cfg.rollout.task, "train", 4000, cfg.train.seed), seed=cfg.train.seed)
-        self.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, cfg.train.seed)
+        self.data = load_split(cfg.rollout.task, heldout=cfg.rollout.heldout, max_train=cfg.rollout.max_train_problems,
+                               eval_n=cfg.eval.n, seed=cfg.train.seed)  # explicit limits, reported at spawn
+        self.stream = ProblemStream(self.data.train, seed=cfg.train.seed)
+        self.heldout = self.data.heldout
         self._task_reward = heldout_reward(cfg.rollout)
         self.resume_from = Path(resume_from) if resume_from else None
         self._spawn_parts = spawn
@@ -206,6 +208,7 @@ class Run(experiments.Experiments):
         provenance.write_manifest(self)  # config, versions, git state, hardware, model and data hashes
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
         self.emit("spawned", seconds=round(parts.seconds, 1))
+        self.emit("data", message=self.data.description, **self.data.info)
         if self.resume_from is not None:
             await checkpoint.restore(self, self.resume_from)
 

@@ -596,3 +596,60 @@ def test_run_checkpoints_stay_small_over_a_long_run(tmp_path):
     c = check_accounting(run)
     assert c["trained"] == 30 * 8 and c["generated"] >= 30 * 8
     assert state["watermark"] > 0 and len(state["closed"]) + len(state["episodes"]) <= 4 * 8
+
+
+# ---------------------------------------------------------------------------- data limits (issue #25: 6)
+
+
+def _rows_file(path, n):
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"{i}+0=", "target": str(i)}) + "\n" for i in range(n)))
+    return path
+
+
+def test_a_10000_row_file_trains_on_all_of_its_training_rows(tmp_path):
+    """No hidden cap: a 10,000-row file with the default held-out fraction (0.1, its last 1,000 rows) streams
+    all 9,000 other rows in one epoch, and says so at start and in the manifest."""
+    import json
+
+    data = _rows_file(tmp_path / "big.jsonl", 10_000)
+    cfg = config(tmp_path, steps=2)
+    cfg.rollout.task = str(data)
+    cfg.rollout.rewards = {"exact_answer": 1.0}
+    run = Run(cfg, spawn=fake_spawn)
+    epoch = run.stream.next(9_000)
+    assert sorted(int(p.target) for p in epoch) == list(range(9_000))  # every training row once
+    assert [int(p.target) for p in run.heldout] == list(range(9_000, 9_008))  # the first eval.n = 8 held-out rows
+    run_to_end(run)
+    manifest = json.loads((run.out_dir / "manifest.json").read_text())
+    split = manifest["data_split"]
+    assert (split["rows"], split["train"], split["heldout_rows"], split["evaluated"]) == (10_000, 9_000, 1_000, 8)
+    assert split["heldout"] == 0.1 and split["max_train_problems"] is None
+    (ev,) = [e for e in run.events if e["kind"] == "data"]
+    assert ev["message"].startswith("data: 9000 of 9000 training rows (rows 0-8999 of ") and "last 1000 rows" in ev["message"]
+
+
+def test_data_limits_are_config_fields(tmp_path):
+    from forgelab.config.run_config import ConfigError
+    from forgelab.data import load_split
+
+    data = _rows_file(tmp_path / "d.jsonl", 100)
+    held = _rows_file(tmp_path / "h.jsonl", 30)
+    s = load_split(str(data), heldout=25, max_train=50, eval_n=10)
+    assert [int(p.target) for p in s.train] == list(range(50)) and [int(p.target) for p in s.heldout] == list(range(75, 85))
+    assert "50 of 75 training rows" in s.description and "its last 25 rows" in s.description
+    s = load_split(str(data), heldout=str(held), eval_n=100)
+    assert len(s.train) == 100 and len(s.heldout) == 30 and "every row of" in s.description
+    s = load_split("addition", heldout=str(held), max_train=7, eval_n=5)
+    assert len(s.train) == 7 and [int(p.target) for p in s.heldout] == list(range(5))
+    # 0.1 of 70 rows is 7 held out (exact decimal arithmetic, not int(70 * 0.1) by float)
+    assert len(load_split(str(_rows_file(tmp_path / "s.jsonl", 70)), heldout=0.1).train) == 63
+    with pytest.raises(ValueError, match="leaving none to train on"):
+        load_split(str(data), heldout=100)
+    for bad in (0, 1.5, -0.1, True, str(tmp_path / "missing.jsonl")):
+        with pytest.raises(ConfigError, match="rollout.heldout"):
+            RunConfig.from_dict({"rollout": {"heldout": bad}})
+    with pytest.raises(ConfigError, match="rollout.max_train_problems"):
+        RunConfig.from_dict({"rollout": {"max_train_problems": 0}})
+    assert RunConfig.from_dict({"rollout": {"heldout": 200, "max_train_problems": 500}}).rollout.heldout == 200

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from forgelab.controller.evaluate import format_prompt
+from forgelab.data import format_prompt
 from forgelab.engines.generator import Generator, GeneratorConfig, SamplingConfig
 
 integration = pytest.mark.integration

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf, greedy_generate_hf
+from forgelab.data import format_prompt
+from forgelab.controller.evaluate import greedy_accuracy_hf, greedy_generate_hf
 from forgelab.recipes.tiny_model import DEFAULT_OUT, IGNORE, encode_sft
 from forgelab.data.tasks import TASKS, Problem, get_task
 from forgelab.data.tokenizer import END, build_tokenizer

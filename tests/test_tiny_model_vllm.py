@@ -37,7 +37,8 @@ def test_vllm_greedy_equals_hf_greedy():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from forgelab.controller.evaluate import format_prompt, greedy_generate_hf
+    from forgelab.data import format_prompt
+    from forgelab.controller.evaluate import greedy_generate_hf
     from forgelab.recipes.tiny_model import DEFAULT_OUT
     from forgelab.data.tasks import TASKS
 

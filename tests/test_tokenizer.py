@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from forgelab.controller.evaluate import format_prompt
+from forgelab.data import format_prompt
 from forgelab.data.tasks import TASKS
 from forgelab.data.tokenizer import CHARS, END, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
 

@@ -207,7 +207,7 @@ def hf():
 
 
 def _greedy(loop, gen, tok) -> list[list[int]]:
-    from forgelab.controller.evaluate import format_prompt
+    from forgelab.data import format_prompt
     from forgelab.engines.generator import SamplingConfig
 
     prompts = [format_prompt(tok, p) for p in PROBLEMS]
@@ -217,7 +217,7 @@ def _greedy(loop, gen, tok) -> list[list[int]]:
 
 @torch.no_grad()
 def _hf_greedy(model, tok, weights: dict) -> list[list[int]]:
-    from forgelab.controller.evaluate import format_prompt
+    from forgelab.data import format_prompt
 
     model.load_state_dict(weights)
     out = []

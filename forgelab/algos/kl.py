@@ -10,6 +10,7 @@ for dapo/cispo/reinforce, over the constant budget for dr_grpo). Importance
 weights never multiply it.
 
     >>> import torch
+
     >>> logp = torch.tensor([[-1.0, -2.0]])
     >>> k3_kl(logp, torch.tensor([[-1.0, -1.0]]), torch.tensor([[True, True]])).tolist()  # e^1 - 1 - 1
     [[0.0, 0.7182817459106445]]
@@ -18,6 +19,8 @@ weights never multiply it.
 from __future__ import annotations
 
 import torch
+
+from forgelab.algos.loss_checks import LossError
 
 __all__ = ["k3_kl", "add_kl"]
 
@@ -46,8 +49,6 @@ def add_kl(
     ``kl_coef`` set by hand in that case. Raises ``LossError`` (a
     ``ValueError``) when ``kl_coef`` is not a finite number >= 0.
     """
-    from forgelab.algos.loss_checks import LossError
-
     if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not kl_coef >= 0 or kl_coef == float("inf"):
         raise LossError(f"loss {loss_name!r}: kl_coef must be a finite number >= 0, got {kl_coef!r}")
     if kl_coef == 0 or ref_logprobs_B_T is None:

@@ -47,9 +47,13 @@ class LossError(ValueError):
     """A loss function was called with bad inputs or returned something the trainer cannot use."""
 
 
-def _resolve(loss: Any) -> tuple[str, Callable]:
-    from forgelab.algos.losses import LOSSES
+LOSSES: dict[str, Callable[..., Any]] = {}
+"""Losses by name (the built-in ones are registered by `forgelab.algos.losses`, which defines them). A user's
+own function with the same signature is a first-class entry. It lives here, below the losses, so that the
+checks can resolve a name without importing the module that defines the losses."""
 
+
+def _resolve(loss: Any) -> tuple[str, Callable]:
     if isinstance(loss, str):
         if loss not in LOSSES:
             raise LossError(f"unknown loss {loss!r}; registered losses: {sorted(LOSSES)} (or pass a function)")

@@ -59,7 +59,7 @@ import torch
 
 from forgelab.algos.kl import add_kl, k3_kl
 from forgelab.algos.logprobs import masked_mean, masked_sum
-from forgelab.algos.loss_checks import LossError, check_loss_kwargs, strict_hparams, validate_loss_output
+from forgelab.algos.loss_checks import LOSSES, LossError, check_loss_kwargs, strict_hparams, validate_loss_output
 
 __all__ = [
     "LOSSES",
@@ -458,12 +458,11 @@ def reinforce(
     return loss, _base_metrics(logp, log_ratio, mask, on, ref_logprobs_B_T)
 
 
-LOSSES: dict[str, LossFn] = {
+LOSSES.update({
     "grpo": grpo,
     "dapo": dapo,
     "dr_grpo": dr_grpo,
     "gspo": gspo,
     "cispo": cispo,
     "reinforce": reinforce,
-}
-"""Losses by name. A user's own function with the same signature is a first-class entry."""
+})

@@ -58,7 +58,8 @@ def trl_child(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from forgelab.data.datasets import load_problems
-    from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf
+    from forgelab.data import format_prompt
+    from forgelab.controller.evaluate import greedy_accuracy_hf
     from forgelab.rewards.library import REWARDS
 
     model_dir, target, every = spec["model"], spec["target"], spec["every"]
@@ -138,7 +139,8 @@ def vllm_greedy_check(trainer, tok, problems, max_tokens: int) -> list[float]:
     """
     from vllm import SamplingParams
 
-    from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf
+    from forgelab.data import format_prompt
+    from forgelab.controller.evaluate import greedy_accuracy_hf
     from forgelab.data.tasks import get_task
 
     gen = trainer.vllm_generation

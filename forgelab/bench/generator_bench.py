@@ -37,10 +37,10 @@ from forgelab.bench.common import Worker, emit_json, print_machine, print_table
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
 
 
-def _prompts(model_dir: str, count: int) -> list[str]:
+def bench_prompts(model_dir: str, count: int) -> list[str]:
     from transformers import AutoTokenizer
 
-    from forgelab.controller.evaluate import format_prompt
+    from forgelab.data import format_prompt
     from forgelab.data.tasks import get_task
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -69,7 +69,7 @@ def make_large_model(out_dir: str, hidden: int = 768, layers: int = 8) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _state_dict(model_dir: str) -> dict:
+def random_state_dict(model_dir: str) -> dict:
     from safetensors.torch import load_file
 
     out = {}
@@ -79,7 +79,7 @@ def _state_dict(model_dir: str) -> dict:
     return out
 
 
-def _process_env(threads: int) -> dict[str, str]:
+def process_env(threads: int) -> dict[str, str]:
     from forgelab.runtime.component import Placement
 
     return Placement(threads=threads).process_env()
@@ -106,7 +106,7 @@ def _bare_main(model_dir: str, count: int, n: int, max_tokens: int, threads: int
     engine = VLLMEngine(GeneratorConfig(model_dir=model_dir))
     params = SamplingConfig(temperature=1.0, max_tokens=max_tokens).to_vllm()
     params.n = n
-    prompts = _prompts(model_dir, count)
+    prompts = bench_prompts(model_dir, count)
     engine.llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -124,7 +124,7 @@ async def run_pair(model_dir: str, count: int, n: int, max_tokens: int, repeats:
     """Alternate timed runs of bare vLLM and the actor; then time actor weight updates."""
     from forgelab.engines.generator import Generator, GeneratorConfig, SamplingConfig
 
-    prompts = _prompts(model_dir, count)
+    prompts = bench_prompts(model_dir, count)
     sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
     gen = bare = None
     try:  # both engines build at once (their start-up is not what is measured)
@@ -154,7 +154,7 @@ async def run_pair(model_dir: str, count: int, n: int, max_tokens: int, repeats:
                 bare_tps.append(bare.run())
         bare.close()
         stats = await gen.stats.call_one()
-        weights = _state_dict(model_dir)
+        weights = random_state_dict(model_dir)
         update_ms, engine_ms = [], []
         for version in range(1, update_reps + 1):
             t0 = time.perf_counter()
@@ -183,7 +183,7 @@ def run_hf(model_dir: str, count: int, n: int, max_tokens: int, repeats: int, ba
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    rows = [p for p in _prompts(model_dir, count) for _ in range(n)]
+    rows = [p for p in bench_prompts(model_dir, count) for _ in range(n)]
 
     @torch.no_grad()
     def generate(texts: list[str]) -> int:

@@ -42,16 +42,16 @@ import tempfile
 import time
 
 from forgelab.bench.common import emit_json, print_machine, print_table
-from forgelab.bench.generator_bench import SHIPPED, _process_env, _prompts
+from forgelab.bench.generator_bench import SHIPPED, process_env, bench_prompts
 
 
 def flop_params(model_dir: str) -> dict:
     """Parameter counts from the checkpoint: total, and those in matmuls (total minus the input embedding)."""
     from transformers import AutoConfig
 
-    from forgelab.bench.generator_bench import _state_dict
+    from forgelab.bench.generator_bench import random_state_dict
 
-    sd = _state_dict(model_dir)
+    sd = random_state_dict(model_dir)
     total = sum(v.numel() for v in sd.values())
     embed = sum(v.numel() for k, v in sd.items() if k.endswith("embed_tokens.weight"))
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -101,7 +101,7 @@ def _gen_main(model_dir: str, count: int, n: int, max_tokens: int, repeats: int)
     engine = VLLMEngine(GeneratorConfig(model_dir=model_dir))
     params = SamplingConfig(temperature=1.0, max_tokens=max_tokens).to_vllm()
     params.n = n
-    prompts = _prompts(model_dir, count)
+    prompts = bench_prompts(model_dir, count)
     engine.llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
     best = None
     for _ in range(repeats):
@@ -117,7 +117,7 @@ def _gen_main(model_dir: str, count: int, n: int, max_tokens: int, repeats: int)
 
 
 def measure_generator(model_dir: str, count: int, repeats: int) -> dict:
-    env = {**os.environ, **_process_env(1)}
+    env = {**os.environ, **process_env(1)}
     proc = subprocess.run([sys.executable, "-m", "forgelab.bench.limits", "--_gen", model_dir, str(count), "8", "8",
                            str(repeats)], env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -51,7 +51,7 @@ import tempfile
 import time
 
 from forgelab.bench.common import Worker, emit_json, print_machine, print_table
-from forgelab.bench.generator_bench import SHIPPED, _state_dict, make_large_model
+from forgelab.bench.generator_bench import SHIPPED, random_state_dict, make_large_model
 
 
 class RawReload(Worker):
@@ -79,7 +79,7 @@ def _raw_main(model_dir: str, threads: int) -> None:
     from forgelab.engines.generator import GeneratorConfig, VLLMEngine
 
     engine = VLLMEngine(GeneratorConfig(model_dir=model_dir))
-    sd = _state_dict(model_dir)
+    sd = random_state_dict(model_dir)
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(sd.items())})  # warm-up
     print(json.dumps({"ready": True, "bytes": nbytes}), flush=True)

@@ -53,6 +53,13 @@ class ModelConfig:
 class RolloutConfig:
     task: str = "addition"
     """A toy task name (see forgelab.data.tasks.TASKS) or a local .jsonl/.parquet file with prompt/target columns."""
+    max_train_problems: int | None = None
+    """At most this many training problems (a file's first training rows). None: every training row of a file;
+    a toy task, which has no rows, generates 4000. The run reports the split it made (manifest, `data` event)."""
+    heldout: int | float | str = 0.1
+    """The held-out problems evaluation uses, for a file task: a fraction in (0, 1) of its rows (its last rows;
+    files are expected to be pre-shuffled), a count of its last rows, or a second .jsonl/.parquet file (then
+    every row of `task` trains). A toy task uses its own test split unless a file is given here."""
     group_size: int = 8
     """G: samples per prompt; advantages are computed within a group."""
     prompts_per_rollout: int = 8
@@ -288,6 +295,15 @@ class RunConfig:
             )
         for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
             _positive(f"rollout.{name}", getattr(r, name))
+        if r.max_train_problems is not None:
+            _positive("rollout.max_train_problems", r.max_train_problems)
+        if isinstance(r.heldout, str):
+            if not (r.heldout.endswith((".jsonl", ".parquet")) and Path(r.heldout).is_file()):
+                raise ConfigError(f"rollout.heldout: {r.heldout!r} is not an existing .jsonl/.parquet file; give a "
+                                  "file, a fraction in (0, 1) of the task file's rows, or a count of its last rows")
+        elif isinstance(r.heldout, bool) or not (0 < r.heldout < 1 or (r.heldout >= 1 and float(r.heldout).is_integer())):
+            raise ConfigError(f"rollout.heldout: {r.heldout!r} is neither a fraction in (0, 1) nor a count >= 1 of "
+                              "held-out rows nor a file")
         if r.group_size < 2:
             raise ConfigError(f"rollout.group_size: {r.group_size} < 2; group advantages need at least 2 samples per prompt")
         _finite_range("rollout.temperature", r.temperature, 0.0, 10.0)

@@ -25,7 +25,7 @@ from forgelab.controller.fncode import FunctionRestoreError, loss_record, restor
 
 log = logging.getLogger("forgelab.controller.checkpoint")
 
-__all__ = ["save", "restore", "restore_metrics", "resolve", "FunctionRestoreError"]
+__all__ = ["save", "restore", "restore_metrics", "resolve", "code_records", "FunctionRestoreError"]
 
 
 def resolve(path: str | Path) -> Path:
@@ -37,6 +37,14 @@ def resolve(path: str | Path) -> Path:
         raise FileNotFoundError(f"{path} is not a forgelab checkpoint (no controller.json); "
                                 "pass a checkpoints/step_NNNNNN directory or the checkpoints folder holding LATEST")
     return path
+
+
+def code_records(path: str | Path) -> list[tuple[str, dict | None]]:
+    """(label, code record) of the loss and every reward a checkpoint restores (read, never unpickled)."""
+    state = json.loads((resolve(path) / "controller.json").read_text())
+    out: list[tuple[str, dict | None]] = [(f"loss {state.get('loss')!r}", state.get("loss_code"))]
+    out += [(f"reward {r['name']!r}", r.get("fn")) for r in state.get("rewards", [])]
+    return out
 
 
 def reward_state(rewards) -> list[dict[str, Any]]:

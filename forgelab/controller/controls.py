@@ -11,7 +11,31 @@ from typing import Any, Callable
 from forgelab.algos import LOSSES
 from forgelab.rewards.library import RewardComposer, validate
 
-__all__ = ["LossSwapRefused", "RewardChangeRefused", "swap_loss", "add_reward", "rewards_for", "until"]
+__all__ = ["LossSwapRefused", "RewardChangeRefused", "RewardRevisions", "swap_loss", "add_reward", "rewards_for",
+           "until"]
+
+
+class RewardRevisions:
+    """Counts reward changes made and the one the rollouts were last scored with, so the first rollout scored
+    after a change can record where it took effect (``reward_effective``)."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.scored = 0
+
+    def bump(self) -> int:
+        """A change was made; its revision number."""
+        self.made += 1
+        return self.made
+
+    def unscored(self) -> bool:
+        """A change was made that no rollout has been scored with yet."""
+        return self.made != self.scored
+
+    def mark_scored(self) -> int:
+        """The rollouts are now scored with the latest change; its revision number."""
+        self.scored = self.made
+        return self.made
 
 
 class LossSwapRefused(ValueError):
@@ -44,13 +68,13 @@ async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
     if run.last_batch is not None:
         report = (await run.trainer.call("dry_run_loss", packed, run.last_batch, loss_kwargs))[0]
         if not report.get("ok"):
-            run._event("loss_refused", loss=name, reason=report.get("reason"))
+            run.emit("loss_refused", loss=name, reason=report.get("reason"))
             raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.get('reason')}; "
                                   "the old loss keeps training")
     applies_at = run.step + (2 if run.training_in_flight else 1)
     await run.trainer.call("set_loss", packed, loss_kwargs)
     run.loss_name = name
-    run._event("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
+    run.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
     return {"loss": name, "applies_at_step": applies_at}
 
 
@@ -65,20 +89,18 @@ def add_reward(run: Any, name: str, fn: Callable[..., float], weight: float, rep
         if not report.ok:
             raise RewardChangeRefused(f"reward {name!r} refused, the old rewards stay:\n{report}")
     run.rewards.add(name, fn, weight, replace=replace)
-    run._reward_changed("reward_added", name=name, weight=weight, replace=replace, code=reward_record(fn))
+    run.reward_changed("reward_added", name=name, weight=weight, replace=replace, code=reward_record(fn))
 
 
 def rewards_for(run: Any, flat: list) -> RewardComposer:
     """The reward set one rollout is scored with (a change lands between rollouts); the first rollout scored
     after a change records where it took effect (``reward_effective``: its first episode id)."""
-    if run._replay is not None and flat:
-        run._replay.before_scoring(run, min(ep.id for ep in flat))
-    snapshot = RewardComposer()
-    snapshot._terms = run.rewards._terms  # the composer swaps in a new dict on each change
-    if flat and run._reward_rev != run._reward_rev_scored:
-        run._reward_rev_scored = run._reward_rev
-        run._event("reward_effective", rev=run._reward_rev, first_episode=min(ep.id for ep in flat),
-                   rewards=snapshot.weights)
+    if run.replayer is not None and flat:
+        run.replayer.before_scoring(run, min(ep.id for ep in flat))
+    snapshot = run.rewards.snapshot()
+    if flat and run.reward_revisions.unscored():
+        run.emit("reward_effective", rev=run.reward_revisions.mark_scored(), first_episode=min(ep.id for ep in flat),
+                 rewards=snapshot.weights)
     return snapshot
 
 
@@ -96,7 +118,7 @@ async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | N
 
     async def wait() -> None:
         while not met():
-            main = run._main
+            main = run.main_task
             if main is None or main.done():
                 if main is not None and not main.cancelled() and main.exception() is not None:
                     raise main.exception()

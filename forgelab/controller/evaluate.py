@@ -1,8 +1,7 @@
 """Greedy exact-answer accuracy of a causal LM on a list of problems (HF ``generate``).
 
-``format_prompt`` is the one place where a problem's prompt is chat-templated;
-every other module (rollouts, vLLM, RL) should call it so that training and
-evaluation see the same text.
+``forgelab.data.format_prompt`` is the one place where a problem's prompt is chat-templated;
+every other module (rollouts, vLLM, RL) calls it so that training and evaluation see the same text.
 
     acc = greedy_accuracy_hf("forgelab/assets/tiny-llama", None, get_task("addition").make("test", 500, 0))
 """
@@ -14,14 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from forgelab.data.prompts import format_prompt
 from forgelab.data.tasks import Problem, get_task
-
-
-def format_prompt(tokenizer, problem_prompt: str) -> str:
-    """The chat-templated text of a single user turn, ending with the assistant's header."""
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": problem_prompt}], tokenize=False, add_generation_prompt=True
-    )
+from forgelab.envs.episode import final_answer
 
 
 def load_model_and_tokenizer(model_dir: str):
@@ -120,7 +114,6 @@ async def heldout_accuracy(source, problems: Sequence[Problem], tokenizer, sampl
     task's exact-answer reward); > 0.5 counts as correct, a reward that raises
     as wrong.
     """
-    from forgelab.controller.rollout import final_answer
 
     if not problems:
         return 0.0

@@ -167,14 +167,19 @@ def build_manifest(config, *, train_problems=None, heldout_problems=None, extra:
     if heldout_problems is not None:
         data["heldout_sha256"], data["heldout_n"] = hash_problems(heldout_problems), len(heldout_problems)
     versions = package_versions()
+    from forgelab.controller.rollout import determinism
+
+    deterministic, why_not = determinism(config)
     return {
         "name": config.name, "created": time.time(),
         "config": config.to_dict(),
         "forgelab": {"version": versions.pop("forgelab"), "git": git_state()},
         "versions": versions,
         "hardware": hardware(),
-        "seeds": {"train.seed": t.seed, "vllm": "per episode: sha256(train.seed, episode id)" if t.max_policy_age == 0 else None},
-        "deterministic": t.max_policy_age == 0,
+        "seeds": {"train.seed": t.seed, "vllm": "per episode: sha256(train.seed, episode id)" if deterministic else None},
+        "deterministic": deterministic,
+        "nondeterministic_reason": why_not,
+        "code": code_hashes(config),
         "model": {"path": config.model.path, "sha256": hash_dir(config.model.path)},
         "data": data,
         "argv": list(sys.argv),
@@ -182,11 +187,74 @@ def build_manifest(config, *, train_problems=None, heldout_problems=None, extra:
     }
 
 
+def _hashes_only(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: rec.get(k) for k in ("name", "builtin", "sha256", "pickle_sha256")}
+
+
+def code_hashes(config) -> dict[str, Any]:
+    """What the run starts on: its loss's and each configured reward's name, built-in name and SHA-256
+    (`forgelab.controller.fncode`); a replay compares them with the code it is about to run."""
+    from forgelab.controller.fncode import loss_record, reward_record
+    from forgelab.controller.reward_runner import reward_weights
+    from forgelab.rewards import REWARDS
+
+    out: dict[str, Any] = {"loss": None, "rewards": {}}
+    try:
+        out["loss"] = _hashes_only(loss_record(config.train.loss))
+    except KeyError:  # not a registered name: config validation says so; nothing to hash
+        pass
+    for name in reward_weights(config.rollout):
+        if name in REWARDS:
+            out["rewards"][name] = _hashes_only(reward_record(REWARDS[name]))
+    return out
+
+
+def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | None]]) -> list[str]:
+    """What differs between the recorded run and this process, for a replay: package versions and the code
+    of every built-in loss and reward it will run (`code_records`: (label, fn_record) pairs from the event
+    log or checkpoint), each as a sentence; [] when nothing does.
+
+    Built-ins are rebuilt by name from this process's registries, so their recorded SHA-256 must be this
+    forgelab's. Custom code travels as a pickle checked against its own hash when restored (`restore_fn`).
+    """
+    from forgelab.algos import LOSSES
+    from forgelab.controller.fncode import fn_record
+    from forgelab.rewards import REWARDS
+
+    out: list[str] = []
+    now = package_versions()
+    recorded = {**manifest.get("versions", {}), "forgelab": (manifest.get("forgelab") or {}).get("version")}
+    for key in sorted(set(recorded) | set(now)):
+        if recorded.get(key) != now.get(key):
+            out.append(f"package {key}: recorded {recorded.get(key)!r}, installed {now.get(key)!r}")
+    code = manifest.get("code")
+    if code is None:
+        out.append("the manifest records no code hashes (written by an older forgelab): the loss and rewards "
+                   "the run started on cannot be checked")
+        code = {}
+    pairs = [(f"loss {(code.get('loss') or {}).get('name')!r}", code.get("loss"))]
+    pairs += [(f"reward {n!r}", r) for n, r in (code.get("rewards") or {}).items()]
+    for label, rec in pairs + list(code_records):
+        if not rec or not rec.get("builtin"):
+            continue
+        registry = LOSSES if label.startswith("loss") else REWARDS
+        if rec["builtin"] not in registry:
+            out.append(f"{label}: built-in {rec['builtin']!r} is not registered in this forgelab")
+            continue
+        sha = fn_record(registry[rec["builtin"]], registry)["sha256"]
+        if sha != rec.get("sha256"):
+            out.append(f"{label}: built-in {rec['builtin']!r} has other code here (sha256 {sha[:12]}...) than "
+                       f"when recorded ({str(rec.get('sha256'))[:12]}...)")
+    return out
+
+
 def write_manifest(run) -> Path:
     """Write `run.out_dir/manifest.json` (a resumed run keeps the first one's as `manifest.first.json`)."""
     m = build_manifest(run.config, train_problems=getattr(run.stream, "problems", None),
                        heldout_problems=run.heldout,
-                       extra={"resume_from": str(run.resume_from) if run.resume_from else None})
+                       extra={"resume_from": str(run.resume_from) if run.resume_from else None,
+                              # the split the run made (rollout.max_train_problems, rollout.heldout, eval.n)
+                              "data_split": {"description": run.data.description, **run.data.info}})
     path = Path(run.out_dir) / MANIFEST_FILE
     if run.resume_from is not None and path.is_file() and not (path.parent / "manifest.first.json").exists():
         path.rename(path.parent / "manifest.first.json")

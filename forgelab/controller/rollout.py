@@ -42,7 +42,7 @@ from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.rollout")
 
-__all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "episode_seed"]
+__all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "episode_seed", "determinism"]
 
 
 class Gate:
@@ -89,6 +89,39 @@ def _takes_seeds(fn: Any) -> bool:
         return "seeds" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def determinism(config: Any) -> tuple[bool, str | None]:
+    """``(True, None)`` when a run with `config` seeds every sample for an exact replay, else ``(False, why)``.
+
+    Deterministic mode is the synchronous one (`train.max_policy_age` 0) on single-turn tasks: each rollout is
+    one generate call whose samples are seeded by `episode_seed`. Multi-turn environment episodes are not
+    covered: their turns reach the generator batched by arrival time (float results vary with the batch) and
+    an environment may draw its own randomness, so the manifest says so instead of promising an exact replay.
+    """
+    if config.train.max_policy_age != 0:
+        return False, (f"train.max_policy_age is {config.train.max_policy_age} (> 0): rollouts race the trainer "
+                       "and samples are not seeded")
+    if config.rollout.env is not None:
+        return False, (f"rollout.env {config.rollout.env!r}: environment episodes are not seeded (their turns "
+                       "reach the generator batched by arrival time, and an environment may draw its own "
+                       "randomness); a replay re-applies the changes but its metrics may differ")
+    return True, None
+
+
+def check_seeded_generate() -> None:
+    """Raise unless the generator's `generate` takes per-sample ``seeds`` (deterministic mode depends on it)."""
+    try:
+        from forgelab.engines.generator import VLLMEngine
+    except Exception as e:  # noqa: BLE001 -- any import failure: the seeds cannot be checked
+        raise RuntimeError(
+            "deterministic mode (train.max_policy_age 0) seeds every sample, but the generator's seeded generate "
+            f"cannot be checked: importing forgelab.engines.generator failed ({type(e).__name__}: {e}). Fix the "
+            "installation (`forgelab check`), or set train.max_policy_age > 0 to train unseeded") from e
+    if not _takes_seeds(VLLMEngine.generate):
+        raise RuntimeError("deterministic mode (train.max_policy_age 0) seeds every sample, but "
+                           "forgelab.engines.generator.VLLMEngine.generate takes no `seeds`: this forgelab is "
+                           "inconsistent; reinstall it, or set train.max_policy_age > 0 to train unseeded")
 
 
 class SingleTurn:
@@ -165,8 +198,11 @@ class Rollouts:
         self.tokens = 0  # generated tokens not yet counted by a metrics row
         r = config.rollout
         self.per_call = r.prompts_per_rollout * r.group_size
-        # deterministic synchronous mode: max_policy_age 0 seeds every sample from (train.seed, episode id)
-        self.deterministic = config.train.max_policy_age == 0 and _takes_seeds(_generator_generate())
+        # deterministic synchronous mode: max_policy_age 0 seeds every sample from (train.seed, episode id);
+        # a generator that cannot take the seeds is an error here, never a silent unseeded run
+        self.deterministic, self.nondeterministic_reason = determinism(config)
+        if self.deterministic:
+            check_seeded_generate()
 
     # -- admission ----------------------------------------------------------------------------------------
     def admit(self) -> Admitted:
@@ -176,7 +212,7 @@ class Rollouts:
         a = Admitted(problems, self.next_group_id, self.next_episode_id, r.group_size)
         self.next_group_id += len(problems)
         self.next_episode_id += len(problems) * r.group_size
-        if self.deterministic and isinstance(self.source, SingleTurn):
+        if self.deterministic:
             a.seeds = [[episode_seed(self.config.train.seed, a.first_episode + p * r.group_size + g)
                         for g in range(r.group_size)] for p in range(len(problems))]
         return a
@@ -335,10 +371,3 @@ def episode_seed(run_seed: int, episode_id: int) -> int:
     digest = hashlib.sha256(f"{int(run_seed)}:{int(episode_id)}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
-
-def _generator_generate() -> Any:
-    try:
-        from forgelab.engines.generator import VLLMEngine
-    except Exception:  # noqa: BLE001 -- no generator module: no seeds
-        return None
-    return VLLMEngine.generate

@@ -25,7 +25,7 @@ SHOWN = {
 }
 
 
-def _source(run_or_dir: Any) -> tuple[dict, list[dict]]:
+def change_source(run_or_dir: Any) -> tuple[dict, list[dict]]:
     """(config dict, events) of a live Run or of a run directory."""
     if isinstance(run_or_dir, (str, Path)):
         return read_manifest(run_or_dir)["config"], EventLog.read(run_or_dir)
@@ -45,7 +45,7 @@ def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
     from forgelab.controller.fncode import loss_record, reward_record
     from forgelab.rewards.library import REWARDS
 
-    cfg, events = _source(run_or_dir)
+    cfg, events = change_source(run_or_dir)
     try:
         loss_src = loss_record(cfg["train"]["loss"])["source"]
     except KeyError:
@@ -98,7 +98,7 @@ def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
 
 def format_timeline(run_or_dir: Any, *, diffs: bool = True) -> str:
     """The text `forgelab show` prints."""
-    cfg, events = _source(run_or_dir)
+    cfg, events = change_source(run_or_dir)
     lines = [config_summary(cfg)]
     if isinstance(run_or_dir, (str, Path)):
         try:

@@ -6,8 +6,9 @@
 `tasks` defines the toy tasks and `Problem`; `datasets` reads jsonl/parquet files (GSM8K columns map
 as they are) and streams problems to the rollouts; `tokenizer` builds the shipped character-level one.
 """
-from forgelab.data.datasets import ProblemStream, gsm8k_target, load_file, load_problems
+from forgelab.data.prompts import format_prompt
+from forgelab.data.datasets import DataSplit, ProblemStream, gsm8k_target, load_file, load_problems, load_split
 from forgelab.data.tasks import TASKS, Problem, Task, extract_integer_answer, get_task
 
-__all__ = ["TASKS", "Problem", "ProblemStream", "Task", "extract_integer_answer", "get_task", "gsm8k_target",
+__all__ = ["TASKS", "DataSplit", "Problem", "ProblemStream", "load_split", "Task", "extract_integer_answer", "format_prompt", "get_task", "gsm8k_target",
            "load_file", "load_problems"]

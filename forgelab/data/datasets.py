@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from forgelab.data.tasks import TASKS, Problem, get_task
@@ -104,6 +106,100 @@ def load_problems(source: str, split: str, n: int, seed: int = 0) -> list[Proble
     n_test = max(1, len(rows) // 10) if len(rows) > 1 else 0
     part = rows[len(rows) - n_test:] if split == "test" else rows[: len(rows) - n_test]
     return part[:n] if n else part
+
+
+TOY_TRAIN_PROBLEMS = 4000
+"""Training problems a toy task generates when `max_train` is None (a toy task has no rows to count)."""
+
+
+@dataclass
+class DataSplit:
+    """A run's data: the training problems, the held-out problems it evaluates on, and how they were chosen."""
+
+    train: list[Problem]
+    heldout: list[Problem]
+    description: str
+    """One line for people: where each part comes from and which config fields chose it."""
+    info: dict = field(default_factory=dict)
+    """The same as data (for the manifest): source, rows, train and held-out counts, the limits applied."""
+
+
+def load_split(task: str, *, heldout: float | int | str = 0.1, max_train: int | None = None, eval_n: int = 200,
+               seed: int = 0) -> DataSplit:
+    """The training and held-out problems of a run, chosen only by the arguments (nothing silent).
+
+    Args:
+        task: a toy task name (`TASKS`) or a .jsonl/.parquet file.
+        heldout: for a file task, the held-out split: a fraction in (0, 1) of its rows (its last rows; files are
+            expected to be pre-shuffled), a count of its last rows, or a second file (then every row of `task`
+            trains). A toy task evaluates on its own test split, or on a file given here.
+        max_train: at most this many training problems (a file's first training rows); None: every training
+            row of a file, `TOY_TRAIN_PROBLEMS` generated problems of a toy task.
+        eval_n: held-out problems kept for evaluation (the first ones).
+        seed: the toy tasks' generation seed.
+
+    >>> s = load_split("addition", max_train=10, eval_n=5)
+    >>> len(s.train), len(s.heldout), s.description
+    (10, 5, "data: 10 generated 'addition' training problems (rollout.max_train_problems: 10); held out: 5 of its test split (eval.n)")
+    """
+    if max_train is not None and (isinstance(max_train, bool) or not isinstance(max_train, int) or max_train < 1):
+        raise ValueError(f"rollout.max_train_problems: must be a positive integer or null (all rows), got {max_train!r}")
+    limit = "all" if max_train is None else str(max_train)
+    held_file = isinstance(heldout, str)
+    if held_file:
+        held = load_file(heldout)
+        held_what = f"{len(held)} rows of {heldout} (rollout.heldout)"
+    if task in TASKS:
+        n = TOY_TRAIN_PROBLEMS if max_train is None else max_train
+        train = get_task(task).make("train", n, seed)
+        if not held_file:
+            held = get_task(task).make("test", eval_n, seed)
+            held_what = f"{len(held)} of its test split (eval.n)"
+        if max_train is None:
+            limit = f"null -> {TOY_TRAIN_PROBLEMS}, a toy task has no rows"
+        what = f"{len(train)} generated {task!r} training problems (rollout.max_train_problems: {limit})"
+        info = {"source": task, "rows": None, "train": len(train)}
+    else:
+        rows = load_file(task)
+        if held_file:
+            train_rows, where = rows, f"every row of {task}"
+        else:
+            n_test = _heldout_rows(len(rows), heldout, task)
+            train_rows, held = rows[: len(rows) - n_test], rows[len(rows) - n_test:]
+            where = f"rows 0-{len(rows) - n_test - 1} of {task}"
+            held_what = f"its last {n_test} rows (rollout.heldout: {heldout!r})"
+        train = train_rows if max_train is None else train_rows[:max_train]
+        what = (f"{len(train)} of {len(train_rows)} training rows ({where}; rollout.max_train_problems: {limit})")
+        info = {"source": task, "rows": len(rows), "train": len(train), "train_rows": len(train_rows)}
+    if not train:
+        raise ValueError(f"data: {task!r} leaves no training problems; lower rollout.heldout or add rows")
+    if not held:
+        raise ValueError(f"data: {task!r} leaves no held-out problems; set rollout.heldout to a fraction, a count "
+                         "or a second file")
+    evaluated = held[:eval_n]
+    if len(evaluated) < len(held):
+        held_what += f", the first {len(evaluated)} evaluated (eval.n)"
+    info.update(heldout=heldout, heldout_rows=len(held), evaluated=len(evaluated), max_train_problems=max_train)
+    return DataSplit(train=train, heldout=evaluated, description=f"data: {what}; held out: {held_what}", info=info)
+
+
+def _heldout_rows(n_rows: int, heldout: float | int, task: str) -> int:
+    """How many of a file's last rows a fraction or a count of held-out rows means."""
+    if isinstance(heldout, bool) or not isinstance(heldout, (int, float)):
+        raise ValueError(f"rollout.heldout: expected a fraction, a count or a file, got {heldout!r}")
+    if isinstance(heldout, float) and not heldout.is_integer() or 0 < heldout < 1:
+        if not 0 < heldout < 1:
+            raise ValueError(f"rollout.heldout: a fraction must be in (0, 1), got {heldout!r}")
+        # exact decimal arithmetic: 0.1 of 70 rows is 7, not int(7.000000000000001) or int(6.9999...)
+        n_test = max(1, int(Fraction(str(heldout)) * n_rows))
+    else:
+        n_test = int(heldout)
+        if n_test < 1:
+            raise ValueError(f"rollout.heldout: a count must be >= 1, got {heldout!r}")
+    if n_test >= n_rows:
+        raise ValueError(f"rollout.heldout: {heldout!r} holds out {n_test} of the {n_rows} rows of {task}, leaving "
+                         "none to train on; lower it or give a second file")
+    return n_test
 
 
 class ProblemStream:

@@ -39,7 +39,16 @@ from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, Sampling
 from forgelab.runtime.component import Component
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
-from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared  # noqa: F401
+from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared, serve_base  # noqa: F401
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+    for r in allowed:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({allowed[-1]})")
 
 
 class VLLMEngine:
@@ -80,6 +89,8 @@ class VLLMEngine:
             kwargs["block_size"] = block_size
         if self.device == "cuda":
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if config.lora.enabled:  # adapters on the unchanged base; a weight push brings a new adapter
+            kwargs.update(enable_lora=True, max_loras=config.max_loras, max_lora_rank=vllm_lora_rank(config.lora.rank))
         self.llm = vllm.LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
@@ -87,19 +98,27 @@ class VLLMEngine:
         gc_stats()  # start timing garbage-collection pauses
         self.expected_shapes = checkpoint_shapes(config.model_dir)
         self.version = 0
+        self.lora = config.lora if config.lora.enabled else None
+        self.lora_request: Any = None
+        """The adapter every request is served with (a `vllm.lora.request.LoRARequest`); None: the base, which
+        is also the policy before the first push (a fresh adapter's B is zero). Set by forgelab.weights.receiver."""
+        if self.lora is not None:
+            from forgelab.weights.adapter import adapter_shapes
+
+            self.adapter_shapes = adapter_shapes(self.expected_shapes, self.lora.targets, self.lora.rank)
         self._ids = itertools.count()
         self._pending: dict[str, asyncio.Future] = {}
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._admitting = asyncio.Event()  # cleared while weights are swapped
-        self._admitting.set()
-        self._update_lock = asyncio.Lock()
-        self._shared: Any = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
+        self.idle_event = asyncio.Event()
+        self.idle_event.set()
+        self.admitting = asyncio.Event()  # cleared while weights are swapped
+        self.admitting.set()
+        self.update_lock = asyncio.Lock()
+        self.shared_reader: Any = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
         self._loop_task: asyncio.Task | None = None
         self._last_add = 0.0
         self._idle_since: float | None = None  # when the engine loop last ran out of requests
-        self._stats = dict(
+        self.counters = dict(
             busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
             sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0,
@@ -152,9 +171,9 @@ class VLLMEngine:
                     f"generate: prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds "
                     f"max_model_len={self.config.max_model_len}; shorten it or raise GeneratorConfig.max_model_len"
                 )
-        await self._admitting.wait()
+        await self.admitting.wait()
         # No await between here and the last add_request: a weight update cannot slip in.
-        version = self.version
+        version, lora_request = self.version, self.lora_request
         params = sampling.to_vllm()
         loop = asyncio.get_running_loop()
         futures_P_G: list[list[asyncio.Future]] = []
@@ -169,7 +188,8 @@ class VLLMEngine:
                 row = []
                 for g in range(n):
                     rid = f"fg{next(self._ids)}"
-                    self.engine.add_request(rid, rendered, params if seeds is None else sampling.to_vllm(int(seeds[p][g])))  # vLLM copies prompt and params
+                    self.engine.add_request(rid, rendered, params if seeds is None else sampling.to_vllm(int(seeds[p][g])),
+                                            lora_request=lora_request)  # vLLM copies prompt and params
                     added.append(rid)
                     row.append(self._pending.setdefault(rid, loop.create_future()))
                 futures_P_G.append(row)
@@ -179,7 +199,7 @@ class VLLMEngine:
                 self._pending.pop(rid, None)
             raise
         self._last_add = time.perf_counter()
-        self._stats["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
+        self.counters["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
         self._ensure_loop()
         outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
         return [
@@ -204,16 +224,16 @@ class VLLMEngine:
 
     # -- engine loop ----------------------------------------------------------
     def _ensure_loop(self) -> None:
-        self._idle.clear()
+        self.idle_event.clear()
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        s = self._stats
+        s = self.counters
         while True:
             if not self.engine.has_unfinished_requests():
-                self._idle.set()
+                self.idle_event.set()
                 self._wake.clear()
                 self._idle_since = time.perf_counter()
                 s["idle_periods"] += 1
@@ -249,7 +269,7 @@ class VLLMEngine:
 
     def _end_idle(self) -> None:
         if self._idle_since is not None:
-            self._stats["idle_time_s"] += time.perf_counter() - self._idle_since
+            self.counters["idle_time_s"] += time.perf_counter() - self._idle_since
             self._idle_since = None
 
     async def _admit_arrivals(self) -> None:
@@ -279,7 +299,7 @@ class VLLMEngine:
 
     # -- introspection --------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        s = dict(self._stats)
+        s = dict(self.counters)
         s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
         s["cpu_time_s"] = time.process_time()  # this process, all threads
         s.update(gc_stats())
@@ -288,7 +308,7 @@ class VLLMEngine:
 
     def status(self) -> dict[str, Any]:
         return {"version": self.version, "in_flight_requests": len(self._pending),
-                "admitting": self._admitting.is_set(), "device": self.device, "stats": self.stats()}
+                "admitting": self.admitting.is_set(), "device": self.device, "stats": self.stats()}
 
 
 _replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -359,8 +379,10 @@ class Generator(Component):
 
     @endpoint
     async def reset_version(self, version: int = -1) -> int:
-        """Forget the served version (a warm pool's next run): the next weight push may carry any later one."""
+        """Forget the served version (a warm pool's next run): the next weight push may carry any later one.
+        With LoRA the base is served again (a new run's adapter starts at B = 0)."""
         self._engine().version = int(version)
+        serve_base(self._engine())
         return self._engine().version
 
     @endpoint

@@ -30,7 +30,7 @@ import logging
 import time
 from typing import Any
 
-from forgelab.engines.spawn import Parts, component_configs
+from forgelab.engines.spawn import Parts, component_configs, reference_process
 
 log = logging.getLogger("forgelab.engines.pool")
 
@@ -52,7 +52,7 @@ def engine_key(cfg: Any) -> dict[str, str]:
         "model": repr((cfg.model.path, cfg.model.dtype, cfg.model.max_model_len)),
         "generator": _fields(cc["generator"], drop=("sampling",)),
         "trainer": repr((t.model_dir, getattr(t, "dtype", None), t.device, t.weight_transport, t.shm_dir)),
-        "reference": _fields(cc["reference"]) if cfg.placement.reference else "none",
+        "reference": _fields(cc["reference"]) if reference_process(cfg) else "none",
         "envs": _fields(cc["envs"]) if cfg.rollout.env is not None else "none",
         "placement": _fields(cfg.placement),
     }

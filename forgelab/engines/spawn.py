@@ -10,6 +10,7 @@ The component configs each actor receives are built by `component_configs(cfg)`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -65,7 +66,15 @@ def component_configs(cfg: RunConfig) -> dict[str, Any]:
     cc = {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
     t = cc["trainer"]  # dr_grpo normalises by the completion budget unless loss_kwargs set max_tokens
     t.loss_kwargs = with_completion_budget(t.loss, t.loss_kwargs, completion_budget(cfg.rollout))
+    if t.lora.enabled and not cfg.placement.reference:  # no reference at all: the trainer computes none either
+        t.lora = dataclasses.replace(t.lora, reference="process")
     return cc
+
+
+def reference_process(cfg: RunConfig) -> bool:
+    """Whether `cfg` runs a reference process: ``placement.reference``, unless LoRA takes the reference from the
+    base for free (``lora.reference: base``: the trainer computes it with the adapters off)."""
+    return cfg.placement.reference and not (cfg.lora.enabled and cfg.lora.reference == "base")
 
 
 def _where(job: Any, mesh: str | None) -> dict[str, Any]:
@@ -91,7 +100,8 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
         Generator.options(num_replicas=p.generator_replicas, **common, **_where(job, h.generator)).as_service(cc["generator"]),
         Trainer.options(procs=p.trainer_procs, **common, **trainer_hosts, **_where(job, h.trainer)).as_actor(cc["trainer"]),
     ]
-    if p.reference:
+    with_reference = reference_process(cfg)
+    if with_reference:
         jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common,
                                            **_where(job, h.reference)).as_service(cc["reference"]))
     if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
@@ -111,7 +121,7 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
         raise failed[0]
     return Parts(
         generators=results[0], trainer=results[1],
-        reference=results[2] if p.reference else None,
+        reference=results[2] if with_reference else None,
         envs=results[-1] if cfg.rollout.env is not None else None,
         job=job, seconds=time.time() - t0,
     )

@@ -137,7 +137,7 @@ def check_batch(batch: Any) -> dict[str, Any]:
     return {**batch, "tokens_B_L": tokens}
 
 
-def _sha(tensors) -> str:
+def sha256_hex(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
         t = t.detach().cpu().contiguous()
@@ -154,26 +154,26 @@ def sum_of_squares(tensors: list[torch.Tensor], piece: int = 1 << 16) -> torch.T
     metric then differed by 4e-5 between 1 and 2 FSDP ranks); fp32 norms of ``piece``-element views, combined
     in float64, are ~2e-7 off at the same speed.
     """
-    parts = [p for t in tensors for p in _local(t).reshape(-1).split(piece)]
+    parts = [p for t in tensors for p in local_tensor(t).reshape(-1).split(piece)]
     if not parts:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(torch._foreach_norm(parts, 2.0)).double().pow(2).sum()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -181,7 +181,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, backend: str):
+def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, backend: str):
     """The process group's TCPStore and options, listening on `addr` only (docs/security.md).
 
     torch's TCPStore server binds every interface whatever host name it is

@@ -46,7 +46,7 @@ from typing import Any, Awaitable, Callable
 
 from forgelab.types import Completion, Episode
 
-__all__ = ["DROP_OUTCOMES", "ChatFormat", "EpisodeLimits", "env_metric_means", "run_episode"]
+__all__ = ["DROP_OUTCOMES", "ChatFormat", "EpisodeLimits", "env_metric_means", "final_answer", "run_episode"]
 
 DROP_OUTCOMES = frozenset({"env_timeout", "env_error", "generator_error"})
 """Episode outcomes that are not trained: the controller drops them with the outcome as reason."""
@@ -250,3 +250,15 @@ async def run_episode(
         info["turns"].append((start, len(completion_ids), role))
         text += f"\n[{role}] {obs}\n"
     return finish("max_turns")
+
+
+def final_answer(ep: Episode, tokenizer: Any) -> str:
+    """The text an episode answers with: the whole completion for one step, else the last assistant turn
+    ("" for an episode that failed: it counts as wrong)."""
+    if "turns" not in ep.info:
+        return ep.completion
+    turns = [t for t in ep.info.get("turns", []) if t[2] == "assistant"]
+    if not turns or ep.info.get("outcome") in DROP_OUTCOMES:
+        return ""
+    start, end, _ = turns[-1]
+    return tokenizer.decode(ep.completion_ids[start:end], skip_special_tokens=True)

@@ -119,12 +119,10 @@ def _describe(overrides: dict) -> dict:
     return json.loads(json.dumps(out, default=repr))
 
 
-async def _start_child(cfg: Any, ckpt: Path, spawn: Any, overrides: dict, origin: dict, last_batch: Any,
-                       start: bool):
-    from forgelab.run import Run
-
-    child = Run(cfg, resume_from=ckpt, spawn=spawn)
-    await child._spawn()  # spawn + restore now: the overrides land before the first step
+async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, overrides: dict, origin: dict,
+                       last_batch: Any, start: bool):
+    child = run_cls(cfg, resume_from=ckpt, spawn=spawn)
+    await child.spawn()  # spawn + restore now: the overrides land before the first step
     try:
         child.last_batch = last_batch  # a loss override is dry-run on the batch the parent trained last
         if "lr" in overrides:
@@ -137,7 +135,7 @@ async def _start_child(cfg: Any, ckpt: Path, spawn: Any, overrides: dict, origin
         if "loss" in overrides or "loss_kwargs" in overrides:
             await child.set_loss(overrides.get("loss", child.loss_name), **dict(overrides.get("loss_kwargs") or {}))
         (child.out_dir / "origin.json").write_text(json.dumps(origin, indent=1, default=repr))
-        child._event("forked_from", **origin)
+        child.emit("forked_from", **origin)
         if start:
             await child.start()
     except BaseException:
@@ -165,14 +163,15 @@ async def fork(run: Any, *, name: str | None = None, pause_parent: bool = False,
     origin = {"parent": run.config.name, "parent_dir": str(run.out_dir), "step": run.step, "version": run.version,
               "checkpoint": str(ckpt), "overrides": _describe(overrides)}
     spawn = pool or getattr(run.parts, "pool", None)
-    run._event("forked", child=name, child_dir=str(Path(cfg.tracking.out_dir) / name), checkpoint=str(ckpt),
+    run.emit("forked", child=name, child_dir=str(Path(cfg.tracking.out_dir) / name), checkpoint=str(ckpt),
                overrides=origin["overrides"], parent_paused=bool(pause_parent and was_running))
-    return await _start_child(cfg, ckpt, spawn, overrides, origin, run.last_batch, start)
+    return await _start_child(type(run), cfg, ckpt, spawn, overrides, origin, run.last_batch, start)
 
 
-async def fork_from(checkpoint: str | Path, config: Any = None, *, name: str | None = None, pool: Any = None,
-                    start: bool = True, **overrides: Any):
-    """`Run.fork_from`: a child of a saved checkpoint (config: the saved run's manifest unless given)."""
+async def fork_from(checkpoint: str | Path, config: Any = None, *, run_cls: type, name: str | None = None,
+                    pool: Any = None, start: bool = True, **overrides: Any):
+    """`Run.fork_from`: a child of a saved checkpoint (config: the saved run's manifest unless given), built as
+    `run_cls` (`Run.fork_from` passes its own class)."""
     from forgelab.controller.checkpoint import resolve
     from forgelab.config.run_config import RunConfig
 
@@ -197,4 +196,4 @@ async def fork_from(checkpoint: str | Path, config: Any = None, *, name: str | N
         log.attach(run_dir, append=True)
         log.emit("forked", step=state["step"], child=name, child_dir=str(Path(cfg.tracking.out_dir) / name),
                  checkpoint=str(ckpt), overrides=origin["overrides"])
-    return await _start_child(cfg, ckpt, pool, overrides, origin, None, start)
+    return await _start_child(run_cls, cfg, ckpt, pool, overrides, origin, None, start)

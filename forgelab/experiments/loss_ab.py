@@ -4,9 +4,9 @@
     report.table                      # one row per loss: loss, grad_norm, clip_frac, ... (pandas)
     report.cosine                     # pairwise cosine similarity of the parameter gradients (pandas)
 
-The trainer computes it (`Trainer.compare_losses` -> `compare_on_state`): for
+The trainer computes it (`Trainer.compare_losses` -> `forgelab.engines.loss_eval.compare_on_state`): for
 each loss, the same forward/loss/backward the train step runs
-(`TrainerState._forward_loss_backward`, so a multi-process trainer gives the
+(`TrainerState.forward_loss_backward`, so a multi-process trainer gives the
 global-batch gradient), a copy of the resulting gradient, then the gradients are
 zeroed and the RNG state put back. The optimizer never steps: weights, optimizer
 state and schedule are untouched (`trainer.fingerprint` before == after).
@@ -17,60 +17,12 @@ A loss is a name in `LOSSES`, a function, or ``(name_or_fn, kwargs)``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["compare_on_state", "compare_losses", "LossComparison"]
+from forgelab.engines.loss_eval import loss_spec
 
-
-def _spec(item: Any) -> tuple[Any, dict]:
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict):
-        return item[0], dict(item[1])
-    return item, {}
-
-
-def compare_on_state(state: Any, specs: list, batch: Any) -> dict[str, Any]:
-    """Run on a `forgelab.engines.trainer_core.TrainerState` (collective: every rank calls it with the same arguments).
-
-    Returns ``{"losses": [{"name", "ok", "reason", "loss", "grad_norm", "metrics"}], "cosine": [[...]]}``;
-    a loss that fails (raises, NaN) has ``ok False`` and NaN cosines.
-    """
-    import torch
-
-    from forgelab.engines.trainer_core import _Skip
-    from forgelab.engines.trainer_support import _local, _rng_state, _set_rng_state, check_batch, resolve_loss
-
-    batch = check_batch(batch)
-    rng = _rng_state()
-    rows, grads = [], []
-    for item in specs:
-        spec, kwargs = _spec(item)
-        name, fn = resolve_loss(spec)
-        try:
-            loss, metrics, grad_norm = state._forward_loss_backward(batch, fn, name, kwargs)
-            flat = [(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.data))).reshape(-1)
-                    for p in state.params]
-            grads.append(torch.cat(flat).double().cpu())
-            rows.append({"name": name, "ok": True, "reason": "", "loss": loss, "grad_norm": grad_norm,
-                         "metrics": metrics, "kwargs": kwargs})
-        except _Skip as skip:
-            grads.append(None)
-            rows.append({"name": name, "ok": False, "reason": str(skip), "loss": float("nan"),
-                         "grad_norm": float("nan"), "metrics": {}, "kwargs": kwargs})
-        finally:
-            state.optimizer.zero_grad(set_to_none=True)
-            _set_rng_state(rng)
-    n = len(rows)
-    # dot products of the local shards, summed over ranks: the global inner products
-    pairs = [(i, j) for i in range(n) for j in range(i, n) if grads[i] is not None and grads[j] is not None]
-    sums = state._sum([float(grads[i] @ grads[j]) for i, j in pairs]) if pairs else []
-    dot = {p: v for p, v in zip(pairs, sums)}
-    cos = [[float("nan")] * n for _ in range(n)]
-    for (i, j), v in dot.items():
-        den = math.sqrt(dot[(i, i)] * dot[(j, j)])
-        cos[i][j] = cos[j][i] = v / den if den > 0 else float("nan")
-    return {"losses": rows, "cosine": cos}
+__all__ = ["compare_losses", "LossComparison"]
 
 
 @dataclass
@@ -112,7 +64,7 @@ class LossComparison:
 
 
 def _label(item: Any, name: str, seen: dict) -> str:
-    spec, kwargs = _spec(item)
+    spec, kwargs = loss_spec(item)
     label = name + (f"({', '.join(f'{k}={v}' for k, v in kwargs.items())})" if kwargs else "")
     seen[label] = seen.get(label, 0) + 1
     return label if seen[label] == 1 else f"{label}#{seen[label]}"
@@ -133,5 +85,5 @@ async def compare_losses(run: Any, losses: list, batch: dict | None = None) -> L
     seen: dict = {}
     names = [_label(item, r["name"], seen) for item, r in zip(losses, out["losses"])]
     report = LossComparison(out["losses"], out["cosine"], before, after, run.step, names)
-    run._event("losses_compared", losses=names, values=[r["loss"] for r in out["losses"]], unchanged=report.unchanged)
+    run.emit("losses_compared", losses=names, values=[r["loss"] for r in out["losses"]], unchanged=report.unchanged)
     return report

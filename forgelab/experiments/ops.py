@@ -22,12 +22,19 @@ class Experiments:
 
         return await fork(self, **overrides)
 
-    @staticmethod
-    async def fork_from(checkpoint: str | Path, config: Any = None, **overrides: Any):
+    @classmethod
+    async def fork_from(cls, checkpoint: str | Path, config: Any = None, **overrides: Any):
         """A child run from a saved checkpoint (see forgelab.experiments.fork.fork_from)."""
         from forgelab.experiments.fork import fork_from
 
-        return await fork_from(checkpoint, config, **overrides)
+        return await fork_from(checkpoint, config, run_cls=cls, **overrides)
+
+    @classmethod
+    async def replay(cls, run_dir: str | Path, *, until: int | None = None, **kwargs: Any):
+        """Re-execute a recorded run with its live changes; a `ReplayReport` (see forgelab.experiments.replay)."""
+        from forgelab.experiments.replay import replay
+
+        return await replay(run_dir, until=until, run_cls=cls, **kwargs)
 
     def rescore(self, reward: Any, episodes: list[int] | None = None):
         """Old/new reward and advantage of recorded and recent rollouts under `reward`; no process touched."""

@@ -1,8 +1,9 @@
 """Exact replay: re-execute a recorded run from its manifest, applying each live change where it took effect.
 
-    report = await replay("runs/my-run")              # or: await Run.replay("runs/my-run")
+    report = await forgelab.replay("runs/my-run")     # or: await Run.replay("runs/my-run")
     report.ok, report.first_mismatch                  # (step, metric, original, replayed) or None
     forgelab replay runs/my-run --until 10            # the same from a shell
+    await forgelab.replay("runs/a-fork", trusted=True)   # code from the directory may run (--trust)
 
 What makes it exact is the deterministic synchronous mode (`train.max_policy_age`
 0): every sample is seeded from the run seed and its episode id (`episode_seed`),
@@ -19,22 +20,42 @@ Compared: the per-step learning metrics (loss, rewards, KL, entropy, gradient
 norm, clip fractions, accuracy, lr, ...) for exact equality, as written to
 metrics.csv; timings, throughput and the episode counters (which count work
 still in flight when the row was written) are not. A run with
-`max_policy_age` > 0 replays its changes too, but its metrics are not expected
-to match (rollouts race the trainer) and the report says so.
+`max_policy_age` > 0, or one on a multi-turn environment, replays its changes
+too, but its metrics are not expected to match and the manifest and the report
+say why (``nondeterministic_reason``; see `forgelab.controller.rollout.determinism`).
+
+A run that was resumed or forked (``manifest.resume_from``) is replayed from that
+checkpoint, i.e. a fork from its fork point with the parent's state, and only the
+changes recorded after the restore are re-applied (a fork's lr override among them).
+
+Before anything spawns, the replay checks what it is about to run against the
+manifest (`forgelab.controller.provenance.check_replay`): package versions and the
+code of every built-in loss and reward (SHA-256). A difference raises
+`ReplayRefused` unless ``allow_mismatch=True`` (``--allow-mismatch``), which the
+report's notes then list. Custom code recorded in the directory (pickles in the
+event log, a checkpoint's trainer state) is run only with ``trusted=True``
+(``--trust``), and a pickle that does not match its recorded hash is refused even
+then (`forgelab.controller.fncode`).
 """
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from forgelab.controller.events import EventLog
-from forgelab.controller.fncode import restore_fn
+from forgelab.controller.rollout import episode_seed  # noqa: F401 -- one owner: the rollout part
+from forgelab.controller.fncode import UntrustedCodeError, restore_fn
 
-__all__ = ["episode_seed", "Replayer", "ReplayReport", "replay", "compare_metrics", "learning_columns"]
+__all__ = ["episode_seed", "Replayer", "ReplayReport", "ReplayRefused", "replay", "compare_metrics",
+           "learning_columns"]
+
+
+class ReplayRefused(RuntimeError):
+    """The recorded run would run on other package versions or other built-in code here, and the caller did not
+    allow it (``allow_mismatch=True``)."""
 
 REWARD_CHANGES = ("reward_weights", "reward_added", "reward_removed")
 
@@ -42,19 +63,6 @@ REWARD_CHANGES = ("reward_weights", "reward_added", "reward_removed")
 NOT_LEARNING = ("time", "tokens_per_s", "step_time_s", "train_time_s", "weight_sync_ms", "loss_name")
 NOT_LEARNING_PREFIXES = ("episodes_", "gc", "generator/", "time/", "perf/")
 NOT_LEARNING_SUFFIXES = ("_ms", "_time_s", "_s")
-
-
-def episode_seed(run_seed: int, episode_id: int) -> int:
-    """The vLLM seed of one sample: a hash of (run seed, episode id), 31 bits.
-
-    Different for every episode (so samples within a group differ, unlike one
-    fixed seed for all), the same for the same episode in a replay or a fork.
-
-    >>> episode_seed(0, 5) == episode_seed(0, 5), episode_seed(0, 5) != episode_seed(0, 6) != episode_seed(1, 5)
-    (True, True)
-    """
-    digest = hashlib.sha256(f"{int(run_seed)}:{int(episode_id)}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def learning_columns(columns) -> list[str]:
@@ -105,9 +113,12 @@ class ReplayReport:
     original_dir: Path
     replay_dir: Path
     steps: int
-    synchronous: bool
+    deterministic: bool
     mismatches: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     changes_applied: list[dict] = field(default_factory=list)
+    nondeterministic_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+    """What was overridden or may differ: allowed mismatches (``allow_mismatch``), another forgelab commit."""
 
     @property
     def ok(self) -> bool:
@@ -122,14 +133,30 @@ class ReplayReport:
         if self.ok:
             return head + "learning metrics identical at every step"
         s, m, a, b = self.first_mismatch
-        note = "" if self.synchronous else " (the run was asynchronous, max_policy_age > 0: no exact match is expected)"
+        note = "" if self.deterministic else (f" (the run is not deterministic: {self.nondeterministic_reason}; "
+                                              "no exact match is expected)")
         return head + f"{len(self.mismatches)} differences; first at step {s}, metric {m!r}: original {a!r}, replay {b!r}{note}"
 
 
-class Replayer:
-    """Re-applies a recorded run's live changes where they took effect; a `Run` calls it at its hook points."""
+def events_since_restore(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events a replay re-applies: those after the last ``resumed_from_checkpoint`` (what came before it is
+    in the checkpoint's state), or all of them for a run that started from its config."""
+    last = max((i for i, e in enumerate(events) if e["kind"] == "resumed_from_checkpoint"), default=-1)
+    return list(events[last + 1:])
 
-    def __init__(self, events: list[dict[str, Any]]):
+
+class Replayer:
+    """Re-applies a recorded run's live changes where they took effect; a `Run` calls it at its hook points.
+
+    Every recorded function is rebuilt here, before anything runs: code that may not run (``trusted`` False)
+    or whose pickle does not match its recorded hash is refused at once (`forgelab.controller.fncode`).
+    """
+
+    def __init__(self, events: list[dict[str, Any]], *, trusted: bool = False):
+        events = events_since_restore(events)
+        forked = [e for e in events if e["kind"] == "forked_from"]
+        #: a fork's lr override (the trainer's set_lr after the restore: no event of its own)
+        self.lr = (forked[-1].get("overrides") or {}).get("lr") if forked else None
         self.loss_changes = [e for e in events if e["kind"] == "loss_swapped"]
         effective = [e for e in events if e["kind"] == "reward_effective"]
         self.reward_changes = []
@@ -139,14 +166,29 @@ class Replayer:
                 at = next((x["first_episode"] for x in effective if rev is not None and x["rev"] >= rev), None)
                 self.reward_changes.append({**e, "first_episode": at})
         self.applied: list[dict] = []
+        self.functions: dict[int, Any] = {}  # id(event) -> the function it records
+        for e in self.loss_changes:
+            self.functions[id(e)] = (e["loss"] if (e.get("code") or {}).get("builtin") else
+                                     restore_fn(e["code"], what=f"loss {e['loss']!r}", trusted=trusted))
+        for e in self.reward_changes:
+            if e["kind"] == "reward_added":
+                self.functions[id(e)] = restore_fn(e["code"], _reward_registry(), what=f"reward {e['name']!r}",
+                                                   trusted=trusted)
+
+    def code_records(self) -> list[tuple[str, dict | None]]:
+        """(label, code record) of every function this replay re-applies (`provenance.check_replay` input)."""
+        return ([(f"loss {e['loss']!r}", e.get("code")) for e in self.loss_changes]
+                + [(f"reward {e['name']!r}", e.get("code")) for e in self.reward_changes if e["kind"] == "reward_added"])
 
     async def before_step(self, run, step: int) -> None:
-        """Before the trainer runs `step`: set every loss recorded to apply at `step`."""
+        """Before the trainer runs `step`: a fork's lr override (first), then every loss recorded to apply at `step`."""
+        if self.lr is not None and not any(e.get("kind") == "lr_set" for e in self.applied):
+            await run.trainer.call("set_lr", float(self.lr))
+            self.applied.append({"kind": "lr_set", "lr": float(self.lr), "step": step})
         for e in self.loss_changes:
             if e["applies_at_step"] == step and e not in self.applied:
-                fn = e["loss"] if e["code"].get("builtin") else restore_fn(e["code"], what=f"loss {e['loss']!r}")
                 # not in flight here, so it applies at `step`, exactly as recorded
-                await run.set_loss(fn, **(e.get("kwargs") or {}))
+                await run.set_loss(self.functions[id(e)], **(e.get("kwargs") or {}))
                 self.applied.append(e)
 
     def before_scoring(self, run, first_episode: int) -> None:
@@ -157,8 +199,7 @@ class Replayer:
             if e["kind"] == "reward_weights":
                 run.set_reward_weights(e["new"])
             elif e["kind"] == "reward_added":
-                fn = restore_fn(e["code"], _reward_registry(), what=f"reward {e['name']!r}")
-                run.add_reward(e["name"], fn, e["weight"], replace=e.get("replace", False))
+                run.add_reward(e["name"], self.functions[id(e)], e["weight"], replace=e.get("replace", False))
             elif e["kind"] == "reward_removed":
                 run.remove_reward(e["name"])
             self.applied.append(e)
@@ -171,28 +212,33 @@ def _reward_registry():
 
 
 async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str | Path | None = None,
-                 name: str | None = None, spawn: Any = None) -> ReplayReport:
-    """Re-run `run_dir` from its manifest with its recorded changes; compare the learning metrics step by step.
+                 name: str | None = None, spawn: Any = None, run_cls: Any = None, trusted: bool = False,
+                 allow_mismatch: bool = False) -> ReplayReport:
+    """Re-run `run_dir` from its manifest (and ``resume_from`` checkpoint) with its recorded changes; compare the
+    learning metrics step by step.
 
     `spawn` is passed to `Run` (e.g. a `forgelab.engines.pool.ProcessPool`: the replay runs on its idle processes).
+    `run_cls` is the run class to build (`Run.replay` passes its own; this layer does not import `forgelab.run`).
+    ``trusted``: the directory's recorded code (pickles) may run. ``allow_mismatch``: run even where package
+    versions or built-in code differ from the manifest's (listed in ``report.notes``).
     """
+    if run_cls is None:
+        raise TypeError("replay: pass run_cls= (or call forgelab.replay / Run.replay, which pass forgelab.Run)")
     import pandas as pd
 
     from forgelab.config.run_config import RunConfig
     from forgelab.controller.provenance import read_manifest
-    from forgelab.run import Run
 
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
-    events = EventLog.read(run_dir)
+    ckpt, replayer, notes = _check_before_running(run_dir, manifest, trusted, allow_mismatch)
     cfg = RunConfig.from_dict(manifest["config"])
     cfg.name = name or f"{cfg.name}-replay"
     if out_dir is not None:
         cfg.tracking.out_dir = str(out_dir)
-    cfg.tracking.wandb = False
     original = pd.read_csv(run_dir / "metrics.csv")
-    run = Run(cfg, spawn=spawn)
-    replayer = run._replay = Replayer(events)
+    run = run_cls(cfg, spawn=spawn, resume_from=ckpt)  # its own wandb run, as the config says
+    run.replayer = replayer
     await run.start()
     if until is not None:
         # the loop reads the config each step; the trainer's schedule keeps the original length
@@ -204,9 +250,42 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
     replayed = pd.read_csv(run.out_dir / "metrics.csv")
     done = int(replayed["step"].max()) if len(replayed) else 0
     mismatches = compare_metrics(original, replayed, until=done)
-    return ReplayReport(run_dir, run.out_dir, done, cfg.train.max_policy_age == 0, mismatches, replayer.applied)
+    deterministic = manifest.get("deterministic", cfg.train.max_policy_age == 0)
+    return ReplayReport(run_dir, run.out_dir, done, deterministic, mismatches, replayer.applied,
+                        manifest.get("nondeterministic_reason"), notes)
+
+
+def _check_before_running(run_dir: Path, manifest: dict, trusted: bool, allow_mismatch: bool):
+    """``(checkpoint or None, Replayer, notes)``; raises before anything spawns when the replay may not run."""
+    from forgelab.controller.checkpoint import code_records, resolve
+    from forgelab.controller.provenance import check_replay, git_state
+
+    ckpt = None
+    if manifest.get("resume_from"):
+        try:
+            ckpt = resolve(manifest["resume_from"])
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"replay of {run_dir}: it started from checkpoint {manifest['resume_from']} "
+                                    f"(manifest.resume_from), which is gone: {e}") from None
+        if not trusted:
+            raise UntrustedCodeError(
+                f"replay of {run_dir}: it started from checkpoint {ckpt} (a fork's fork point or a resume), whose "
+                "trainer state is a pickle, i.e. code (docs/security.md). If you (or someone you trust) wrote it, "
+                "pass trusted=True (CLI: --trust)")
+    replayer = Replayer(EventLog.read(run_dir), trusted=trusted)  # refuses code that may not run, now
+    problems = check_replay(manifest, replayer.code_records() + (code_records(ckpt) if ckpt else []))
+    if problems and not allow_mismatch:
+        raise ReplayRefused(f"replay of {run_dir} would not run what was recorded:\n  " + "\n  ".join(problems)
+                            + "\nInstall the recorded versions, or pass allow_mismatch=True (CLI: --allow-mismatch) "
+                            "to replay anyway (its metrics may then differ).")
+    notes = [f"allowed mismatch: {p}" for p in problems]
+    recorded = ((manifest.get("forgelab") or {}).get("git") or {}).get("commit")
+    here = (git_state() or {}).get("commit")
+    if recorded and here and recorded != here:
+        notes.append(f"forgelab commit {here[:12]} here, {recorded[:12]} when recorded")
+    return ckpt, replayer, notes
 
 
 def replay_sync(run_dir: str | Path, **kwargs: Any) -> ReplayReport:
-    """`replay` for scripts and the CLI (runs its own event loop)."""
+    """`replay` for scripts and the CLI (runs its own event loop); pass run_cls= as for `replay`."""
     return asyncio.run(replay(run_dir, **kwargs))

@@ -15,6 +15,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+from forgelab.lab.summary import field, text_summary  # noqa: F401 -- field: re-exported for the panels
+
 log = logging.getLogger("forgelab.lab")
 
 
@@ -40,13 +42,6 @@ def user_namespace() -> dict | None:
 
 def esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
-
-
-def field(obj: Any, name: str, default: Any = None) -> Any:
-    """`obj.name` or `obj[name]`: service status entries may be dataclasses or dicts."""
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
@@ -224,8 +219,6 @@ class Panel(View):
         """Re-read the run and update the widget (no-op before the widget exists)."""
 
     def summary(self) -> str:
-        from forgelab.lab.summary import text_summary
-
         return text_summary(self.run)
 
     def _wants(self, msg: dict) -> bool:

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from forgelab.lab._base import Panel, esc
-from forgelab.lab.summary import _loss_name, pool_line, services_lines, services_rows, state_line
+from forgelab.lab.summary import loss_name_of, pool_line, services_lines, services_rows, state_line
 
 _STATE_COLOURS = {"running": "#1b7a1b", "paused": "#b36b00", "failed": "#b00020", "finished": "#1f4e99",
                   "stopped": "#555", "starting": "#777", "created": "#777"}
@@ -91,7 +91,7 @@ class Controls(Panel):
         self.state.value = (
             f"<span style='font-size:14px'><b style='color:{colour};text-transform:uppercase'>{esc(state)}</b>"
             f"{bar}step <b>{st.get('step')}</b>/{st.get('steps')} · version {st.get('version')} · "
-            f"loss <b>{esc(_loss_name(st.get('loss')))}</b></span>"
+            f"loss <b>{esc(loss_name_of(st.get('loss')))}</b></span>"
             + (f"<div style='color:#b36b00;margin-top:3px'>⚠ {esc(msg)}</div>" if msg else "")
         )
         live = state in ("running", "paused", "starting")

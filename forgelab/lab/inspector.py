@@ -163,7 +163,7 @@ class RolloutInspector(Panel):
         self._show_selected()
 
     def _table_html(self, df) -> str:
-        from forgelab.lab.tokens import _CSS
+        from forgelab.lab.tokens import TOKEN_CSS
 
         n = len(df)
         if n == 0:
@@ -189,7 +189,7 @@ class RolloutInspector(Panel):
             style = " style='background:#eef5ff'" if r.get("id") == sel else ""
             rows.append(f"<tr class='fl-ep'{style}>{''.join(cells)}</tr>")
         more = f"<div style='color:#777;font-size:11px'>showing {min(n, self.max_rows)} of {n} matching episodes</div>"
-        return f"{_CSS}<table class='fl-table fl-rollouts'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
+        return f"{TOKEN_CSS}<table class='fl-table fl-rollouts'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
 
     # ------------------------------------------------------------------ selection
     def episode(self, episode_id: int | None = None) -> dict | None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from forgelab.algos import LOSSES
 from forgelab.algos.loss_checks import LossError, check_loss_kwargs
 from forgelab.lab._base import Panel, esc
-from forgelab.lab.summary import _loss_name, state_line
+from forgelab.lab.summary import loss_name_of, state_line
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:
@@ -65,7 +65,7 @@ class LossPanel(Panel):
     def refresh(self) -> None:
         if self._widget is None:
             return
-        self.current.value = f"current loss: <b>{esc(_loss_name(self.run.snapshot().loss))}</b>"
+        self.current.value = f"current loss: <b>{esc(loss_name_of(self.run.snapshot().loss))}</b>"
 
     def register(self, fn: Callable, name: str | None = None) -> None:
         """Offer a loss function defined in a cell (signature of `forgelab.algos.LOSSES` entries) in the dropdown."""
@@ -94,7 +94,7 @@ class LossPanel(Panel):
         except LossError as e:
             self._refuse(str(e))
             return None
-        self.message.value = f"<span style='color:#777'>dry-running {esc(_loss_name(loss))} on the last batch…</span>"
+        self.message.value = f"<span style='color:#777'>dry-running {esc(loss_name_of(loss))} on the last batch…</span>"
         try:
             self.pending = self.schedule(self._apply(loss, kwargs))
         except Exception as e:
@@ -115,7 +115,7 @@ class LossPanel(Panel):
         else:
             res = res or {}
             self.outcome = {"ok": True, **res}
-            self._show(True, f"{esc(res.get('loss', _loss_name(loss)))} applies at step {res.get('applies_at_step', '?')}")
+            self._show(True, f"{esc(res.get('loss', loss_name_of(loss)))} applies at step {res.get('applies_at_step', '?')}")
         self.refresh()
         return self.outcome
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from forgelab.lab._base import field
 from forgelab.controller.view import events_of
+
+
+def field(obj: Any, name: str, default: Any = None) -> Any:
+    """`obj.name` or `obj[name]`: service status entries may be dataclasses or dicts."""
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
 
 #: Metric columns shown in the one-line "last metrics" summary, in order.
 SUMMARY_METRICS = ("reward_mean", "heldout_accuracy", "loss", "kl_ref", "entropy", "clip_frac", "policy_age_mean",
@@ -61,13 +67,13 @@ def state_line(run: Any) -> str:
     st = _safe(run.status, {}) or {}
     name = _safe(lambda: run.snapshot().name, "run")
     line = (f"Run {name}: {st.get('state', '?')}  step {st.get('step', '?')}/{st.get('steps', '?')}"
-            f"  version {st.get('version', '?')}  loss {_loss_name(st.get('loss', '?'))}")
+            f"  version {st.get('version', '?')}  loss {loss_name_of(st.get('loss', '?'))}")
     if st.get("message"):
         line += f"\n  message: {st['message']}"
     return line
 
 
-def _loss_name(loss: Any) -> str:
+def loss_name_of(loss: Any) -> str:
     return loss if isinstance(loss, str) else getattr(loss, "__name__", str(loss))
 
 

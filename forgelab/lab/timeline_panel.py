@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from forgelab.controller.timeline import _source, config_summary, format_timeline, timeline_entries
+from forgelab.controller.timeline import change_source, config_summary, format_timeline, timeline_entries
 
 #: colour per category (matches the metrics panel's markers in spirit: changes stand out, faults are red)
 COLOURS = {"loss": "#7b3294", "reward": "#1a9641", "control": "#666666", "checkpoint": "#2c7bb6",
@@ -30,7 +30,7 @@ class Timeline:
         return timeline_entries(self.source)
 
     def _repr_html_(self) -> str:
-        cfg, _ = _source(self.source)
+        cfg, _ = change_source(self.source)
         rows = []
         for e in self.entries:
             colour = COLOURS.get(e["category"], "#000")

@@ -135,7 +135,7 @@ def spans_html(rows: Sequence[dict], by: str = "logprob") -> str:
     legend = {"logprob": "red = unlikely, green = certain (exp(logprob))",
               "advantage": f"red < 0 < green, scale ±{scale:.3g}",
               "kl": f"k3 KL(generator‖reference), white 0 → orange {scale:.3g}"}[by]
-    return (f"{_CSS}<div class='fl-tokens'>{''.join(out) or '<i>(empty completion)</i>'}</div>"
+    return (f"{TOKEN_CSS}<div class='fl-tokens'>{''.join(out) or '<i>(empty completion)</i>'}</div>"
             f"<div class='fl-legend'>colour: {esc(by)} · {esc(legend)} · hover a token for its values</div>")
 
 
@@ -151,11 +151,11 @@ def table_html(rows: Sequence[dict], max_rows: int = 512) -> str:
         f"<td>{'' if r['trained'] else 'env'}</td></tr>"
         for r in list(rows)[:max_rows]
     )
-    return (f"{_CSS}<div class='fl-side'><table class='fl-table fl-token-table'><thead><tr><th>#</th><th>token</th>"
+    return (f"{TOKEN_CSS}<div class='fl-side'><table class='fl-table fl-token-table'><thead><tr><th>#</th><th>token</th>"
             f"<th>logprob</th><th>ref</th><th>kl_k3</th><th>adv</th><th></th></tr></thead><tbody>{body}</tbody></table></div>")
 
 
-_CSS = """<style>
+TOKEN_CSS = """<style>
 .fl-tokens{font-family:ui-monospace,Menlo,monospace;font-size:13px;line-height:1.9;white-space:normal;word-break:break-all}
 .fl-tok{padding:1px 0;margin:0 1px 0 0;border-radius:3px;cursor:help}
 .fl-turn{display:inline-block;margin:0 6px;padding:0 5px;border-left:3px solid #555;color:#555;font-size:11px;font-family:sans-serif}

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from forgelab.controller.evaluate import format_prompt, greedy_accuracy_hf
+from forgelab.data import format_prompt
+from forgelab.controller.evaluate import greedy_accuracy_hf
 from forgelab.data.tasks import TASKS, Problem
 from forgelab.data.tokenizer import build_tokenizer, save_tokenizer
 

@@ -221,6 +221,22 @@ class RewardComposer:
             self.add(name, fn, weight)
 
     @property
+    def terms(self) -> dict[str, tuple[RewardFn, float]]:
+        """The current ``{name: (fn, weight)}``: one read gives a consistent set, even while a cell changes it
+        (each change swaps in a new dict; do not mutate the one returned)."""
+        return self._terms
+
+    def snapshot(self) -> "RewardComposer":
+        """A composer frozen at the current rewards and weights: later changes to this one do not reach it."""
+        frozen = RewardComposer()
+        frozen._terms = self._terms
+        return frozen
+
+    def replace_all(self, other: "RewardComposer") -> None:
+        """Take `other`'s rewards and weights in one swap (same object: widgets and the scorer keep it)."""
+        self._terms = other.terms
+
+    @property
     def weights(self) -> dict[str, float]:
         """Current weights by reward name (a copy)."""
         return {name: weight for name, (_, weight) in self._terms.items()}

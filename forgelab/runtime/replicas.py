@@ -26,11 +26,11 @@ from typing import Any, Awaitable, Callable, NamedTuple, Self
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from forgelab.runtime import supervision
-from forgelab.runtime.component import ActorHandle, Placement, spawn
+from forgelab.runtime.mesh import ActorHandle, Placement, spawn
 
 log = logging.getLogger("forgelab.service")
 
-_service_ids = itertools.count()
+service_ids = itertools.count()
 
 
 class NoHealthyReplicaError(RuntimeError):
@@ -71,7 +71,7 @@ class ReplicaStatus:
         return self.pids[0] if self.pids else None
 
 
-class _Replica:
+class Replica:
     __slots__ = ("index", "handle", "state", "in_flight", "restarts", "pids", "last_error", "info", "endpoints", "single")
 
     def __init__(self, index: int, single: bool):
@@ -93,12 +93,12 @@ class _Replica:
         return text + ")"
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {' '.join(lines[:2])[:300]}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
@@ -126,9 +126,9 @@ class ReplicaPool:
         self.events: list[ServiceEvent] = []
         self._listeners: list[Callable[[ServiceEvent], None]] = []
         single = placement.procs * placement.hosts == 1
-        self._replicas = [_Replica(i, single) for i in range(placement.num_replicas)]
-        self._healthy: list[_Replica] = []
-        self._uid = next(_service_ids)
+        self._replicas = [Replica(i, single) for i in range(placement.num_replicas)]
+        self._healthy: list[Replica] = []
+        self._uid = next(service_ids)
         self._spawns = itertools.count()
         self._tasks: set[asyncio.Task] = set()  # respawns and the pid watch: cancelled on shutdown
         self._teardowns: set[asyncio.Task] = set()  # old meshes stopping: awaited on shutdown
@@ -156,7 +156,7 @@ class ReplicaPool:
                 i, err = errors[0]
                 raise RuntimeError(
                     f"service {svc.name!r}: replica {i} of {len(svc._replicas)} failed to start: "
-                    f"{_first_line(err)}"
+                    f"{first_line(err)}"
                 ) from err
         except BaseException:
             await svc.shutdown()
@@ -167,7 +167,7 @@ class ReplicaPool:
             svc._spawn_task(svc._watch())
         return svc
 
-    async def _spawn(self, rep: _Replica) -> ActorHandle:
+    async def _spawn(self, rep: Replica) -> ActorHandle:
         name = f"{self.name}_{self._uid}_r{rep.index}_{next(self._spawns)}"
         handle = await spawn(
             self.cls, self.placement, self.args, self.kwargs, name=name,
@@ -181,17 +181,17 @@ class ReplicaPool:
         handle.replica_index = rep.index
         return handle
 
-    def _install(self, rep: _Replica, handle: ActorHandle) -> None:
+    def _install(self, rep: Replica, handle: ActorHandle) -> None:
         rep.handle, rep.pids, rep.endpoints, rep.state = handle, list(handle.pids_list), {}, "healthy"
         self._refresh_healthy()
 
     # ---------------------------------------------------------------- calls
-    async def _call_all(self, rep: _Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
+    async def _call_all(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
         if rep.single:
             return await self._endpoint(rep, endpoint).call_one(*args, **kwargs)
         return await handle.call(endpoint, *args, **kwargs)
 
-    def _endpoint(self, rep: _Replica, endpoint: str) -> Any:
+    def _endpoint(self, rep: Replica, endpoint: str) -> Any:
         ep = rep.endpoints.get(endpoint)
         if ep is None:
             if not hasattr(self.cls, endpoint):
@@ -220,11 +220,11 @@ class ReplicaPool:
         while not self._closed:
             await asyncio.sleep(self.watch_interval_s)
             for rep in list(self._healthy):
-                dead = [pid for pid in rep.pids if not _pid_alive(pid)]
+                dead = [pid for pid in rep.pids if not pid_alive(pid)]
                 if dead:
                     self._fail(rep, rep.handle, f"process {dead} is gone")
 
-    def _fail(self, rep: _Replica, handle: ActorHandle | None, detail: str) -> None:
+    def _fail(self, rep: Replica, handle: ActorHandle | None, detail: str) -> None:
         """Mark `rep` unhealthy and respawn it, unless this failure is stale or known."""
         if self._closed or rep.handle is not handle or rep.state != "healthy":
             return
@@ -236,7 +236,7 @@ class ReplicaPool:
         self._record("replica_failed", rep.index, detail)
         self._spawn_task(self._respawn(rep, handle))
 
-    async def _respawn(self, rep: _Replica, old: ActorHandle | None) -> None:
+    async def _respawn(self, rep: Replica, old: ActorHandle | None) -> None:
         if old is not None:  # a dead mesh may take a while to stop: don't wait for it
             self._teardown(old)
         delay = 1.0
@@ -252,7 +252,7 @@ class ReplicaPool:
                     await handle.shutdown()
                 raise
             except Exception as err:
-                rep.last_error = f"respawn attempt {attempt}/{self.max_respawn_attempts} failed: {_first_line(err)}"
+                rep.last_error = f"respawn attempt {attempt}/{self.max_respawn_attempts} failed: {first_line(err)}"
                 log.warning("service %s: replica %d: %s", self.name, rep.index, rep.last_error)
                 if handle is not None:
                     self._teardown(handle)
@@ -310,7 +310,7 @@ class ReplicaPool:
             try:
                 result = await self._call_all(rep, rep.handle, endpoint, (), {})
             except SupervisionError as err:
-                self._fail(rep, rep.handle, f"process died during {endpoint}(): {_first_line(err)}")
+                self._fail(rep, rep.handle, f"process died during {endpoint}(): {first_line(err)}")
                 continue
             if isinstance(result, dict):
                 rep.info.update(result)

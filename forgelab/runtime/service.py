@@ -35,17 +35,17 @@ from typing import Any, Awaitable, Callable
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from forgelab.runtime.component import ActorHandle, Placement
+from forgelab.runtime.mesh import ActorHandle, Placement
 from forgelab.runtime.replicas import (  # noqa: F401  (re-exported: this module's names before the split)
     NoHealthyReplicaError,
     ReplicaFailedError,
     ReplicaPool,
     ReplicaStatus,
     ServiceEvent,
-    _first_line,
-    _pid_alive,
-    _Replica,
-    _service_ids,
+    first_line,
+    pid_alive,
+    Replica,
+    service_ids,
     log,
 )
 
@@ -62,7 +62,7 @@ class Session:
     def __init__(self, service: "Service", key: Any):
         self.service = service
         self.key = key
-        self._rep: _Replica | None = None
+        self._rep: Replica | None = None
         self._handle: ActorHandle | None = None
 
     @property
@@ -73,12 +73,12 @@ class Session:
     async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
         rep = self._rep
         if rep is None or rep.state != "healthy" or rep.handle is not self._handle:
-            rep = self.service._pick(endpoint)
+            rep = self.service.pick(endpoint)
             self._rep, self._handle = rep, rep.handle
-        return await self.service._route_on(rep, endpoint, args, kwargs)
+        return await self.service.route_on(rep, endpoint, args, kwargs)
 
     def close(self) -> None:
-        self.service._sessions.pop(self.key, None)
+        self.service.forget_session(self.key)
 
     async def __aenter__(self) -> "Session":
         return self
@@ -113,7 +113,11 @@ class Service(ReplicaPool):
     # ---------------------------------------------------------------- routing
     async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
         """Call `endpoint` on the least-loaded healthy replica."""
-        return await self._route_on(self._pick(endpoint), endpoint, args, kwargs)
+        return await self.route_on(self.pick(endpoint), endpoint, args, kwargs)
+
+    def forget_session(self, key: Any) -> None:
+        """Drop the sticky session for `key` (`Session.close`); a later `session(key)` starts a new one."""
+        self._sessions.pop(key, None)
 
     def session(self, key: Any) -> Session:
         """The sticky session for `key` (same object for the same key until closed)."""
@@ -147,7 +151,7 @@ class Service(ReplicaPool):
         out, error = [], None
         for rep, handle, result in zip(reps, handles, results):
             if isinstance(result, SupervisionError):
-                self._fail(rep, handle, f"process died during fanout {endpoint}(): {_first_line(result)}")
+                self._fail(rep, handle, f"process died during fanout {endpoint}(): {first_line(result)}")
             elif isinstance(result, BaseException):
                 error = error or result
             else:
@@ -158,7 +162,8 @@ class Service(ReplicaPool):
             raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
         return out
 
-    def _pick(self, endpoint: str, exclude: _Replica | None = None) -> _Replica:
+    def pick(self, endpoint: str, exclude: Replica | None = None) -> Replica:
+        """A healthy replica for `endpoint` (the route policy), other than `exclude` where there is one."""
         healthy = self._healthy
         n = len(healthy)
         if n == 1 and healthy[0] is not exclude:
@@ -174,7 +179,8 @@ class Service(ReplicaPool):
             raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
         return best
 
-    async def _route_on(self, rep: _Replica, endpoint: str, args: tuple, kwargs: dict) -> Any:
+    async def route_on(self, rep: Replica, endpoint: str, args: tuple, kwargs: dict) -> Any:
+        """Call `endpoint` on replica `rep`; a failed replica's call is retried once on another."""
         handle = rep.handle
         rep.in_flight += 1
         try:
@@ -187,8 +193,8 @@ class Service(ReplicaPool):
             rep.in_flight -= 1
         return await self._recover(rep, handle, endpoint, args, kwargs, failure)
 
-    async def _recover(self, rep: _Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict, err: SupervisionError) -> Any:
-        self._fail(rep, handle, f"process died during {endpoint}(): {_first_line(err)}")
+    async def _recover(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict, err: SupervisionError) -> Any:
+        self._fail(rep, handle, f"process died during {endpoint}(): {first_line(err)}")
         where = (
             f"service {self.name!r}: replica {rep.index} (pids {list(handle.pids_list)}) died while "
             f"running {endpoint!r}"
@@ -200,7 +206,7 @@ class Service(ReplicaPool):
                 "retry the call yourself if that is safe, or add the endpoint to IDEMPOTENT."
             ) from err
         try:
-            other = self._pick(endpoint, exclude=rep)
+            other = self.pick(endpoint, exclude=rep)
         except NoHealthyReplicaError as none:
             raise NoHealthyReplicaError(f"{where}, and it could not be retried: {none}") from err
         other_handle = other.handle
@@ -210,7 +216,7 @@ class Service(ReplicaPool):
                 return await self._endpoint(other, endpoint).call_one(*args, **kwargs)
             return await other_handle.call_one(endpoint, *args, **kwargs)
         except SupervisionError as err2:
-            self._fail(other, other_handle, f"process died during {endpoint}() (retry): {_first_line(err2)}")
+            self._fail(other, other_handle, f"process died during {endpoint}() (retry): {first_line(err2)}")
             raise ReplicaFailedError(
                 f"{where}; the one retry, on replica {other.index}, died too. Both are being respawned; "
                 "see svc.status() and the Monarch log for why processes die."

@@ -21,7 +21,7 @@ from typing import Any
 
 from forgelab.weights.shm import SharedWeights, SharedWeightsReader, SharedWeightsUnavailable
 
-__all__ = ["checkpoint_shapes", "check_weights", "WeightUpdateExtension", "receive", "receive_shared"]
+__all__ = ["checkpoint_shapes", "check_weights", "WeightUpdateExtension", "receive", "receive_shared", "serve_base"]
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
@@ -109,19 +109,21 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
     handle, whose file (same host) is mapped and read in place; that raises
     `SharedWeightsUnavailable` when the file cannot be reached from here.
     """
-    async with engine._update_lock:
+    async with engine.update_lock:
         if not isinstance(version, int) or version <= engine.version:
             raise ValueError(
                 f"update_weights: version must be an int greater than the serving version "
                 f"{engine.version}, got {version!r}; the generator keeps serving version {engine.version}"
             )
         if isinstance(weights, SharedWeights):
-            engine._shared = engine._shared or SharedWeightsReader()
+            engine.shared_reader = engine.shared_reader or SharedWeightsReader()
             try:
-                weights = engine._shared.open(weights)  # views of the trainer's file, no copy
+                weights = engine.shared_reader.open(weights)  # views of the trainer's file, no copy
             except ValueError as e:
                 raise ValueError(f"update_weights(version={version}) refused: {e}. Nothing was loaded: "
                                  f"the generator keeps serving version {engine.version} with its old weights.") from None
+        if getattr(engine, "lora", None) is not None:
+            return await _receive_adapter(engine, version, weights)
         problems = check_weights(weights, engine.expected_shapes)
         if problems:
             raise ValueError(
@@ -129,18 +131,71 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
                 + f". Nothing was loaded: the generator keeps serving version {engine.version} "
                 "with its old weights."
             )
-        engine._admitting.clear()
+        engine.admitting.clear()
         try:
-            await engine._idle.wait()  # in-flight requests finish on the old weights
+            await engine.idle_event.wait()  # in-flight requests finish on the old weights
             t0 = time.perf_counter()
             engine.llm.collective_rpc("forgelab_reload_weights", args=(list(weights.items()),))
             engine.llm.reset_prefix_cache()  # cached KV was computed by the old weights
             engine.version = version
-            engine._stats["weight_updates"] += 1
-            engine._stats["last_update_ms"] = (time.perf_counter() - t0) * 1e3
+            engine.counters["weight_updates"] += 1
+            engine.counters["last_update_ms"] = (time.perf_counter() - t0) * 1e3
         finally:
-            engine._admitting.set()
+            engine.admitting.set()
         return engine.version
+
+
+async def _receive_adapter(engine: Any, version: int, tensors: Any) -> int:
+    """LoRA: `tensors` is an adapter (PEFT names). Written to its own directory and loaded under its own name
+    (``forgelab-{serial}-v{version}``, serial counting every adapter this engine ever loaded, so a warm pool's
+    next run never reuses a name): vLLM keys its prefix cache on the adapter's name and path, so blocks cached
+    under an older adapter are never reused (the base's cache, which other adapters share, is kept).
+    Admission pauses and in-flight requests finish on the old adapter, as for full weights."""
+    import shutil
+    import tempfile
+
+    from vllm.lora.request import LoRARequest
+
+    from forgelab.weights.adapter import check_adapter, peft_config, write_adapter
+
+    problems = check_adapter(tensors, engine.adapter_shapes)
+    if problems:
+        raise ValueError(f"update_weights(version={version}) refused: this generator serves LoRA adapters "
+                         f"(rank {engine.lora.rank} on {list(engine.lora.targets)}): " + "; ".join(problems[:6])
+                         + f". Nothing was loaded: the generator keeps serving version {engine.version}.")
+    if getattr(engine, "adapter_root", None) is None:
+        engine.adapter_root = tempfile.mkdtemp(prefix="forgelab-lora-")
+    lo = engine.lora
+    engine.adapter_serial = serial = getattr(engine, "adapter_serial", 0) + 1
+    path = write_adapter(os.path.join(engine.adapter_root, f"{serial}-v{version}"), dict(tensors),
+                         peft_config(rank=lo.rank, alpha=lo.alpha, targets=lo.targets, dropout=lo.dropout,
+                                     base_model=engine.config.model_dir))
+    engine.admitting.clear()
+    try:
+        await engine.idle_event.wait()  # in-flight requests finish on the old adapter
+        t0 = time.perf_counter()
+        new = LoRARequest(f"forgelab-{serial}-v{version}", serial, path)
+        engine.engine.add_lora(new)  # loaded now, not by the first request
+        old, engine.lora_request = engine.lora_request, new
+        if old is not None:
+            engine.engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        engine.version = version
+        engine.counters["weight_updates"] += 1
+        engine.counters["last_update_ms"] = (time.perf_counter() - t0) * 1e3
+    finally:
+        engine.admitting.set()
+    return engine.version
+
+
+def serve_base(engine: Any) -> None:
+    """LoRA: unload the served adapter (and delete its directory); requests are served by the base again."""
+    import shutil
+
+    old, engine.lora_request = getattr(engine, "lora_request", None), None
+    if old is not None:
+        engine.engine.remove_lora(old.lora_int_id)
+        shutil.rmtree(old.lora_path, ignore_errors=True)
 
 
 async def receive_shared(engine: Any, handle: Any) -> int | str:
