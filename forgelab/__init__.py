@@ -32,6 +32,9 @@ _LAZY = {
     "ProcessPool": "forgelab.engines",
     "rescore": "forgelab.controller",
     "replay": "forgelab.run",
+    "Episode": "forgelab.types",
+    "Completion": "forgelab.types",
+    "plan_memory": "forgelab.plan",
 }
 
 __all__ = sorted(_LAZY)

@@ -9,9 +9,9 @@ component's config, `value_types` the type checks an unknown or wrong value meet
 """
 from forgelab.config.components import (EnvActorConfig, GeneratorConfig, ReferenceConfig, SamplingConfig,
                                         TrainerConfig)
-from forgelab.config.run_config import (ConfigError, EvalConfig, HostsConfig, ModelConfig, PlacementConfig,
+from forgelab.config.run_config import (SHIPPED_MODEL, ConfigError, EvalConfig, HostsConfig, ModelConfig, PlacementConfig,
                                         RolloutConfig, RunConfig, TrackingConfig, TrainConfig)
 
-__all__ = ["ConfigError", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "ModelConfig",
+__all__ = ["SHIPPED_MODEL", "ConfigError", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "ModelConfig",
            "PlacementConfig", "ReferenceConfig", "RolloutConfig", "RunConfig", "SamplingConfig", "TrackingConfig",
            "TrainConfig", "TrainerConfig"]

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from forgelab.envs.episode import EpisodeLimits
+from forgelab.envs.episode import EnvActorConfig, EpisodeLimits  # noqa: F401 -- EnvActorConfig re-exported
 
 __all__ = ["LOGPROBS_MODES", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSPORTS", "TrainerConfig",
            "ReferenceConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
@@ -380,26 +380,3 @@ class ReferenceConfig:
 
 # --- environment actors ---------------------------------------------------------
 
-@dataclass(kw_only=True)
-class EnvActorConfig:
-    """How to build an `EnvActor`."""
-
-    model_dir: str
-    """Checkpoint directory whose tokenizer and chat template format the conversations."""
-    max_concurrent: int = 1024
-    """Most episodes running at once in this actor (the rest wait for a slot)."""
-    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
-    """Default max_turns / max_total_tokens / step_timeout_s (a call may override them)."""
-    coalesce_ms: float | None = 1.0
-    """Turns requested within this many ms go to the generator in one call (None: one call per turn)."""
-    max_batch: int = 256
-    """Most prompts in one coalesced `generate` call."""
-
-    def validate(self) -> None:
-        if not os.path.isdir(self.model_dir):
-            raise ValueError(f"EnvActorConfig.model_dir={self.model_dir!r} is not a directory (need its tokenizer)")
-        if isinstance(self.max_concurrent, bool) or not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
-            raise ValueError(f"EnvActorConfig.max_concurrent must be a positive integer, got {self.max_concurrent!r}")
-        if self.coalesce_ms is not None and not self.coalesce_ms >= 0:
-            raise ValueError(f"EnvActorConfig.coalesce_ms must be >= 0 or None, got {self.coalesce_ms!r}")
-        self.limits.validate("EnvActorConfig.limits")

@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from monarch.actor import Port, endpoint
 
-from forgelab.config.components import EnvActorConfig  # noqa: F401 -- re-exported
+from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported
 from forgelab.envs.base import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
 from forgelab.runtime.component import Component

@@ -41,12 +41,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import traceback
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from forgelab.types import Completion, Episode
 
-__all__ = ["DROP_OUTCOMES", "ChatFormat", "EpisodeLimits", "env_metric_means", "final_answer", "run_episode"]
+__all__ = ["DROP_OUTCOMES", "ChatFormat", "EnvActorConfig", "EpisodeLimits", "env_metric_means", "final_answer", "run_episode"]
 
 DROP_OUTCOMES = frozenset({"env_timeout", "env_error", "generator_error"})
 """Episode outcomes that are not trained: the controller drops them with the outcome as reason."""
@@ -262,3 +263,28 @@ def final_answer(ep: Episode, tokenizer: Any) -> str:
         return ""
     start, end, _ = turns[-1]
     return tokenizer.decode(ep.completion_ids[start:end], skip_special_tokens=True)
+
+
+@dataclass(kw_only=True)
+class EnvActorConfig:
+    """How to build an `EnvActor`."""
+
+    model_dir: str
+    """Checkpoint directory whose tokenizer and chat template format the conversations."""
+    max_concurrent: int = 1024
+    """Most episodes running at once in this actor (the rest wait for a slot)."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Default max_turns / max_total_tokens / step_timeout_s (a call may override them)."""
+    coalesce_ms: float | None = 1.0
+    """Turns requested within this many ms go to the generator in one call (None: one call per turn)."""
+    max_batch: int = 256
+    """Most prompts in one coalesced `generate` call."""
+
+    def validate(self) -> None:
+        if not os.path.isdir(self.model_dir):
+            raise ValueError(f"EnvActorConfig.model_dir={self.model_dir!r} is not a directory (need its tokenizer)")
+        if isinstance(self.max_concurrent, bool) or not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
+            raise ValueError(f"EnvActorConfig.max_concurrent must be a positive integer, got {self.max_concurrent!r}")
+        if self.coalesce_ms is not None and not self.coalesce_ms >= 0:
+            raise ValueError(f"EnvActorConfig.coalesce_ms must be >= 0 or None, got {self.coalesce_ms!r}")
+        self.limits.validate("EnvActorConfig.limits")

@@ -1,1 +1,15 @@
-"""Runnable recipes: ``python -m forgelab.recipes.<name> --help``."""
+"""Runnable recipes: ``python -m forgelab.recipes.<name> --help``.
+
+    tiny_model       the shipped tiny model (HF format) and its model card
+    tool_warmstart   its calculator-tool warm start
+    real_shapes      random-weight checkpoints of real architectures (Qwen3-0.6B/1.7B, Llama-3.2-1B shapes)
+"""
+from forgelab.lazy import lazy_exports
+
+_LAZY = {
+    "SHAPES": "forgelab.recipes.real_shapes",
+    "real_shape_checkpoint": "forgelab.recipes.real_shapes",
+    "real_shape_config": "forgelab.recipes.real_shapes",
+}
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
