@@ -246,7 +246,9 @@ def test_replay_reproduces_learning_metrics_exactly(recorded, loop, tmp_path_fac
 
     pool = recorded["pool"]
     reused = pool.reused
-    report = loop.run_until_complete(Run.replay(recorded["dir"], out_dir=tmp_path_factory.mktemp("replay"), spawn=pool))
+    # the run's custom reward and loss are pickled in its event log: this test wrote them, so it trusts them
+    report = loop.run_until_complete(Run.replay(recorded["dir"], out_dir=tmp_path_factory.mktemp("replay"), spawn=pool,
+                                                trusted=True))
     print(report)
     assert pool.reused == reused + 1, pool.last_note  # the recorded run's processes, re-initialised
     assert report.steps == 20 and len(report.changes_applied) == 2
