@@ -653,3 +653,141 @@ def test_data_limits_are_config_fields(tmp_path):
     with pytest.raises(ConfigError, match="rollout.max_train_problems"):
         RunConfig.from_dict({"rollout": {"max_train_problems": 0}})
     assert RunConfig.from_dict({"rollout": {"heldout": 200, "max_train_problems": 500}}).rollout.heldout == 200
+
+
+# --- the parts' interfaces (issue #25): each part owns its state behind typed methods -----------------------
+
+
+def test_reward_composer_snapshot_is_frozen_and_replace_all_keeps_the_object():
+    from forgelab.rewards import RewardComposer, answer_format, exact_answer
+
+    live = RewardComposer({"exact_answer": (exact_answer, 1.0)})
+    frozen = live.snapshot()
+    live.add("answer_format", answer_format, 0.5)
+    live.set_weights({"exact_answer": 2.0})
+    assert frozen.weights == {"exact_answer": 1.0}  # a rollout scored with the snapshot sees no later change
+    assert live.weights == {"exact_answer": 2.0, "answer_format": 0.5}
+    other = RewardComposer({"answer_format": (answer_format, 3.0)})
+    same = live
+    live.replace_all(other)
+    assert live is same and live.weights == {"answer_format": 3.0}
+    other.set_weights({"answer_format": 1.0})  # the two stay independent after the swap
+    assert live.weights == {"answer_format": 3.0}
+    assert set(live.terms) == {"answer_format"}
+
+
+def test_reward_revisions_count_changes_and_mark_where_they_took_effect():
+    from forgelab.controller.controls import RewardRevisions
+
+    revs = RewardRevisions()
+    assert not revs.unscored()
+    assert revs.bump() == 1 and revs.bump() == 2 and revs.unscored()
+    assert revs.mark_scored() == 2 and not revs.unscored()
+
+
+def test_reward_changes_are_events_with_revisions_and_the_first_scored_rollout_marks_them(tmp_path):
+    from forgelab.rewards import answer_format
+
+    run = Run(config(tmp_path, steps=4), spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        await run.until(step=1, timeout=30)
+        run.set_reward_weights({"answer_format": 0.25})
+        run.remove_reward("answer_format")
+        run.add_reward("answer_format", answer_format, 0.5)
+        await run.until(predicate=lambda r: any(e["kind"] == "reward_effective" for e in r.events), timeout=30)
+        await run.wait()
+        await run.shutdown()
+
+    asyncio.run(go())
+    kinds = [(e["kind"], e.get("rev")) for e in run.events if e["kind"].startswith("reward_")]
+    assert kinds[:3] == [("reward_weights", 1), ("reward_removed", 2), ("reward_added", 3)]
+    effective = [e for e in run.events if e["kind"] == "reward_effective"]
+    assert effective and effective[0]["rev"] == 3 and effective[0]["rewards"] == {"exact_answer": 1.0,
+                                                                                   "answer_format": 0.5}
+
+
+def test_emit_records_the_event_and_tells_listeners_and_a_failing_listener_is_logged(tmp_path, caplog):
+    run = Run(config(tmp_path), spawn=fake_spawn)
+    seen = []
+
+    def bad(msg):
+        raise RuntimeError("listener bug")
+
+    run.add_listener(bad)
+    run.add_listener(seen.append)
+    run.emit("note", detail="x")
+    assert seen and seen[-1]["event"]["kind"] == "note" and seen[-1]["event"]["detail"] == "x"
+    assert run.events[-1]["kind"] == "note" and run.events[-1]["step"] == 0
+    assert "run listener failed" in caplog.text
+    run.remove_listener(seen.append)
+    run.notify({"step": 1})
+    assert seen[-1]["event"]["kind"] == "note"  # removed: no longer told
+
+
+def test_main_task_is_none_before_start_and_done_after_the_run(tmp_path):
+    run = Run(config(tmp_path, steps=2), spawn=fake_spawn)
+    assert run.main_task is None
+    run_to_end(run)
+    assert run.main_task is not None and run.main_task.done() and run.state == "finished"
+
+
+def test_spawn_prepares_the_parts_without_training(tmp_path):
+    run = Run(config(tmp_path, steps=2), spawn=fake_spawn)
+
+    async def go():
+        await run.spawn()
+        assert run.parts is not None and run.rollout is not None and run.step == 0 and run.main_task is None
+        assert (run.out_dir / "manifest.json").is_file()
+        await run.start()  # start on spawned parts trains them
+        await run.wait()
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.step == 2
+
+
+def test_config_from_yaml_applies_overrides_and_names_a_bad_one(tmp_path):
+    from forgelab.config import ConfigError
+
+    p = tmp_path / "c.yaml"
+    p.write_text("name: y\ntrain:\n  steps: 5\n")
+    cfg = RunConfig.from_yaml(p, overrides=["train.steps=7", "rollout.group_size=2"])
+    assert cfg.train.steps == 7 and cfg.rollout.group_size == 2 and cfg.name == "y"
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        RunConfig.from_yaml(p, overrides=["train.steps"])
+    with pytest.raises(ConfigError, match="'name' is not a section"):
+        RunConfig.from_yaml(p, overrides=["name.x=1"])
+
+
+def test_one_episode_seed_owned_by_the_rollout_part():
+    import hashlib
+
+    from forgelab.controller import rollout
+    from forgelab.experiments import replay
+
+    assert replay.episode_seed is rollout.episode_seed
+    # independent computation: the documented hash of "seed:episode" (31 bits)
+    want = int.from_bytes(hashlib.sha256(b"3:17").digest()[:4], "little") & 0x7FFFFFFF
+    assert rollout.episode_seed(3, 17) == want
+
+
+def test_public_packages_resolve_their_lazy_names():
+    import forgelab
+    import forgelab.engines
+    import forgelab.experiments
+
+    assert forgelab.Run.__name__ == "Run" and forgelab.replay.__module__ == "forgelab.run"
+    assert "Trainer" in dir(forgelab.engines) and forgelab.experiments.fork_from.__name__ == "fork_from"
+    # a public name never shares its name with a submodule (importing the submodule would shadow it)
+    import importlib
+    import pkgutil
+
+    for pkg in ("forgelab", "forgelab.engines", "forgelab.controller", "forgelab.experiments", "forgelab.recipes",
+                "forgelab.config", "forgelab.data", "forgelab.rewards"):
+        mod = importlib.import_module(pkg)
+        subs = {m.name for m in pkgutil.iter_modules(mod.__path__)}
+        assert not subs & set(mod.__all__), f"{pkg}: {sorted(subs & set(mod.__all__))} are both names and modules"
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        forgelab.engines.nope  # noqa: B018

@@ -3,16 +3,16 @@
     child = await run.fork(loss="dapo")                  fork.py     (a child from the next step boundary)
     report = await run.compare_losses(["grpo", "dapo"])  loss_ab.py  (losses on one frozen batch)
     report = await forgelab.replay(run_dir)              replay.py   (rerun a recorded run, compare metrics)
+
+`fork` and `replay` are reached through `Run` (`run.fork`, `Run.replay`, `forgelab.replay`): the modules of
+the same name are this package's attributes.
 """
 from forgelab.lazy import lazy_exports
 
 _LAZY = {
-    "fork": "forgelab.experiments.fork",
     "fork_from": "forgelab.experiments.fork",
     "compare_losses": "forgelab.experiments.loss_ab",
     "LossComparison": "forgelab.experiments.loss_ab",
-    "replay": "forgelab.experiments.replay",
-    "replay_sync": "forgelab.experiments.replay",
     "ReplayReport": "forgelab.experiments.replay",
     "compare_metrics": "forgelab.experiments.replay",
 }
