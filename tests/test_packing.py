@@ -13,7 +13,8 @@ import torch
 
 from forgelab.algos.batching import collate
 from forgelab.algos.packing import plan_shared_prefix, span_mask, spans_from_mask
-from forgelab.engines.titan import build_from_hf, model_logprobs_entropy, use_packing
+from forgelab.engines.titan import build_from_hf
+from forgelab.engines.titan_forward import model_logprobs_entropy, use_packing
 from forgelab.types import Episode
 from test_titan import llama_dir, qwen3_dir  # noqa: F401 -- module fixtures
 

@@ -11,10 +11,10 @@ from forgelab.engines.titan import (
     build_from_hf,
     export_hf,
     load_hf_state_dict,
-    model_logprobs,
     read_hf_config,
     titan_config_from_hf,
 )
+from forgelab.engines.titan_forward import model_logprobs
 from trainer_actors import tiny_model_dir
 
 TOL = 1e-5

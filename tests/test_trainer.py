@@ -116,7 +116,7 @@ def test_two_ranks_packing_shared_prompts_equal_one_plain_rank(loop, meshes, voc
     its group (share_prompts "auto"), the 1-process trainer runs the plain rows one by one; at step 0 (identical
     weights) the loss and every metric agree. Run as a dry run, so the trainers stay at step 0 for the tests below."""
     from forgelab.algos.packing import plan_shared_prefix, spans_from_mask
-    from forgelab.engines.titan import use_packing
+    from forgelab.engines.titan_forward import use_packing
 
     t1, t2, _ = meshes
     batch = random_batches(vocab, 1, B=4, seed=5, shared_prompts=True)[0]

@@ -300,7 +300,7 @@ class ReferenceModel(Component):
         With ``spans_B_2`` (each row's ``(prompt length, length)``) only the completion positions are
         computed (0 elsewhere), and rows sharing a prompt run it once (`ReferenceConfig.share_prompts`).
         """
-        from forgelab.engines.titan import model_logprobs_entropy
+        from forgelab.engines.titan_forward import model_logprobs_entropy
 
         tokens_B_L = check_tokens(tokens_B_L)
         spans_B_2 = check_spans(spans_B_2, tokens_B_L)

@@ -138,6 +138,13 @@ class TrainerState:
         self.loss_name, self.loss_fn = resolve_loss(spec)
         self.loss_spec, self.loss_kwargs = spec, kwargs
 
+    def next_loss(self) -> tuple[str, Callable, dict]:
+        """``(name, function, kwargs)`` of the loss the next `train_step` runs: a pending swap's, else the current."""
+        if self._pending is not None:
+            _, name, fn, kwargs = self._pending
+            return name, fn, dict(kwargs)
+        return self.loss_name, self.loss_fn, dict(self.loss_kwargs)
+
     def set_loss(self, spec: Any, loss_kwargs: dict | None) -> str:
         if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
             raise ValueError(f"set_loss: loss_kwargs must be a dict or None, got {type(loss_kwargs).__name__}")
@@ -169,7 +176,7 @@ class TrainerState:
         (`forgelab.algos.packing`) only those positions are computed, rows sharing a prompt run it
         once (``share_prompts``), and every other position is 0.
         """
-        from forgelab.engines.titan import model_logprobs_entropy
+        from forgelab.engines.titan_forward import model_logprobs_entropy
 
         dummy = len(rows) == 0
         sel = tokens_B_L[:1] if dummy else tokens_B_L[rows]
