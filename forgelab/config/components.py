@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from forgelab.envs.episode import EnvActorConfig, EpisodeLimits  # noqa: F401 -- EnvActorConfig re-exported
+from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported: the envs section derives from it
 
 __all__ = ["LOGPROBS_MODES", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSPORTS", "TrainerConfig",
            "ReferenceConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
@@ -319,7 +319,7 @@ class TrainerConfig:
 
             if self.loss not in LOSSES:
                 bad("loss", f"is not a registered loss; choose one of {sorted(LOSSES)} or pass a function")
-        elif not callable(self.loss) and not isinstance(self.loss, PackedLoss):
+        elif not callable(self.loss) and not hasattr(self.loss, "unpack"):  # a function or a PackedLoss
             bad("loss", "must be a loss name or a callable")
         if not isinstance(self.loss_kwargs, dict):
             bad("loss_kwargs", "must be a dict")

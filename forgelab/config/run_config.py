@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 #: The checkpoint forgelab ships (made by `python -m forgelab.recipes.tiny_model`).
+from forgelab.config.value_types import (ConfigError, build_section, finite_range,  # noqa: E402
+                                          non_negative, positive_int)
+
 SHIPPED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llama")
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field."""
 
 
 # The component sections (generator, trainer, reference, envs) are derived from the actors' own config
@@ -35,7 +34,6 @@ from forgelab.config.sections import (  # noqa: E402
     ReferenceSection,
     TrainerSection,
     build_component,
-    shared_owner,
 )
 
 
@@ -54,12 +52,11 @@ class RolloutConfig:
     task: str = "addition"
     """A toy task name (see forgelab.data.tasks.TASKS) or a local .jsonl/.parquet file with prompt/target columns."""
     max_train_problems: int | None = None
-    """At most this many training problems (a file's first training rows). None: every training row of a file;
-    a toy task, which has no rows, generates 4000. The run reports the split it made (manifest, `data` event)."""
+    """At most this many training problems (a file's first rows). None: every training row of a file; a toy task
+    generates 4000. The run reports its split at start (`data` event) and in manifest.json (`data_split`)."""
     heldout: int | float | str = 0.1
-    """The held-out problems evaluation uses, for a file task: a fraction in (0, 1) of its rows (its last rows;
-    files are expected to be pre-shuffled), a count of its last rows, or a second .jsonl/.parquet file (then
-    every row of `task` trains). A toy task uses its own test split unless a file is given here."""
+    """Held-out problems of a file task: a fraction in (0, 1) of its rows (its last ones), a count of its last rows,
+    or a second .jsonl/.parquet file (then all of `task` trains). A toy task uses its test split unless a file."""
     group_size: int = 8
     """G: samples per prompt; advantages are computed within a group."""
     prompts_per_rollout: int = 8
@@ -109,8 +106,8 @@ class TrainConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping threshold (global L2 norm)."""
-    loss: str = "grpo"
-    """Loss name in forgelab.algos.LOSSES (swap it live with run.set_loss)."""
+    loss: str | Callable = "grpo"
+    """A name in forgelab.algos.LOSSES or a loss function (it reaches the trainer by value); run.set_loss swaps it."""
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """Hyper-parameters passed to the loss (e.g. eps_low, eps_high, kl_coef for grpo)."""
     is_cap: float | None = None
@@ -221,7 +218,7 @@ class RunConfig:
     # -- loading ---------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
-        cfg = _build(cls, data or {}, "")
+        cfg = build_section(cls, data or {}, "")
         cfg.validate()
         return cfg
 
@@ -265,7 +262,8 @@ class RunConfig:
         if components:
             data["components"] = {s: dataclasses.asdict(self.component(s)) for s in ("generator", "trainer", "reference", "envs")}
         plain = lambda v: {k: plain(x) for k, x in v.items()} if isinstance(v, dict) else (  # noqa: E731
-            [plain(x) for x in v] if isinstance(v, (list, tuple)) else v)
+            [plain(x) for x in v] if isinstance(v, (list, tuple)) else
+            f"<function {getattr(v, '__qualname__', type(v).__name__)}>" if callable(v) else v)  # a loss given as code
         return yaml.safe_dump(plain(data), sort_keys=False)
 
     def component(self, section: str) -> Any:
@@ -284,8 +282,9 @@ class RunConfig:
             )
         if m.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"model.dtype: {m.dtype!r} is not one of float32, bfloat16, float16")
-        _positive("model.max_model_len", m.max_model_len)
+        positive_int("model.max_model_len", m.max_model_len)
 
+        from forgelab.data.datasets import check_split_fields
         from forgelab.data.tasks import TASKS
 
         if r.task not in TASKS and not (r.task.endswith((".jsonl", ".parquet")) and Path(r.task).is_file()):
@@ -294,21 +293,16 @@ class RunConfig:
                 "nor an existing .jsonl/.parquet file"
             )
         for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
-            _positive(f"rollout.{name}", getattr(r, name))
-        if r.max_train_problems is not None:
-            _positive("rollout.max_train_problems", r.max_train_problems)
-        if isinstance(r.heldout, str):
-            if not (r.heldout.endswith((".jsonl", ".parquet")) and Path(r.heldout).is_file()):
-                raise ConfigError(f"rollout.heldout: {r.heldout!r} is not an existing .jsonl/.parquet file; give a "
-                                  "file, a fraction in (0, 1) of the task file's rows, or a count of its last rows")
-        elif isinstance(r.heldout, bool) or not (0 < r.heldout < 1 or (r.heldout >= 1 and float(r.heldout).is_integer())):
-            raise ConfigError(f"rollout.heldout: {r.heldout!r} is neither a fraction in (0, 1) nor a count >= 1 of "
-                              "held-out rows nor a file")
+            positive_int(f"rollout.{name}", getattr(r, name))
+        try:
+            check_split_fields(r.max_train_problems, r.heldout)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if r.group_size < 2:
             raise ConfigError(f"rollout.group_size: {r.group_size} < 2; group advantages need at least 2 samples per prompt")
-        _finite_range("rollout.temperature", r.temperature, 0.0, 10.0)
-        _finite_range("rollout.top_p", r.top_p, 1e-6, 1.0)
-        _finite_range("rollout.reward_timeout_s", r.reward_timeout_s, 1e-3, 3600)
+        finite_range("rollout.temperature", r.temperature, 0.0, 10.0)
+        finite_range("rollout.top_p", r.top_p, 1e-6, 1.0)
+        finite_range("rollout.reward_timeout_s", r.reward_timeout_s, 1e-3, 3600)
         if r.env is not None:
             from forgelab.envs import ENVS, make_env
 
@@ -323,8 +317,8 @@ class RunConfig:
                 make_env(r.env, r.env_kwargs)
             except Exception as e:
                 raise ConfigError(f"rollout.env_kwargs: {r.env!r} cannot be built with {r.env_kwargs!r}: {e}") from None
-            _positive("rollout.max_turns", r.max_turns)
-            _finite_range("rollout.env_step_timeout_s", r.env_step_timeout_s, 1e-3, 3600)
+            positive_int("rollout.max_turns", r.max_turns)
+            finite_range("rollout.env_step_timeout_s", r.env_step_timeout_s, 1e-3, 3600)
         from forgelab.rewards.library import REWARDS
 
         if r.rewards is not None and not r.rewards and r.env is None:
@@ -335,25 +329,26 @@ class RunConfig:
                     f"rollout.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))} "
                     "(register your own with run.add_reward(name, fn, weight))"
                 )
-            _finite_range(f"rollout.rewards.{name}", w, -1e6, 1e6)
+            finite_range(f"rollout.rewards.{name}", w, -1e6, 1e6)
         from forgelab.algos import ADVANTAGES, LOSSES
 
         if r.advantage not in ADVANTAGES:
             raise ConfigError(f"rollout.advantage: unknown {r.advantage!r}; known: {', '.join(sorted(ADVANTAGES))}")
-        if t.loss not in LOSSES:
-            raise ConfigError(f"train.loss: unknown loss {t.loss!r}; known: {', '.join(sorted(LOSSES))}")
-        from forgelab.algos.loss_checks import LossError, check_loss_kwargs
+        if not (callable(t.loss) or isinstance(t.loss, str) and t.loss in LOSSES):
+            raise ConfigError(f"train.loss: unknown loss {t.loss!r}; known: {', '.join(sorted(LOSSES))}, or a function")
+        from forgelab.algos.loss_checks import LossError, check_loss_kwargs, without_reference
 
         try:
             check_loss_kwargs(t.loss, t.loss_kwargs)
         except LossError as e:
             raise ConfigError(f"train.loss_kwargs: {e}") from None
-        kl = t.loss_kwargs.get("kl_coef", 0) if isinstance(t.loss_kwargs, dict) else 0
-        if not p.reference and isinstance(kl, (int, float)) and kl > 0:
-            raise ConfigError(f"train.loss_kwargs.kl_coef: {kl} needs the reference model, but placement.reference "
-                              "is false; set placement.reference: true or kl_coef: 0")
+        if not p.reference:  # an explicit kl_coef > 0 is refused; a default one is set to 0 with a message
+            try:
+                without_reference(t.loss, t.loss_kwargs)
+            except LossError as e:
+                raise ConfigError(f"train.loss_kwargs.{e}") from None
         for name in ("steps", "batch_size", "max_buffer", "max_consecutive_failures"):
-            _positive(f"train.{name}", getattr(t, name))
+            positive_int(f"train.{name}", getattr(t, name))
         if t.batch_size % r.group_size:
             raise ConfigError(
                 f"train.batch_size: {t.batch_size} is not a multiple of rollout.group_size={r.group_size}; "
@@ -361,23 +356,23 @@ class RunConfig:
             )
         if t.max_buffer < t.batch_size:
             raise ConfigError(f"train.max_buffer: {t.max_buffer} < train.batch_size={t.batch_size}; the buffer must hold a batch")
-        _finite_range("train.lr", t.lr, 0.0, 1.0, low_open=True)
-        _nonneg("train.warmup_steps", t.warmup_steps)
+        finite_range("train.lr", t.lr, 0.0, 1.0, low_open=True)
+        non_negative("train.warmup_steps", t.warmup_steps)
         if t.warmup_steps >= t.steps:
             raise ConfigError(
                 f"train.warmup_steps: {t.warmup_steps} >= train.steps={t.steps}; warmup must end before the last "
                 "step (lower warmup_steps, e.g. 0)"
             )
-        _finite_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
-        _nonneg("train.weight_decay", t.weight_decay)
-        _finite_range("train.max_grad_norm", t.max_grad_norm, 0.0, 1e9, low_open=True)
+        finite_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0)
+        non_negative("train.weight_decay", t.weight_decay)
+        finite_range("train.max_grad_norm", t.max_grad_norm, 0.0, 1e9, low_open=True)
         if t.is_cap is not None:
-            _finite_range("train.is_cap", t.is_cap, 1.0, 1e9)
-        _nonneg("train.max_policy_age", t.max_policy_age)
+            finite_range("train.is_cap", t.is_cap, 1.0, 1e9)
+        non_negative("train.max_policy_age", t.max_policy_age)
         for name in ("generator_replicas", "trainer_procs", "reference_replicas", "threads", "env_replicas",
                      "env_max_concurrent"):
-            _positive(f"placement.{name}", getattr(p, name))
-        _finite_range("placement.kv_cache_gib", p.kv_cache_gib, 0.0, 1024, low_open=True)
+            positive_int(f"placement.{name}", getattr(p, name))
+        finite_range("placement.kv_cache_gib", p.kv_cache_gib, 0.0, 1024, low_open=True)
         if p.kv_cache_gib != int(p.kv_cache_gib):
             raise ConfigError(f"placement.kv_cache_gib: {p.kv_cache_gib} is not a whole number; vLLM on CPU takes "
                               "whole GiB (VLLM_CPU_KVCACHE_SPACE), e.g. 1 or 2")
@@ -404,9 +399,9 @@ class RunConfig:
                     f"placement: {procs} processes x {p.threads} threads is far more than this host's {cores} cores; "
                     "lower generator_replicas / trainer_procs / threads"
                 )
-        _nonneg("eval.every", e.every)
-        _positive("eval.n", e.n)
-        _nonneg("tracking.checkpoint_every", self.tracking.checkpoint_every)
+        non_negative("eval.every", e.every)
+        positive_int("eval.n", e.n)
+        non_negative("tracking.checkpoint_every", self.tracking.checkpoint_every)
         try:
             self.lora.validate("lora")
         except ValueError as err:
@@ -423,7 +418,7 @@ class RunConfig:
         from forgelab.runtime.placement import JOB_KINDS
 
         h = self.hosts
-        _positive("hosts.trainer_hosts", h.trainer_hosts)
+        positive_int("hosts.trainer_hosts", h.trainer_hosts)
         used = {part: getattr(h, part) for part in ("generator", "trainer", "reference", "envs") if getattr(h, part)}
         if h.job is None:
             if used or h.trainer_hosts > 1:
@@ -444,63 +439,3 @@ class RunConfig:
                     f"hosts.{part}: {mesh!r} is not a mesh of hosts.job.meshes ({', '.join(map(str, meshes))})"
                     + (f"; did you mean {near[0]!r}?" if near else "")
                 )
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in fields:
-            owner = shared_owner(cls, key)
-            if owner is not None:
-                raise ConfigError(f"{prefix}{key}: set by {owner} (one value for every component); set it there")
-            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            raise ConfigError(
-                f"{prefix}{key}: unknown field"
-                + (f"; did you mean {prefix}{near[0]}?" if near else "")
-                + f" (known fields of {prefix.rstrip('.') or 'the config'}: {', '.join(fields)})"
-            )
-        f = fields[key]
-        sub = _dataclass_type(cls, f)
-        if sub is not None:
-            kwargs[key] = _build(sub, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, f, f"{prefix}{key}", cls)
-    return cls(**kwargs)
-
-
-def _dataclass_type(cls: type, f: dataclasses.Field) -> type | None:
-    t = typing.get_type_hints(cls).get(f.name)
-    return t if dataclasses.is_dataclass(t) else None
-
-
-def _coerce(value: Any, f: dataclasses.Field, path: str, cls: type | None = None) -> Any:
-    """Check `value` against the field's type annotation; YAML lists become tuples where a tuple is declared."""
-    from forgelab.config.value_types import check_type
-
-    t = typing.get_type_hints(cls).get(f.name, Any) if cls is not None else Any
-    try:
-        return check_type(value, t, path)
-    except TypeError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _positive(path: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{path}: must be a positive integer, got {value!r}")
-
-
-def _nonneg(path: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
-        raise ConfigError(f"{path}: must be a non-negative number, got {value!r}")
-
-
-def _finite_range(path: str, value: Any, lo: float, hi: float, low_open: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if low_open else value >= lo) and value <= hi
-    if not ok:
-        bound = f"({lo}, {hi}]" if low_open else f"[{lo}, {hi}]"
-        raise ConfigError(f"{path}: must be a finite number in {bound}, got {value!r}")
