@@ -2,7 +2,7 @@
 
     adapters = add_adapters(model, ckpt, lora_config, seed=0)   # freezes the base; before FSDP
     with adapters_disabled(model):                               # the base model: the free reference
-        ref_logprobs_B_T = model_logprobs(model, tokens_B_L)
+        ref_logprobs_B_T = model_logprobs(model, tokens_B_L)   # forgelab.engines.titan_forward
     tensors = peft_tensors(model, ckpt)                          # PEFT names, HF row order (collective)
 
 What it really is: each targeted linear layer ``W`` gets a forward hook that adds

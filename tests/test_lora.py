@@ -1,0 +1,303 @@
+"""LoRA end to end: adapters in the torchtitan trainer, the adapter alone pushed to vLLM, the reference for free.
+
+One 1-process LoRA trainer (1-row micro-batches), one 2-process LoRA trainer (FSDP2) and one LoRA generator are
+spawned once for the module and shared by the tests in file order. Golden values come from independent
+computations: the base model (adapters off / vLLM without an adapter), the other world size, HF transformers
+with `peft` loading the exported adapter, and a float64 HF model with the adapter merged in.
+
+Float32 bounds (see each test): equal-by-construction paths are compared bit for bit (B = 0 adds exact
+zeros); paths that reorder float32 sums are bounded from the length of the reduction; paths through other
+kernels (vLLM, HF + peft, the trainer) are bounded by their distance to a float64 computation of the same model.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from trainer_actors import random_batches, tiny_model_dir
+
+integration = pytest.mark.integration
+
+U32 = 2.0**-24
+"""float32 unit roundoff."""
+RANK, ALPHA = 8, 16.0
+PROMPTS = ["12+34=", "7+8=", "Q: 100+250=", "3+3+3=", "41+1=", "9+90="]
+
+
+async def _gather(*coros):
+    return await asyncio.gather(*coros)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def hf_config(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def lora():
+    from forgelab.config.components import LoraConfig
+
+    return LoraConfig(enabled=True, rank=RANK, alpha=ALPHA)
+
+
+@pytest.fixture(scope="module")
+def parts(loop, model_dir, lora):
+    """(1-process trainer with 1-row micro-batches, 2-process FSDP2 trainer, generator), all LoRA."""
+    from dataclasses import replace
+
+    from forgelab.engines.generator import Generator, GeneratorConfig
+    from forgelab.engines.trainer import Trainer, TrainerConfig
+
+    cfg = TrainerConfig(model_dir=model_dir, lr=2e-3, warmup_steps=0, loss="grpo", loss_kwargs={"kl_coef": 0.05},
+                        lora=lora)
+    handles = loop.run_until_complete(_gather(
+        Trainer.options(procs=1).as_actor(replace(cfg, micro_batch_size=1)),
+        Trainer.options(procs=2).as_actor(cfg),
+        Generator.options(procs=1).as_actor(GeneratorConfig(model_dir=model_dir, max_model_len=96, lora=lora,
+                                                            max_loras=2)),
+    ))
+    yield handles
+    for h in handles:
+        loop.run_until_complete(h.shutdown())
+
+
+@pytest.fixture(scope="module")
+def batches(hf_config):
+    # No reference logprobs in the batches: a LoRA trainer takes them from its base (lora.reference "base").
+    return random_batches(hf_config["vocab_size"], 3, B=4, seed=0, with_ref=False)
+
+
+def _greedy(loop, gen, n_tokens: int = 10):
+    from forgelab.config.components import SamplingConfig
+
+    groups = loop.run_until_complete(gen.call_one("generate", PROMPTS, 1, SamplingConfig(temperature=0.0,
+                                                                                         max_tokens=n_tokens)))
+    return [g[0] for g in groups]
+
+
+def _hf_logprobs(model, completions) -> list[torch.Tensor]:
+    """Per completion, log p(completion token | prefix) under a HF model (any dtype), as float64."""
+    out = []
+    with torch.no_grad():
+        for c in completions:
+            ids = torch.tensor([c.prompt_ids + c.completion_ids])
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+            pos = torch.arange(len(c.prompt_ids) - 1, ids.shape[1] - 1)
+            out.append(logp[pos, ids[0, pos + 1]])
+    return out
+
+
+def _max_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------------------------- pure
+def test_config_off_by_default_and_bad_targets_named():
+    from forgelab.config import ConfigError, RunConfig
+    from forgelab.config.components import LORA_TARGETS
+
+    cfg = RunConfig()
+    assert not cfg.lora.enabled and not cfg.component("trainer").lora.enabled
+    assert not cfg.component("generator").lora.enabled
+    on = RunConfig.from_dict({"lora": {"enabled": True, "rank": 4}})
+    assert on.component("trainer").lora == on.component("generator").lora == on.lora  # one value, both parts
+    assert tuple(on.lora.targets) == LORA_TARGETS  # default: attention and MLP projections
+    with pytest.raises(ConfigError, match=r"lora.targets: 'vproj' is not a projection.*did you mean 'v_proj'"):
+        RunConfig.from_dict({"lora": {"enabled": True, "targets": ["q_proj", "vproj"]}})
+    with pytest.raises(ConfigError, match=r"'lm_head' cannot be a LoRA target: .*never be applied"):
+        RunConfig.from_dict({"lora": {"targets": ["lm_head"]}})
+    with pytest.raises(ConfigError, match=r"lora.rank must be an integer in \[1, 512\]"):
+        RunConfig.from_dict({"lora": {"rank": 0}})
+    with pytest.raises(ConfigError, match=r"lora.reference must be one of"):
+        RunConfig.from_dict({"lora": {"reference": "ref"}})
+
+
+def test_spawn_plan_takes_the_reference_from_the_base():
+    from forgelab.config import RunConfig
+    from forgelab.engines.spawn import component_configs, reference_process
+
+    assert reference_process(RunConfig())  # full fine-tuning: the reference process as before
+    on = RunConfig.from_dict({"lora": {"enabled": True}})
+    assert not reference_process(on) and component_configs(on)["trainer"].lora.reference == "base"
+    sep = RunConfig.from_dict({"lora": {"enabled": True, "reference": "process"}})
+    assert reference_process(sep)  # a reference that is not the base keeps its process
+    none = RunConfig.from_dict({"lora": {"enabled": True}, "placement": {"reference": False}})
+    assert not reference_process(none) and component_configs(none)["trainer"].lora.reference == "process"
+
+
+def test_adapter_on_fused_qkv_is_peft_per_projection(model_dir, tmp_path):
+    """In one process: random B on every projection (llama3 q/k rows permuted on export); HF + peft on the
+    exported adapter, and HF with the adapter merged, against the float64 merged model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from forgelab.config.components import LoraConfig
+    from forgelab.engines.lora import adapter_config, adapters, add_adapters, adapters_disabled, peft_tensors
+    from forgelab.engines.titan import build_from_hf, to_hf_state_dict
+    from forgelab.engines.titan_forward import model_logprobs
+    from forgelab.weights.adapter import merge_adapter, write_adapter
+
+    torch.manual_seed(0)
+    model, ckpt = build_from_hf(model_dir)
+    base_hf = to_hf_state_dict(model, ckpt)
+    tokens = torch.randint(10, 100, (3, 24))
+    base_lp = model_logprobs(model, tokens)
+    cfg = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, targets=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    add_adapters(model, ckpt, cfg, seed=0)
+    assert torch.equal(model_logprobs(model, tokens), base_lp)  # B = 0: out + 0, bit for bit
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".lora." in n}
+    with torch.no_grad():
+        for a in adapters(model):
+            for t in a.B:
+                a.B[t].normal_(0, 0.02)
+    with torch.no_grad():
+        lp = model_logprobs(model, tokens)
+    with adapters_disabled(model):
+        assert torch.equal(model_logprobs(model, tokens), base_lp)
+    with pytest.raises(ValueError, match="no HF name.*LoRA adapters"):
+        to_hf_state_dict(model, ckpt)  # the export refuses to drop the adapters silently
+    tensors = peft_tensors(model, ckpt)
+    write_adapter(str(tmp_path / "a"), tensors, adapter_config(cfg, model_dir))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           str(tmp_path / "a")).eval()
+    exact = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    exact.load_state_dict(merge_adapter({k: v.double() for k, v in base_hf.items()}, tensors, ALPHA / RANK))
+    base32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    with torch.no_grad():
+        def lp_of(m):
+            return torch.log_softmax(m(tokens).logits[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        truth, peft_lp, base_truth = lp_of(exact), lp_of(peft_model), lp_of(base64)
+        base_err = float((lp_of(base32) - base_truth).abs().max())
+    assert float((truth - base_truth).abs().max()) > 1e-2  # the adapter matters: a wrong row order would show
+    # Bound: float32 HF on the base is base_err from float64; an adapter adds two rank-8 GEMMs per projection,
+    # whose rounding is below the base GEMM's (r << in_features), so each LoRA path is within 4x of it.
+    for name, x in (("trainer", lp.double()), ("peft", peft_lp)):
+        assert float((x - truth).abs().max()) <= 4 * base_err, (name, float((x - truth).abs().max()), base_err)
+
+
+# ---------------------------------------------------------------------------------------- real processes
+@integration
+def test_b_zero_trainer_and_generator_logprobs_equal_the_base(loop, parts, batches):
+    """A fresh adapter (B = 0) adds exact zeros: the trainer's logprobs equal its base's (adapters off), and
+    the generator serving the pushed B = 0 adapter returns the base's greedy tokens and logprobs, bit for bit."""
+    t1, _, gen = parts
+    tokens = batches[0]["tokens_B_L"]
+    lp, base = loop.run_until_complete(_gather(t1.call_one("logprobs", tokens), t1.call_one("base_logprobs", tokens)))
+    assert torch.equal(lp, base)
+    before = _greedy(loop, gen)
+    assert all(c.policy_version == 0 for c in before)
+    report = loop.run_until_complete(t1.call("push_weights", 1, [gen.actor]))[0]
+    assert report["sent"] == 1 and not report["failed"], report
+    info = loop.run_until_complete(t1.call_one("info"))
+    assert report["bytes"] == info["trainable_params"] * 4  # the adapter alone (float32)
+    after = _greedy(loop, gen)
+    assert all(c.policy_version == 1 for c in after)
+    for b, a in zip(before, after):
+        assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+
+
+@integration
+def test_two_fsdp_ranks_equal_one_rank_on_lora_steps(loop, parts, batches):
+    """Two LoRA steps (the reference from the base, kl_coef 0.05) on 1 rank with 1-row micro-batches and on
+    2 FSDP2 ranks. The two differ only in the order of float32 sums; the longest reduction is the MLP's
+    768-long dot product, so values agree within 768 ulps relative (gamma_n = n*u bounds a length-n sum)."""
+    t1, t2, _ = parts
+    tol = 768 * U32
+    base = loop.run_until_complete(t1.call_one("logprobs", batches[2]["tokens_B_L"]))
+    for step, batch in enumerate(batches[:2], start=1):
+        m1, m2s = loop.run_until_complete(_gather(t1.call_one("train_step", batch), t2.call("train_step", batch)))
+        assert m1["skipped"] == 0 and m1["step"] == step and m1["ref_from_base"] == 1.0, m1
+        if step == 1:
+            assert m1["kl_ref"] == 0.0  # B = 0: the policy is the base exactly
+        for m2 in m2s:
+            for key in ("loss", "grad_norm", "entropy", "kl_ref", "clip_frac"):
+                assert abs(m1[key] - m2[key]) <= tol * max(1.0, abs(m1[key])), (step, key, m1[key], m2[key])
+    tokens = batches[2]["tokens_B_L"]
+    lp1 = loop.run_until_complete(t1.call_one("logprobs", tokens))
+    lp2 = loop.run_until_complete(t2.call("logprobs", tokens))[0]
+    moved = float((lp1 - base).abs().max())
+    assert moved > 100 * tol, "the adapters did not move: the comparison would prove nothing"
+    assert float((lp1 - lp2).abs().max()) <= tol * max(1.0, float(lp1.abs().max()))
+    info = loop.run_until_complete(t2.call("info"))[0]
+    assert info["lora"] and info["trainable_params"] < info["params"] / 20
+
+
+@integration
+def test_pushed_adapter_generator_equals_peft_and_trainer_merged(loop, parts, model_dir, tmp_path):
+    """After the training steps: the generator with the pushed adapter, HF + peft on the exported adapter and
+    HF with the trainer's merged export give the same logprobs on the generated sequences, each within 4x the
+    float32 base model's distance to float64 of the float64 merged model (see test_adapter_on_fused_qkv...)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    t1, _, gen = parts
+    report = loop.run_until_complete(t1.call("push_weights", 2, [gen.actor]))[0]
+    assert report["sent"] == 1 and not report["failed"], report
+    completions = _greedy(loop, gen, n_tokens=12)
+    assert all(c.policy_version == 2 for c in completions)
+    adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    loop.run_until_complete(t1.call("export_adapter", adapter_dir))
+    loop.run_until_complete(t1.call("export_hf", merged_dir))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter_dir))
+
+    def hf(path, dtype):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+    peft_lp = _hf_logprobs(PeftModel.from_pretrained(hf(model_dir, torch.float32), adapter_dir).eval(), completions)
+    merged_lp = _hf_logprobs(hf(merged_dir, torch.float32), completions)
+    truth = _hf_logprobs(PeftModel.from_pretrained(hf(model_dir, torch.float64), adapter_dir).eval(), completions)
+    base_err = _max_gap(_hf_logprobs(hf(model_dir, torch.float32), completions),
+                        _hf_logprobs(hf(model_dir, torch.float64), completions))
+    gen_lp = [torch.tensor(c.logprobs, dtype=torch.float64) for c in completions]
+    base_gen = _hf_logprobs(hf(model_dir, torch.float64), completions)
+    assert _max_gap(truth, base_gen) > 1e-3, "the adapter does not change the logprobs: nothing is compared"
+    for name, lp in (("generator", gen_lp), ("peft", peft_lp), ("trainer merged", merged_lp)):
+        assert _max_gap(lp, truth) <= 4 * base_err, (name, _max_gap(lp, truth), base_err)
+
+
+@integration
+def test_lora_checkpoint_resumes_exactly_and_refuses_another_base(loop, parts, batches, tmp_path):
+    _, t2, _ = parts
+    ckpt = str(tmp_path / "ckpt")
+    loop.run_until_complete(t2.call("save", ckpt))
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora." in k for k in model_keys)  # the adapters, not one base weight
+    elements = sum(math.prod(v.size) for k, v in saved.items() if getattr(v, "size", None) and "step" not in k)
+    info = loop.run_until_complete(t2.call("info"))[0]
+    assert elements == 3 * info["trainable_params"]  # adapters + AdamW's two moments
+    first = loop.run_until_complete(t2.call("train_step", batches[2]))
+    fp_first = loop.run_until_complete(t2.call("fingerprint"))
+    loop.run_until_complete(t2.call("load", ckpt))
+    again = loop.run_until_complete(t2.call("train_step", batches[2]))
+    assert [m["loss"] for m in again] == [m["loss"] for m in first]  # bit-identical
+    assert loop.run_until_complete(t2.call("fingerprint")) == fp_first
+    other = str(tmp_path / "other-base")
+    shutil.copytree(ckpt, other)
+    for rank in (0, 1):
+        path = os.path.join(other, f"trainer_rank{rank}.pkl")
+        with open(path, "rb") as f:
+            extra = pickle.load(f)
+        extra["lora"]["base_sha256"] = "0" * 64  # as saved by a trainer on another base
+        with open(path, "wb") as f:
+            pickle.dump(extra, f)
+    with pytest.raises(Exception, match="LoRA adapters trained on the base"):
+        loop.run_until_complete(t2.call("load", other))
