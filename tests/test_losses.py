@@ -6,6 +6,7 @@ gradient is ``r A`` where the unclipped branch is active and 0 where the clip
 is), so autograd in the code under test is checked, not reused.
 """
 
+import inspect
 import math
 import random
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from forgelab.algos.loss_checks import accepted_loss_kwargs, check_loss_kwargs, with_completion_budget
-from forgelab.algos.losses import LOSSES, LossError, validate_loss_output
+from forgelab.algos.losses import BUILTIN_LOSSES, LOSSES, LossError, validate_loss_output
 
 B, T = 5, 6
 
@@ -521,3 +522,56 @@ def test_config_refuses_a_kl_coef_without_the_reference_model():
         RunConfig.from_dict({"train": {"loss": "dapo", "loss_kwargs": {"kl_coef": 0.05}},
                              "placement": {"reference": False}})
     RunConfig.from_dict({"train": {"loss": "grpo"}, "placement": {"reference": False}})  # grpo's default: skipped
+
+
+# --- per-token advantages ([B, T]; on-policy distillation's signal) ---------------------------------------------
+
+
+def _per_token_batch(seed=0, B=5, T=7):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g) * 3
+    gen = logp + 0.3 * torch.randn(B, T, generator=g)  # ratios far enough from 1 that clipping is active
+    mask = (torch.rand(B, T, generator=g) > 0.25).float()
+    mask[2] = 0.0  # a fully masked row
+    mask[0, 0] = 1.0
+    adv_B = torch.randn(B, generator=g)
+    ref = logp + 0.1 * torch.randn(B, T, generator=g)
+    return logp, gen, mask, adv_B, ref
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_LOSSES))
+def test_a_row_constant_per_token_advantage_gives_exactly_the_per_sequence_result(name):
+    logp, gen, mask, adv_B, ref = _per_token_batch()
+    kwargs = {"kl_coef": 0.05} if "kl_coef" in inspect.signature(LOSSES[name]).parameters else {}
+    results = []
+    for adv in (adv_B, adv_B[:, None].expand(-1, logp.shape[1]).clone()):
+        leaf = logp.clone().requires_grad_(True)
+        loss, metrics = LOSSES[name](leaf, generator_logprobs_B_T=gen, advantages_B=adv, mask_B_T=mask,
+                                     ref_logprobs_B_T=ref, **kwargs)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad.clone(), metrics))
+    (l1, g1, m1), (l2, g2, m2) = results
+    # exact: the same arithmetic on the same values (a constant row broadcasts to what [B, 1] broadcasts to)
+    assert torch.equal(l1, l2) and torch.equal(g1, g2) and m1 == m2
+
+
+def test_per_token_advantages_weight_each_token_reinforce_against_float64():
+    logp, gen, mask, _, _ = _per_token_batch(seed=1)
+    adv_B_T = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3))
+    leaf = logp.clone().requires_grad_(True)
+    loss, _ = LOSSES["reinforce"](leaf, generator_logprobs_B_T=gen, advantages_B=adv_B_T, mask_B_T=mask)
+    loss.backward()
+    # independent computation: -sum(A_t * logp_t) / N over trained tokens, in float64
+    want = -(adv_B_T.double() * logp.double() * mask.double()).sum() / mask.double().sum()
+    want_grad = -(adv_B_T.double() * mask.double()) / mask.double().sum()
+    # float32 bound: a sum of N products, each rounded once: N * eps * sum|A logp| (and per-element for the grad)
+    eps = torch.finfo(torch.float32).eps
+    n = int(mask.sum())
+    assert abs(loss.item() - want.item()) <= n * eps * float((adv_B_T.abs() * logp.abs() * mask).sum() / mask.sum())
+    assert torch.allclose(leaf.grad.double(), want_grad, rtol=2 * eps, atol=0)
+
+
+def test_a_per_token_advantage_of_the_wrong_shape_is_refused_by_name():
+    logp, gen, mask, _, _ = _per_token_batch()
+    with pytest.raises(LossError, match=r"advantages_B has shape \(5, 6\), expected \(5,\).*or \(5, 7\)"):
+        LOSSES["grpo"](logp, generator_logprobs_B_T=gen, advantages_B=torch.zeros(5, 6), mask_B_T=mask)

@@ -63,6 +63,7 @@ from forgelab.algos.loss_checks import LOSSES, LossError, check_loss_kwargs, str
 
 __all__ = [
     "LOSSES",
+    "BUILTIN_LOSSES",
     "LossFn",
     "LossError",
     "validate_loss_output",
@@ -97,18 +98,31 @@ def _prepare(name, logprobs_B_T, generator_logprobs_B_T, advantages_B, mask_B_T,
                 f"loss {name!r}: {arg} has shape {tuple(value.shape)} but logprobs_B_T has {(B, T)}; "
                 "every per-token tensor must be aligned to target positions (see forgelab.algos.batching.collate)"
             )
-    if tuple(advantages_B.shape) != (B,):
+    if tuple(advantages_B.shape) not in ((B,), (B, T)):
         raise LossError(
-            f"loss {name!r}: advantages_B has shape {tuple(advantages_B.shape)}, expected ({B},): one advantage "
-            "per sequence"
+            f"loss {name!r}: advantages_B has shape {tuple(advantages_B.shape)}, expected ({B},) (one advantage "
+            f"per sequence) or ({B}, {T}) (one per token, aligned to target positions like logprobs_B_T)"
         )
     mask_B_T = mask_B_T.detach().float()
     on_B_T = mask_B_T != 0
     logp_B_T = logprobs_B_T.float()
     log_ratio_B_T = torch.where(on_B_T, logp_B_T - generator_logprobs_B_T.detach().float(), 0.0)
-    adv_B_1 = advantages_B.detach().float()[:, None]
+    adv = advantages_B.detach().float()
+    # [B, 1] broadcasts along the row; a per-token [B, T] advantage is used as it is (0 off the mask)
+    adv_B_1 = adv[:, None] if adv.dim() == 1 else torch.where(on_B_T, adv, 0.0)
     w_B_T = None if is_weights_B_T is None else is_weights_B_T.detach().float()
     return logp_B_T, log_ratio_B_T, adv_B_1, mask_B_T, on_B_T, w_B_T
+
+
+def _sequence_advantage(adv, mask_B_T, on_B_T):
+    """One advantage per sequence for a sequence-level loss: a [B, 1] advantage as it is; a per-token one
+    averaged over the sequence's trained tokens, taken exactly where it is constant along the row (so a
+    row-constant [B, T] advantage gives the [B] result bit for bit)."""
+    if adv.shape[1] == 1:
+        return adv[:, 0]
+    first_B = adv.gather(1, on_B_T.float().argmax(dim=1, keepdim=True))[:, 0]
+    const_B = torch.where(on_B_T, adv == first_B[:, None], True).all(dim=1)
+    return torch.where(const_B, first_B, masked_mean(adv, mask_B_T, dim=1))
 
 
 def _base_metrics(logp_B_T, log_ratio_B_T, mask_B_T, on_B_T, ref_logprobs_B_T) -> dict[str, float]:
@@ -212,7 +226,7 @@ def grpo(
     Args:
         logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
-        advantages_B: one advantage per sequence, ``[B]``.
+        advantages_B: one advantage per sequence, ``[B]``, or one per token, ``[B, T]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs, ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights multiplying the clipped term, ``[B, T]``, or None.
@@ -249,7 +263,7 @@ def dapo(
     Args:
         logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
-        advantages_B: one advantage per sequence, ``[B]``.
+        advantages_B: one advantage per sequence, ``[B]``, or one per token, ``[B, T]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
@@ -291,7 +305,7 @@ def dr_grpo(
     Args:
         logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
-        advantages_B: one advantage per sequence, ``[B]``.
+        advantages_B: one advantage per sequence, ``[B]``, or one per token, ``[B, T]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
@@ -352,7 +366,7 @@ def gspo(
     Args:
         logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
-        advantages_B: one advantage per sequence, ``[B]``.
+        advantages_B: one advantage per sequence, ``[B]``, or one per token, ``[B, T]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: importance weights, ``[B, T]``, averaged per sequence, or None.
@@ -364,7 +378,7 @@ def gspo(
     )
     has_tokens_B = mask.sum(dim=1) > 0
     seq_ratio_B = torch.exp(masked_mean(log_ratio, mask, dim=1))
-    adv_B = adv[:, 0]
+    adv_B = _sequence_advantage(adv, mask, on)
     clipped_B = seq_ratio_B.clamp(1.0 - seq_eps_low, 1.0 + seq_eps_high)
     objective_B = torch.minimum(seq_ratio_B * adv_B, clipped_B * adv_B)
     if w is not None:
@@ -409,7 +423,7 @@ def cispo(
     Args:
         logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
         generator_logprobs_B_T: behaviour-policy sampling logprobs, ``[B, T]``.
-        advantages_B: one advantage per sequence, ``[B]``.
+        advantages_B: one advantage per sequence, ``[B]``, or one per token, ``[B, T]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: extra per-token importance weights, ``[B, T]``, or None.
@@ -443,7 +457,7 @@ def reinforce(
     Args:
         logprobs_B_T: current policy logprobs of the target tokens (with grad), ``[B, T]``.
         generator_logprobs_B_T: behaviour-policy sampling logprobs (metrics only), ``[B, T]``.
-        advantages_B: one advantage per sequence, ``[B]``.
+        advantages_B: one advantage per sequence, ``[B]``, or one per token, ``[B, T]``.
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
@@ -466,3 +480,7 @@ LOSSES.update({
     "cispo": cispo,
     "reinforce": reinforce,
 })
+
+BUILTIN_LOSSES: dict[str, LossFn] = dict(LOSSES)
+"""The losses every forgelab process knows by name. An entry added to (or replaced in) `LOSSES` in one process
+exists there only: it reaches the trainer by value (`forgelab.engines.trainer_support.shipped_loss`)."""
