@@ -165,10 +165,12 @@ def test_compare_losses_leaves_trainer_untouched(world, loop):
     report = loop.run_until_complete(parent.compare_losses(["grpo", "grpo", ("dapo", {"eps_high": 0.28})]))
     assert report.unchanged and loop.run_until_complete(parent.trainer.call("fingerprint")) == before
     t, cos = report.table, report.cosine
-    assert list(t.index) == ["grpo", "grpo#2", "dapo(eps_high=0.28)"] and t["ok"].all()
-    # the same loss twice: the same value and gradient (cosine 1); another loss: a different value
-    assert t["loss"].iloc[0] == t["loss"].iloc[1] and abs(cos.iloc[0, 1] - 1.0) < 1e-9
-    assert all(abs(cos.iloc[i, i] - 1.0) < 1e-9 for i in range(3)) and -1.0 <= cos.iloc[0, 2] <= 1.0
+    # the run's current loss first (the baseline), then the losses asked for
+    assert list(t.index) == ["current: grpo", "grpo", "grpo#2", "dapo(eps_high=0.28)"] and t["ok"].all()
+    # the same loss three times: the same value and gradient (cosine 1); another loss: a different value
+    assert t["loss"].iloc[0] == t["loss"].iloc[1] == t["loss"].iloc[2] and abs(cos.iloc[1, 2] - 1.0) < 1e-9
+    assert abs(cos.iloc[0, 1] - 1.0) < 1e-9
+    assert all(abs(cos.iloc[i, i] - 1.0) < 1e-9 for i in range(4)) and -1.0 <= cos.iloc[1, 3] <= 1.0
     assert t["grad_norm"].gt(0).all() and "clip_frac" in t.columns
 
 

@@ -6,13 +6,53 @@ Each is a function over the run's parts; `Run` exposes it as a one-line method
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Callable
 
 from forgelab.algos import LOSSES
 from forgelab.rewards.library import RewardComposer, validate
 
-__all__ = ["LossSwapRefused", "RewardChangeRefused", "RewardRevisions", "swap_loss", "add_reward", "rewards_for",
-           "until"]
+log = logging.getLogger("forgelab.controller.controls")
+
+__all__ = ["Command", "LossSwapRefused", "RewardChangeRefused", "RewardRevisions", "prepare_loss", "swap_loss", "add_reward",
+           "rewards_for", "until"]
+
+
+class Command:
+    """A live command, started at once on the running event loop: ``await`` it for its result or its error.
+
+    A coroutine that is never awaited never runs, silently (``run.set_loss("dapo")`` without ``await`` in a
+    notebook cell). A command runs either way; one that fails and was not awaited logs why. With no event loop
+    running (a plain script), it starts when awaited, like a coroutine.
+    """
+
+    def __init__(self, coro: Any, what: str):
+        self.what, self.awaited = what, False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self._coro = coro if loop is None else None
+        self.task = None if loop is None else loop.create_task(coro)
+        if self.task is not None:
+            self.task.add_done_callback(self._done)
+
+    def __await__(self):
+        self.awaited = True
+        return (self.task if self.task is not None else self._coro).__await__()
+
+    def _done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.awaited:
+            log.warning("forgelab: %s failed and nothing awaited it: %s: %s", self.what,
+                        type(task.exception()).__name__, task.exception())
+
+    def __repr__(self) -> str:
+        t = self.task
+        if t is None or not t.done():
+            return f"<{self.what}: running (await it for the result)>"
+        if t.cancelled():
+            return f"<{self.what}: cancelled>"
+        return f"<{self.what}: failed: {t.exception()!r}>" if t.exception() is not None else f"<{self.what}: {t.result()!r}>"
 
 
 class RewardRevisions:
@@ -46,25 +86,43 @@ class RewardChangeRefused(ValueError):
     """A reward failed validation on recent rollouts; the old rewards stay."""
 
 
-async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
-    """Check the loss (name, keywords), dry-run it on the last batch, then set it on the trainer: it applies at
-    the next step boundary (a `train_step` already running finishes with the old loss)."""
+def prepare_loss(config: Any, loss: str | Callable, loss_kwargs: dict) -> tuple[str, Any, dict]:
+    """``(name, spec for the trainer, keywords)`` of a loss as the trainer will run it: the name checked, the
+    keywords checked (a misspelt hyperparameter is refused before anything runs) and completed with the
+    completion budget (``max_tokens``, for ``dr_grpo``-style losses), a function packed by value.
+    `Run.set_loss` and `Run.compare_losses` both resolve losses here. Raises `LossSwapRefused`."""
     if isinstance(loss, str) and loss not in LOSSES:
         raise LossSwapRefused(f"unknown loss {loss!r}; known: {', '.join(sorted(LOSSES))}; or pass your own function")
     if not isinstance(loss, str) and not callable(loss):
-        raise LossSwapRefused(f"set_loss expects a loss name or a function, got {loss!r}")
+        raise LossSwapRefused(f"expected a loss name or a function, got {loss!r}")
     name = loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
-    from forgelab.algos.loss_checks import LossError, check_loss_kwargs, completion_budget, with_completion_budget
+    from forgelab.algos.loss_checks import (LossError, check_loss_kwargs, completion_budget, with_completion_budget,
+                                            without_reference)
 
-    try:  # a misspelt hyperparameter is refused before anything runs
+    try:
         check_loss_kwargs(loss, loss_kwargs)
     except LossError as e:
         raise LossSwapRefused(str(e)) from None
-    loss_kwargs = with_completion_budget(loss, loss_kwargs, completion_budget(run.config.rollout))
-    from forgelab.controller.fncode import loss_record
-    from forgelab.engines.trainer import pack_loss
+    loss_kwargs = with_completion_budget(loss, dict(loss_kwargs), completion_budget(config.rollout))
+    if not config.placement.reference:  # the same rule as the config's: an explicit kl_coef > 0 is refused
+        try:
+            loss_kwargs, note = without_reference(loss, loss_kwargs)
+        except LossError as e:
+            raise LossSwapRefused(str(e)) from None
+        if note is not None:
+            log.warning("forgelab: %s", note)
+    from forgelab.engines.trainer_support import shipped_loss
 
-    packed = loss if isinstance(loss, str) else pack_loss(loss)
+    # a built-in travels by name; a function, or a LOSSES entry only this process has, by value
+    return name, shipped_loss(loss), loss_kwargs
+
+
+async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
+    """Check the loss (name, keywords), dry-run it on the last batch, then set it on the trainer: it applies at
+    the next step boundary (a `train_step` already running finishes with the old loss)."""
+    name, packed, loss_kwargs = prepare_loss(run.config, loss, loss_kwargs)
+    from forgelab.controller.fncode import loss_record
+
     if run.last_batch is not None:
         report = (await run.trainer.call("dry_run_loss", packed, run.last_batch, loss_kwargs))[0]
         if not report.get("ok"):
@@ -83,7 +141,7 @@ def add_reward(run: Any, name: str, fn: Callable[..., float], weight: float, rep
     from forgelab.controller.fncode import reward_record
 
     recent = list(run.rollout.recent) if run.rollout is not None else []
-    samples = [(ep.prompt, ep.completion, ep.target, ep.info) for ep in recent[-64:]]
+    samples = recent[-64:]  # episodes: a TRL-style reward also reads their token ids and policy version
     if samples:
         report = validate(fn, samples, name=name)
         if not report.ok:

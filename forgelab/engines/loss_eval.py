@@ -6,7 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["compare_on_state", "loss_spec"]
+__all__ = ["compare_on_state", "loss_spec", "CURRENT_LOSS"]
+
+CURRENT_LOSS = "<current loss>"
+"""A spec meaning "the loss the next train step runs, with its keywords" (`TrainerState.next_loss`)."""
 
 
 def loss_spec(item: Any) -> tuple[Any, dict]:
@@ -18,7 +21,8 @@ def loss_spec(item: Any) -> tuple[Any, dict]:
 def compare_on_state(state: Any, specs: list, batch: Any) -> dict[str, Any]:
     """Run on a `forgelab.engines.trainer_core.TrainerState` (collective: every rank calls it with the same arguments).
 
-    Returns ``{"losses": [{"name", "ok", "reason", "loss", "grad_norm", "metrics"}], "cosine": [[...]]}``;
+    A spec is a loss name, a function, a `PackedLoss`, `CURRENT_LOSS`, or ``(spec, kwargs)``.
+    Returns ``{"losses": [{"name", "ok", "reason", "loss", "grad_norm", "metrics", "kwargs"}], "cosine": [[...]]}``;
     a loss that fails (raises, NaN) has ``ok False`` and NaN cosines.
     """
     import torch
@@ -31,7 +35,10 @@ def compare_on_state(state: Any, specs: list, batch: Any) -> dict[str, Any]:
     rows, grads = [], []
     for item in specs:
         spec, kwargs = loss_spec(item)
-        name, fn = resolve_loss(spec)
+        if isinstance(spec, str) and spec == CURRENT_LOSS:
+            name, fn, kwargs = state.next_loss()
+        else:
+            name, fn = resolve_loss(spec)
         try:
             loss, metrics, grad_norm = state.forward_loss_backward(batch, fn, name, kwargs)
             flat = [(local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.data))).reshape(-1)

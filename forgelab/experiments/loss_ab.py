@@ -13,14 +13,18 @@ state and schedule are untouched (`trainer.fingerprint` before == after).
 Gradients are compared before clipping. Memory: one gradient copy per loss
 (float64 on each rank's shard).
 
-A loss is a name in `LOSSES`, a function, or ``(name_or_fn, kwargs)``.
+A loss is a name in `LOSSES`, a function, or ``(name_or_fn, kwargs)``, resolved as
+`Run.set_loss` resolves it (checked keywords, the completion budget that
+``dr_grpo``-style losses divide by; a bare name of the run's loss takes the run's
+keywords). The first row is always the baseline, ``"current: NAME"``: the loss the
+next train step runs, with its keywords, i.e. what that step computes on the batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from forgelab.engines.loss_eval import loss_spec
+from forgelab.engines.loss_eval import CURRENT_LOSS, loss_spec
 
 __all__ = ["compare_losses", "LossComparison"]
 
@@ -70,8 +74,26 @@ def _label(item: Any, name: str, seen: dict) -> str:
     return label if seen[label] == 1 else f"{label}#{seen[label]}"
 
 
+def _resolve(run: Any, item: Any, current: dict) -> tuple[Any, dict]:
+    """``(spec, kwargs)`` for the trainer, resolved as `Run.set_loss` resolves a loss (`controls.prepare_loss`):
+    checked keywords, the completion budget, a function packed. A bare name of the run's current loss means
+    it with the run's keywords (``train.loss_kwargs`` or the last swap's)."""
+    from forgelab.controller.controls import prepare_loss
+
+    spec, kwargs = loss_spec(item)
+    if isinstance(spec, str) and spec == current.get("loss") and not kwargs:
+        kwargs = dict(current.get("loss_kwargs") or {})
+    _, packed, kwargs = prepare_loss(run.config, spec, kwargs)
+    return packed, kwargs
+
+
 async def compare_losses(run: Any, losses: list, batch: dict | None = None) -> LossComparison:
-    """`Run.compare_losses`: A/B `losses` on `batch` (default: the run's last trained batch) on its trainer."""
+    """`Run.compare_losses`: A/B `losses` on `batch` (default: the run's last trained batch) on its trainer.
+
+    The first row is the baseline, ``"current: NAME"``: the loss the next train step runs, with its keywords,
+    so its value is the one that step computes on `batch` from the same weights. Each of `losses` is resolved
+    as `Run.set_loss` resolves it (`_resolve`); a bad name or keyword raises `LossSwapRefused` before
+    anything runs."""
     if batch is None:
         batch = run.last_batch
     if batch is None:
@@ -79,11 +101,14 @@ async def compare_losses(run: Any, losses: list, batch: dict | None = None) -> L
                          "(forgelab.algos.batching.collate of episodes) or wait for the first step")
     if not losses:
         raise ValueError("compare_losses: give at least one loss (a name in LOSSES, a function, or (loss, kwargs))")
+    current = (await run.trainer.call("info"))[0]
+    specs = [CURRENT_LOSS] + [_resolve(run, item, current) for item in losses]
     before = await run.trainer.call("fingerprint")
-    out = (await run.trainer.call("compare_losses", list(losses), batch))[0]
+    out = (await run.trainer.call("compare_losses", specs, batch))[0]
     after = await run.trainer.call("fingerprint")
     seen: dict = {}
-    names = [_label(item, r["name"], seen) for item, r in zip(losses, out["losses"])]
+    names = [f"current: {out['losses'][0]['name']}"]
+    names += [_label(item, r["name"], seen) for item, r in zip(losses, out["losses"][1:])]
     report = LossComparison(out["losses"], out["cosine"], before, after, run.step, names)
     run.emit("losses_compared", losses=names, values=[r["loss"] for r in out["losses"]], unchanged=report.unchanged)
     return report
