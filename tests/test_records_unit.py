@@ -167,7 +167,7 @@ def test_replay_checks_package_versions_and_builtin_code_against_the_manifest(tm
     assert "0.0.1" in str(err.value) and "allow_mismatch=True" in str(err.value) and spawn.calls == 0
     # the built-in loss's code as recorded differs from this forgelab's
     m = json.loads(json.dumps(original))
-    m["code"]["loss"]["sha256"] = "0" * 64
+    m["code"]["loss"]["code_sha256"] = "0" * 64
     path.write_text(json.dumps(m))
     with pytest.raises(ReplayRefused, match="loss 'grpo'"):
         asyncio.run(replay(run.out_dir, out_dir=tmp_path / "replays", spawn=spawn, trusted=True))
@@ -293,3 +293,43 @@ def test_env_run_in_sync_mode_replays_exactly_or_is_marked_not_deterministic(tmp
     # a single-turn run in the same mode is deterministic, and says so
     plain = json.loads((recorded_run(tmp_path / "plain").out_dir / "manifest.json").read_text())
     assert plain["deterministic"] is True and plain.get("nondeterministic_reason") is None
+
+
+# ---------------------------------------------------------------- wandb: several runs alive in one process
+def test_two_trackers_alive_in_one_process_each_keep_a_complete_wandb_history(tmp_path):
+    """A parent's tracker keeps logging after a fork's tracker starts (wandb on, offline); both histories are
+    complete when read back with wandb's own reader (with reinit="finish_previous" the parent's would stop)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import wandb
+
+    from forgelab.controller.tracking import Tracker
+
+    def history(out_dir: Path) -> dict[int, dict]:
+        runs = sorted((out_dir / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1, runs
+        cli = shutil.which("wandb") or str(Path(sys.executable).parent / "wandb")
+        out = subprocess.run([cli, "leet", "inspect", "--json", str(runs[0])], capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+        items = [json.loads(x)["history"]["item"] for x in out.splitlines()
+                 if x.startswith("{") and json.loads(x).get("type") == "history"]
+        return {int(h["_step"]): h for h in items if "loss" in h}
+
+    try:
+        parent = Tracker(tmp_path / "parent", use_wandb=True, run_name="parent")
+        for s in (1, 2):
+            parent.log({"step": s, "loss": 1.0 / s})
+        child = Tracker(tmp_path / "child", use_wandb=True, run_name="child")
+        assert parent.wandb_dir and child.wandb_dir and parent.wandb_dir != child.wandb_dir
+        for s in (3, 4, 5):
+            parent.log({"step": s, "loss": 1.0 / s})
+            child.log({"step": s, "loss": 2.0 / s})
+        parent.finish()
+        child.finish()
+        p, c = history(tmp_path / "parent"), history(tmp_path / "child")
+    finally:
+        wandb.teardown()
+    assert sorted(p) == [1, 2, 3, 4, 5] and all(p[s]["loss"] == 1.0 / s for s in p)
+    assert sorted(c) == [3, 4, 5] and all(c[s]["loss"] == 2.0 / s for s in c)

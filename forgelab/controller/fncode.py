@@ -24,6 +24,7 @@ import base64
 import hashlib
 import inspect
 import textwrap
+import types
 from typing import Any, Callable, Mapping
 
 
@@ -40,7 +41,9 @@ class TamperedCodeError(FunctionRestoreError):
 
 
 def source_of(fn: Callable) -> str:
-    """The function's source text ('' when Python cannot find it, e.g. defined in a bare REPL)."""
+    """The function's source text ('' when Python cannot find it, e.g. defined in a bare REPL); an adapter
+    (a TRL-style reward's `TRLReward`) shows the function it wraps (``__wrapped__``)."""
+    fn = inspect.unwrap(fn)
     try:
         return textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
@@ -48,6 +51,43 @@ def source_of(fn: Callable) -> str:
             return textwrap.dedent(inspect.getsource(type(fn)))  # a callable object
         except (OSError, TypeError):
             return ""
+
+
+def code_sha256(fn: Callable) -> str | None:
+    """SHA-256 of the code that runs when `fn` is called: its bytecode, constants (nested functions included)
+    and names, through any ``__wrapped__`` chain; None for a callable without Python code.
+
+    Unlike ``sha256`` (the source text as `inspect` reads it from the file *now*), it is what the process
+    loaded: a file edited after the import does not change it, and a moved or re-commented function keeps it.
+    The same Python version gives the same value in any process.
+    """
+    h = hashlib.sha256()
+
+    def const(c: Any) -> bytes:
+        if isinstance(c, types.CodeType):
+            visit(c)
+            return b"<code>"
+        if isinstance(c, frozenset):  # repr order follows string hashing, which differs per process
+            return b"frozenset" + repr(sorted(repr(x) for x in c)).encode()
+        if isinstance(c, tuple):
+            return b"(" + b",".join(const(x) for x in c) + b")"
+        return repr(c).encode()
+
+    def visit(code: types.CodeType) -> None:
+        h.update(code.co_code + b"\0" + repr(code.co_names).encode() + b"\0")
+        for c in code.co_consts:
+            h.update(const(c) + b"\0")
+
+    f, found = fn, False
+    for _ in range(16):  # decorators (functools.wraps) keep the wrapped function in __wrapped__
+        code = getattr(f, "__code__", None) or getattr(getattr(f, "__call__", None), "__code__", None)
+        if isinstance(code, types.CodeType):
+            visit(code)
+            found = True
+        f = getattr(f, "__wrapped__", None)
+        if f is None:
+            break
+    return h.hexdigest() if found else None
 
 
 def _registry_name(fn: Callable, registry: Mapping[str, Any] | None) -> str | None:
@@ -71,6 +111,7 @@ def fn_record(fn: Callable, registry: Mapping[str, Any] | None = None) -> dict[s
         "module": getattr(fn, "__module__", ""),
         "builtin": builtin,
         "source": src,
+        "code_sha256": code_sha256(fn),
         "pickle": None,
     }
     payload = b""

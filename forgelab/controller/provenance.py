@@ -160,7 +160,7 @@ def build_manifest(config, *, train_problems=None, heldout_problems=None, extra:
     t = config.train
     task = config.rollout.task
     data: dict[str, Any] = {"task": task}
-    if Path(task).is_file():
+    if isinstance(task, str) and Path(task).is_file():
         data["file_sha256"] = hash_dir(task)
     if train_problems is not None:
         data["train_sha256"], data["train_n"] = hash_problems(train_problems), len(train_problems)
@@ -188,7 +188,7 @@ def build_manifest(config, *, train_problems=None, heldout_problems=None, extra:
 
 
 def _hashes_only(rec: dict[str, Any]) -> dict[str, Any]:
-    return {k: rec.get(k) for k in ("name", "builtin", "sha256", "pickle_sha256")}
+    return {k: rec.get(k) for k in ("name", "builtin", "sha256", "code_sha256", "pickle_sha256")}
 
 
 def code_hashes(config) -> dict[str, Any]:
@@ -214,11 +214,13 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
     of every built-in loss and reward it will run (`code_records`: (label, fn_record) pairs from the event
     log or checkpoint), each as a sentence; [] when nothing does.
 
-    Built-ins are rebuilt by name from this process's registries, so their recorded SHA-256 must be this
-    forgelab's. Custom code travels as a pickle checked against its own hash when restored (`restore_fn`).
+    Built-ins are rebuilt by name from this process's registries, so their recorded code hash
+    (``code_sha256``: the bytecode the recording process ran; ``sha256`` of the source for records without
+    it) must be this forgelab's. Custom code travels as a pickle checked against its own hash when restored
+    (`restore_fn`).
     """
     from forgelab.algos import LOSSES
-    from forgelab.controller.fncode import fn_record
+    from forgelab.controller.fncode import code_sha256, fn_record
     from forgelab.rewards import REWARDS
 
     out: list[str] = []
@@ -241,10 +243,14 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
         if rec["builtin"] not in registry:
             out.append(f"{label}: built-in {rec['builtin']!r} is not registered in this forgelab")
             continue
-        sha = fn_record(registry[rec["builtin"]], registry)["sha256"]
-        if sha != rec.get("sha256"):
-            out.append(f"{label}: built-in {rec['builtin']!r} has other code here (sha256 {sha[:12]}...) than "
-                       f"when recorded ({str(rec.get('sha256'))[:12]}...)")
+        key = "code_sha256" if rec.get("code_sha256") else "sha256"
+        fn = registry[rec["builtin"]]
+        here = code_sha256(fn) if key == "code_sha256" else fn_record(fn, registry)["sha256"]
+        if here != rec.get(key):
+            msg = (f"{label}: built-in {rec['builtin']!r} has other code here ({key} {str(here)[:12]}...) than "
+                   f"when recorded ({str(rec.get(key))[:12]}...)")
+            if msg not in out:
+                out.append(msg)
     return out
 
 
