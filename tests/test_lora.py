@@ -301,3 +301,33 @@ def test_lora_checkpoint_resumes_exactly_and_refuses_another_base(loop, parts, b
             pickle.dump(extra, f)
     with pytest.raises(Exception, match="LoRA adapters trained on the base"):
         loop.run_until_complete(t2.call("load", other))
+
+
+@integration
+@pytest.mark.timeout(600)
+def test_lora_grpo_raises_heldout_addition_accuracy(loop, grpo_config, tmp_path):
+    """LoRA GRPO on the shipped model (rank 8 on every projection, lr 2e-3, 150 steps of 64 episodes; the
+    reference from the base, no reference process): held-out greedy accuracy on 200 problems rises by >= 15
+    points. Measured here: 0.25 -> 0.495 and 0.25 -> 0.45 (two runs; asynchronous runs are not bit-reproducible),
+    1.6-2.8 min on 2 busy cores; 100 steps gave 0.25 -> 0.425, lr 4e-3 was unstable (0.13 at step 25).
+    With a share q of the 200 problems flipping either way the paired standard error of the rise is sqrt(q / 200):
+    <= 0.042 for q <= 0.35, so a run that truly gains ~0.22 misses 0.15 with probability ~5 % at worst."""
+    from forgelab.config.components import LoraConfig
+    from forgelab.run import Run
+
+    cfg = grpo_config(tmp_path, name="lora", steps=150)
+    cfg.train.lr = 2e-3
+    cfg.lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA)
+    run = Run(cfg)
+    try:
+        loop.run_until_complete(run.start())
+        assert run.reference is None  # the base is the reference: no process for it
+        loop.run_until_complete(run.wait())
+        assert run.state == "finished", run.message
+        before, after = run.accuracy_history[0][1], run.accuracy_history[-1][1]
+        print(f"LoRA GRPO held-out accuracy {before:.3f} -> {after:.3f}; {run.accuracy_history}")
+        assert after - before >= 0.15, run.accuracy_history
+        df = run.metrics
+        assert df["kl_ref"].iloc[-10:].mean() > 0  # the reference (the base) and the policy have parted
+    finally:
+        loop.run_until_complete(run.shutdown())
