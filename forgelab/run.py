@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable
 
 from forgelab.controller import checkpoint, controls, provenance
 from forgelab.experiments import ops as experiments
+from forgelab.algos.loss_checks import loss_label, reference_notes
 from forgelab.controller.buffer import ReplayBuffer
 from forgelab.config.run_config import ConfigError, RunConfig
 from forgelab.data.datasets import ProblemStream, load_split
@@ -78,7 +79,7 @@ class Run(experiments.Experiments):
         self.out_dir = Path(cfg.tracking.out_dir) / cfg.name
         self.rewards: RewardComposer = configured_rewards(cfg.rollout)
         self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self.emit)
-        self.loss_name: str = cfg.train.loss
+        self.loss_name: str = loss_label(cfg.train.loss)  # a name, or the function's name
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
         self.records = RolloutRecorder()  # every episode the buffer closes -> out_dir/rollouts/*.parquet
         self.buffer.add_close_listener(self.records.on_close)
@@ -209,6 +210,9 @@ class Run(experiments.Experiments):
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
         self.emit("spawned", seconds=round(parts.seconds, 1))
         self.emit("data", message=self.data.description, **self.data.info)
+        for note in reference_notes(cfg.train.loss, cfg.train.loss_kwargs, cfg.placement.reference):  # grpo's kl_coef
+            log.warning("forgelab: %s", note)
+            self.emit("config_note", message=note)
         if self.resume_from is not None:
             await checkpoint.restore(self, self.resume_from)
 
@@ -289,9 +293,10 @@ class Run(experiments.Experiments):
     def _rewards_for(self, flat: list) -> RewardComposer:
         return controls.rewards_for(self, flat)
 
-    async def set_loss(self, loss: str | Callable, **loss_kwargs: Any) -> dict:
-        """Hot-swap the loss: dry-run it on the last batch, then apply at the next step boundary."""
-        return await controls.swap_loss(self, loss, loss_kwargs)
+    def set_loss(self, loss: str | Callable, **loss_kwargs: Any) -> controls.Command:
+        """Hot-swap the loss: dry-run it on the last batch, then apply at the next step boundary. Starts at once
+        (even if not awaited); `await` it for ``{"loss", "applies_at_step"}`` or its `LossSwapRefused`."""
+        return controls.Command(controls.swap_loss(self, loss, loss_kwargs), f"run.set_loss({loss_label(loss)!r})")
 
     async def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code)."""

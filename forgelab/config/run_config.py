@@ -50,13 +50,20 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     task: str = "addition"
-    """A toy task name (see forgelab.data.tasks.TASKS) or a local .jsonl/.parquet file with prompt/target columns."""
+    """A toy task name (see forgelab.data.tasks.TASKS) or a dataset: a .jsonl/.parquet/.csv/.json file or a
+    save_to_disk directory, and from Python a `datasets.Dataset` / `DatasetDict`. Columns: `prompt` (text or chat
+    messages), optional `target`, any others (passed to the rewards; forgelab.data.datasets)."""
+    split: str | None = None
+    """The split of a DatasetDict `task` that trains (required for one: never implied); None otherwise."""
+    system_prompt: str | None = None
+    """A system message put before every prompt of a dataset task (rendered by the model's chat template)."""
     max_train_problems: int | None = None
     """At most this many training problems (a file's first rows). None: every training row of a file; a toy task
     generates 4000. The run reports its split at start (`data` event) and in manifest.json (`data_split`)."""
     heldout: int | float | str = 0.1
-    """Held-out problems of a file task: a fraction in (0, 1) of its rows (its last ones), a count of its last rows,
-    or a second .jsonl/.parquet file (then all of `task` trains). A toy task uses its test split unless a file."""
+    """Held-out problems of a dataset task: a fraction in (0, 1) of its rows (its last ones), a count of its last
+    rows, another split's name (a DatasetDict), or a second dataset (file, directory or, from Python, a Dataset;
+    then all of `task` trains). A toy task uses its test split unless a dataset is given."""
     group_size: int = 8
     """G: samples per prompt; advantages are computed within a group."""
     prompts_per_rollout: int = 8
@@ -251,6 +258,14 @@ class RunConfig:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as plain data. A dataset object given from Python (rollout.task / rollout.heldout) appears
+        as its description, which a YAML config cannot load back (save it with save_to_disk for that)."""
+        from forgelab.data.sources import describe_source, is_dataset
+
+        r = self.rollout
+        if is_dataset(r.task) or is_dataset(r.heldout):
+            plain = {k: f"<{describe_source(getattr(r, k))}>" for k in ("task", "heldout") if is_dataset(getattr(r, k))}
+            return dataclasses.asdict(dataclasses.replace(self, rollout=dataclasses.replace(r, **plain)))
         return dataclasses.asdict(self)
 
     def to_yaml(self, *, components: bool = False) -> str:
@@ -287,15 +302,13 @@ class RunConfig:
         from forgelab.data.datasets import check_split_fields
         from forgelab.data.tasks import TASKS
 
-        if r.task not in TASKS and not (r.task.endswith((".jsonl", ".parquet")) and Path(r.task).is_file()):
-            raise ConfigError(
-                f"rollout.task: {r.task!r} is neither a toy task ({', '.join(sorted(TASKS))}) "
-                "nor an existing .jsonl/.parquet file"
-            )
+        if isinstance(r.task, str) and r.task not in TASKS and not Path(r.task).exists():
+            raise ConfigError(f"rollout.task: {r.task!r} is neither a toy task ({', '.join(sorted(TASKS))}) nor an "
+                              "existing dataset (.jsonl/.parquet/.csv/.json file, save_to_disk directory)")
         for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
             positive_int(f"rollout.{name}", getattr(r, name))
         try:
-            check_split_fields(r.max_train_problems, r.heldout)
+            check_split_fields(r.max_train_problems, r.heldout, r.task, r.split)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if r.group_size < 2:
@@ -319,16 +332,16 @@ class RunConfig:
                 raise ConfigError(f"rollout.env_kwargs: {r.env!r} cannot be built with {r.env_kwargs!r}: {e}") from None
             positive_int("rollout.max_turns", r.max_turns)
             finite_range("rollout.env_step_timeout_s", r.env_step_timeout_s, 1e-3, 3600)
-        from forgelab.rewards.library import REWARDS
+        from forgelab.rewards.library import resolve_reward
 
         if r.rewards is not None and not r.rewards and r.env is None:
             raise ConfigError("rollout.rewards: empty; give at least one reward, e.g. {exact_answer: 1.0}")
         for name, w in (r.rewards or {}).items():
-            if name not in REWARDS:
-                raise ConfigError(
-                    f"rollout.rewards: unknown reward {name!r}; known: {', '.join(sorted(REWARDS))} "
-                    "(register your own with run.add_reward(name, fn, weight))"
-                )
+            try:
+                resolve_reward(name)  # a REWARDS name or package.module:function (a TRL-style one is adapted)
+            except KeyError as e:
+                raise ConfigError(f"rollout.rewards: {e.args[0]} (or register your own with run.add_reward(name, "
+                                  "fn, weight))") from None
             finite_range(f"rollout.rewards.{name}", w, -1e6, 1e6)
         from forgelab.algos import ADVANTAGES, LOSSES
 

@@ -100,7 +100,7 @@ def heldout_reward(rollout) -> Callable[..., float]:
     from forgelab.rewards.library import REWARDS
     from forgelab.data.tasks import TASKS
 
-    if rollout.task in TASKS:
+    if isinstance(rollout.task, str) and rollout.task in TASKS:
         return get_task(rollout.task).reward
     return REWARDS["math_answer" if "math_answer" in (rollout.rewards or {}) else "exact_answer"]
 

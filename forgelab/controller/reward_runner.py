@@ -57,9 +57,9 @@ def reward_weights(rollout: Any) -> dict[str, float]:
 
 def configured_rewards(rollout: Any) -> RewardComposer:
     """The `RewardComposer` a run starts with (`reward_weights`)."""
-    from forgelab.rewards.library import REWARDS
+    from forgelab.rewards.library import resolve_reward
 
-    return RewardComposer({name: (REWARDS[name], float(w)) for name, w in reward_weights(rollout).items()})
+    return RewardComposer({name: (resolve_reward(name), float(w)) for name, w in reward_weights(rollout).items()})
 
 
 class _Call:
@@ -170,7 +170,7 @@ class RewardRunner:
 
         def work() -> None:
             try:
-                value, error = composer.score(ep.prompt, ep.completion, ep.target, **ep.info), None
+                value, error = composer.score_episode(ep), None  # TRL-style rewards read its token ids
             except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine
                 value, error = None, e
             try:

@@ -131,7 +131,8 @@ class SingleTurn:
     def __init__(self, generators: Any, tokenizer: Any, sampling: Any = None):
         self.generators, self.tokenizer, self.sampling = generators, tokenizer, sampling
 
-    def prompt_ids(self, prompt: str) -> list[int]:
+    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of a prompt (text, or a chat-format problem's messages) rendered by the chat template."""
         from forgelab.data.prompts import format_prompt
 
         return self.tokenizer.encode(format_prompt(self.tokenizer, prompt), add_special_tokens=False)
@@ -140,7 +141,10 @@ class SingleTurn:
         kwargs: dict[str, Any] = {"sampling": sampling} if sampling is not None else {}
         if seeds is not None:
             kwargs["seeds"] = seeds
-        groups = await self.generators.route("generate", [self.prompt_ids(p.prompt) for p in problems], n=n, **kwargs)
+        from forgelab.data.prompts import problem_chat
+
+        groups = await self.generators.route("generate", [self.prompt_ids(problem_chat(p)) for p in problems], n=n,
+                                             **kwargs)
         return [[Episode(id=0, group_id=0, prompt_ids=list(c.prompt_ids), completion_ids=list(c.completion_ids),
                          generator_logprobs=list(c.logprobs), policy_version=c.policy_version, prompt=p.prompt,
                          completion=c.text, finish_reason=c.finish_reason) for c in comps]

@@ -119,19 +119,35 @@ def read_rollouts(run_dir: str | Path):
     return df.sort_values("id").reset_index(drop=True)
 
 
+def _value(fn: Callable, r: dict) -> float:
+    """One reward on a recorded row (a TRL-style reward also gets its token ids and policy version; its None,
+    "does not apply", counts 0 as in TRL's sum); raises what the reward raised."""
+    from forgelab.rewards import call_reward
+
+    value, failure = call_reward(getattr(fn, "__name__", "reward"), fn, r["prompt"], r["completion"], r["target"],
+                                 r["info"], {"completion_ids": list(r.get("completion_ids", [])),
+                                             "policy_version": r.get("policy_version", 0)})
+    if failure is not None:
+        raise ValueError(f"rescore: reward {failure.name!r} failed on episode {r.get('id')}: {failure.error_text}")
+    return 0.0 if value is None else value
+
+
 def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
     """row -> new reward, from a function or a dict of weights / functions / (fn, weight)."""
+    from forgelab.rewards import as_reward
+
     if callable(spec):
-        return lambda r: float(spec(r["prompt"], r["completion"], r["target"], **r["info"]))
+        spec = as_reward(spec)
+        return lambda r: _value(spec, r)
     if not isinstance(spec, dict) or not spec:
         raise TypeError("rescore: give a reward function fn(prompt, completion, target, **info) or a dict of "
                         f"weights over the recorded reward parts, not {spec!r}")
     terms = []
     for name, v in spec.items():
         if isinstance(v, tuple):
-            terms.append((name, v[0], float(v[1])))
+            terms.append((name, as_reward(v[0]), float(v[1])))
         elif callable(v):
-            terms.append((name, v, 1.0))
+            terms.append((name, as_reward(v), 1.0))
         else:
             terms.append((name, None, float(v)))
 
@@ -139,7 +155,7 @@ def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
         out = 0.0
         for name, fn, w in terms:
             if fn is not None:
-                value = float(fn(r["prompt"], r["completion"], r["target"], **r["info"]))
+                value = _value(fn, r)
             elif name in r["reward_parts"]:
                 value = float(r["reward_parts"][name])
             else:

@@ -142,8 +142,7 @@ def load_split(task: str, *, heldout: float | int | str = 0.1, max_train: int | 
     >>> len(s.train), len(s.heldout), s.description
     (10, 5, "data: 10 generated 'addition' training problems (rollout.max_train_problems: 10); held out: 5 of its test split (eval.n)")
     """
-    if max_train is not None and (isinstance(max_train, bool) or not isinstance(max_train, int) or max_train < 1):
-        raise ValueError(f"rollout.max_train_problems: must be a positive integer or null (all rows), got {max_train!r}")
+    check_split_fields(max_train, heldout)
     limit = "all" if max_train is None else str(max_train)
     held_file = isinstance(heldout, str)
     if held_file:
@@ -181,6 +180,21 @@ def load_split(task: str, *, heldout: float | int | str = 0.1, max_train: int | 
         held_what += f", the first {len(evaluated)} evaluated (eval.n)"
     info.update(heldout=heldout, heldout_rows=len(held), evaluated=len(evaluated), max_train_problems=max_train)
     return DataSplit(train=train, heldout=evaluated, description=f"data: {what}; held out: {held_what}", info=info)
+
+
+def check_split_fields(max_train: int | None, heldout: float | int | str) -> None:
+    """Raise ``ValueError`` naming the field unless ``rollout.max_train_problems`` / ``rollout.heldout`` are valid
+    (a positive count or None; a fraction in (0, 1), a count >= 1 or an existing .jsonl/.parquet file)."""
+    if max_train is not None and (isinstance(max_train, bool) or not isinstance(max_train, int) or max_train < 1):
+        raise ValueError(f"rollout.max_train_problems: must be a positive integer or null (all rows), got {max_train!r}")
+    if isinstance(heldout, str):
+        if not (heldout.endswith((".jsonl", ".parquet")) and Path(heldout).is_file()):
+            raise ValueError(f"rollout.heldout: {heldout!r} is not an existing .jsonl/.parquet file; give a file, a "
+                             "fraction in (0, 1) of the task file's rows, or a count of its last rows")
+    elif isinstance(heldout, bool) or not isinstance(heldout, (int, float)) or not (
+            0 < heldout < 1 or (heldout >= 1 and float(heldout).is_integer())):
+        raise ValueError(f"rollout.heldout: {heldout!r} is neither a fraction in (0, 1) nor a count >= 1 of held-out "
+                         "rows nor a file")
 
 
 def _heldout_rows(n_rows: int, heldout: float | int, task: str) -> int:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from forgelab.rewards.math_answers import math_answer, overlong, think_format
+from forgelab.rewards.trl_compat import TRLReward, as_reward
 
 __all__ = [
     "RewardFn",
@@ -59,6 +60,7 @@ __all__ = [
     "ValidationReport",
     "validate",
     "call_reward",
+    "resolve_reward",
 ]
 
 RewardFn = Callable[..., float]
@@ -125,6 +127,34 @@ answer tags, ``\\boxed{}``, think tags, DAPO's overlong shaping) live in
 (``forgelab.rewards.math_answers.make_overlong``) or ``max_tokens`` in the problems' info."""
 
 
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The reward a config names: a key of `REWARDS`, or an import path ``package.module:attribute`` (from YAML,
+    e.g. ``trl.rewards:think_format_reward``; a TRL-style function is adapted where it is added).
+
+    >>> resolve_reward("exact_answer") is exact_answer, resolve_reward("forgelab.rewards:think_format").__name__
+    (True, 'think_format')
+    """
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in str(name):
+        raise KeyError(f"unknown reward {name!r}; known: {', '.join(sorted(REWARDS))}, or an import path "
+                       "package.module:function (e.g. trl.rewards:think_format_reward)")
+    import importlib
+
+    module, _, attr = str(name).partition(":")
+    try:
+        fn = importlib.import_module(module)
+        for part in attr.split("."):
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as e:
+        raise KeyError(f"reward {name!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise KeyError(f"reward {name!r}: {fn!r} is not callable")
+    return fn
+
+
 # --- calling rewards safely ------------------------------------------------------
 
 
@@ -138,11 +168,13 @@ class RewardFailure:
     target: str
     error_text: str
     """Exception type, message and the innermost frames, or a description of the bad value."""
+    reason: str | None = None
+    """The drop reason when it is not ``reward_error:<name>`` (``reward_none``: every reward returned None)."""
 
     @property
     def drop_reason(self) -> str:
-        """The reason the episode is dropped with: ``"reward_error:<name>"``."""
-        return f"reward_error:{self.name}"
+        """The reason the episode is dropped with: ``"reward_error:<name>"`` (or `reason` when set)."""
+        return self.reason or f"reward_error:{self.name}"
 
 
 @dataclass
@@ -165,15 +197,24 @@ class RewardResult:
 
 
 def call_reward(
-    name: str, fn: RewardFn, prompt: str, completion: str, target: str, info: Mapping | None = None
+    name: str, fn: RewardFn, prompt: str, completion: str, target: str, info: Mapping | None = None,
+    episode: object = None,
 ) -> tuple[float | None, RewardFailure | None]:
     """Call one reward; return ``(value, None)`` or ``(None, RewardFailure)``. Never raises.
+
+    A TRL-style reward (`forgelab.rewards.trl_compat`) gets `episode` (an `Episode` or a recorded row: its
+    ``completion_ids`` and policy version) and may return None, "does not apply": then ``(None, None)``.
 
     >>> call_reward("bad", lambda p, c, t, **i: float("nan"), "p", "c", "t")[1].error_text
     'returned nan; a reward must return a finite real number'
     """
     try:
-        value = fn(prompt, completion, target, **(info or {}))
+        if isinstance(fn, TRLReward):
+            value = fn.call_one(prompt, completion, target, info, episode)
+            if value is None:
+                return None, None
+        else:
+            value = fn(prompt, completion, target, **(info or {}))
     except Exception as exc:  # noqa: BLE001 -- any error in user code fails the episode, by contract
         text = "".join(traceback.format_exception(exc, limit=-3))
         if len(text) > _MAX_ERROR_CHARS:
@@ -246,9 +287,11 @@ class RewardComposer:
         return list(self._terms)
 
     def add(self, name: str, fn: RewardFn, weight: float = 1.0, *, replace: bool = False) -> None:
-        """Add reward ``fn`` under ``name``; an existing name needs ``replace=True``."""
+        """Add reward ``fn`` under ``name``; an existing name needs ``replace=True``. A TRL-style batched
+        function (``reward(completions, **kwargs) -> list[float]``) is recognised and adapted (`as_reward`)."""
         if not callable(fn):
             raise TypeError(f"reward {name!r}: expected a callable (prompt, completion, target, **info) -> float, got {fn!r}")
+        fn = as_reward(fn)
         if name in self._terms and not replace:
             raise KeyError(f"reward {name!r} already exists; pass replace=True to swap its function")
         terms = dict(self._terms)
@@ -278,16 +321,30 @@ class RewardComposer:
 
     def score(self, prompt: str, completion: str, target: str, **info) -> RewardResult:
         """Score one completion with every reward (synchronously). See the module's failure rule."""
+        return self.score_sample(prompt, completion, target, info)
+
+    def score_episode(self, ep) -> RewardResult:
+        """`score` of an `Episode`: TRL-style rewards also get its ``completion_ids`` and policy version."""
+        return self.score_sample(ep.prompt, ep.completion, ep.target, ep.info, ep)
+
+    def score_sample(self, prompt: str, completion: str, target: str, info: Mapping | None = None,
+                     episode: object = None) -> RewardResult:
+        """`score` with `info` as a mapping and the episode (or recorded row) TRL-style rewards read."""
         terms = self._terms  # one read: a concurrent swap does not affect this episode
         result = RewardResult(total=0.0)
         total = 0.0
         for name, (fn, weight) in terms.items():
-            value, failure = call_reward(name, fn, prompt, completion, target, info)
+            value, failure = call_reward(name, fn, prompt, completion, target, info, episode)
             if failure is not None:
                 result.errors.append(failure)
                 continue
-            result.parts[name] = value
-            total += weight * value
+            if value is not None:  # None: a TRL-style "does not apply", left out of parts and total
+                result.parts[name] = value
+                total += weight * value
+        if terms and not result.parts and not result.errors:
+            result.errors.append(RewardFailure(
+                ",".join(terms), prompt, completion, target,
+                "every reward returned None (TRL's 'does not apply'); the episode has no reward", "reward_none"))
         result.total = total
         return result
 
@@ -338,13 +395,13 @@ class ValidationReport:
         )
 
 
-def _unpack_sample(sample) -> tuple[str, str, str, dict]:
+def _unpack_sample(sample) -> tuple[str, str, str, dict, object]:
     if hasattr(sample, "completion") and hasattr(sample, "target"):  # an Episode or similar
-        return sample.prompt, sample.completion, sample.target, dict(getattr(sample, "info", None) or {})
+        return sample.prompt, sample.completion, sample.target, dict(getattr(sample, "info", None) or {}), sample
     if len(sample) == 3:
-        return sample[0], sample[1], sample[2], {}
+        return sample[0], sample[1], sample[2], {}, None
     prompt, completion, target, info = sample
-    return prompt, completion, target, dict(info or {})
+    return prompt, completion, target, dict(info or {}), None
 
 
 def validate(fn: RewardFn, samples: Iterable, *, name: str | None = None) -> ValidationReport:
@@ -366,15 +423,16 @@ def validate(fn: RewardFn, samples: Iterable, *, name: str | None = None) -> Val
     ValueError: invalid literal for int() with base 10: 'x'
     """
     name = name or getattr(fn, "__name__", "reward")
+    fn = as_reward(fn)
     values: list[float] = []
     failures: list[RewardFailure] = []
     n = 0
     for sample in samples:
         n += 1
-        prompt, completion, target, info = _unpack_sample(sample)
-        value, failure = call_reward(name, fn, prompt, completion, target, info)
+        prompt, completion, target, info, episode = _unpack_sample(sample)
+        value, failure = call_reward(name, fn, prompt, completion, target, info, episode)
         if failure is not None:
             failures.append(failure)
-        else:
+        elif value is not None:  # None: a TRL-style "does not apply"
             values.append(value)
     return ValidationReport(name=name, n_samples=n, values=values, failures=failures)
