@@ -6,6 +6,7 @@ torchtitan until a name that needs them is used), while `__all__` still lists th
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any, Callable
 
 __all__ = ["lazy_exports"]
@@ -18,6 +19,9 @@ def lazy_exports(package: str, names: dict[str, str]) -> tuple[Callable[[str], A
     def __getattr__(name: str) -> Any:
         if name in names:
             return getattr(importlib.import_module(names[name]), name)
+        if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            # a subpackage or module reached as an attribute (`forgelab.lab.compare` after `import forgelab`)
+            return importlib.import_module(f"{package}.{name}")
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:

@@ -67,7 +67,8 @@ class ConsoleReporter:
         self.bar.close()
 
 
-SUMMARY_EPISODES = ("generated", "trained", "evicted", "dropped")
+SUMMARY_EPISODES = ("generated", "trained", "evicted", "dropped", "buffered", "in_flight")
+"""The episode counts a summary shows: all five terms of generated = trained + evicted + dropped + buffered + in_flight."""
 
 
 async def follow_run(run, *, started_at: float, start: bool = False, ndigits: int | None = None) -> dict:
@@ -81,7 +82,8 @@ async def follow_run(run, *, started_at: float, start: bool = False, ndigits: in
         ndigits: round the accuracies to this many digits (None: as measured).
 
     Returns ``{"task", "accuracy_before", "accuracy_after", "steps", "minutes", "episodes"}``; an
-    accuracy is None when the run never evaluated, ``episodes`` holds the counts in `SUMMARY_EPISODES`.
+    accuracy is None when the run never evaluated, ``episodes`` holds the counts in `SUMMARY_EPISODES` (they
+    close: generated is the sum of the others) and ``dropped_reasons``.
     A failure of the run is re-raised after the shutdown.
     """
     reporter = ConsoleReporter(run)
@@ -104,5 +106,5 @@ async def follow_run(run, *, started_at: float, start: bool = False, ndigits: in
         "accuracy_after": rounded(acc[-1][1]) if acc else None,
         "steps": run.step,
         "minutes": round((time.time() - started_at) / 60, 2),
-        "episodes": {k: counts[k] for k in SUMMARY_EPISODES},
+        "episodes": {**{k: counts[k] for k in SUMMARY_EPISODES}, "dropped_reasons": counts["dropped_reasons"]},
     }

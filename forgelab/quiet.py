@@ -15,9 +15,13 @@ and the CLI show forgelab's own output. ``FORGELAB_VERBOSE=1`` turns it off.
   for memory allocation on the NUMA nodes (...)" printed once when the
   generator binds its memory node: the binding is what we want.
 
-Left alone on purpose: Monarch's one "Monarch internal logs are being written
-to <file>" line (it says where to look when something fails), and every
-warning forgelab itself raises.
+- Monarch: "Monarch internal logs are being written to <file>; execution id
+  ..." printed by its Rust side to file descriptor 2 when a process first
+  makes its client context (red in a notebook's first cell). The file is
+  always ``<temp dir>/<user>/monarch_log.log`` (docs/reliability.md says
+  where to look when something fails).
+
+Left alone on purpose: every warning forgelab itself raises.
 
 `RepeatLimiter` collapses a burst of identical log lines (a generator respawn
 makes every rollout fail the same way) into the first line plus one
@@ -33,7 +37,7 @@ import tempfile
 import threading
 import warnings
 
-__all__ = ["install", "installed", "LOG_FILTERS", "WARNING_FILTERS", "CPP_LINES", "RepeatLimiter"]
+__all__ = ["install", "installed", "LOG_FILTERS", "WARNING_FILTERS", "CPP_LINES", "MONARCH_LINES", "RepeatLimiter"]
 
 LOG_FILTERS: list[tuple[str, str]] = [
     ("vllm.triton_utils.importing", r"Triton is installed, but doesn't include CPU backend"),
@@ -47,6 +51,9 @@ WARNING_FILTERS: list[tuple[type[Warning], str, str]] = [
 
 CPP_LINES: list[str] = [r"NUMA binding: Using MEMBIND policy"]
 """Lines torch's C++ side prints straight to file descriptor 2 while vLLM's CPU worker binds its memory node."""
+
+MONARCH_LINES: list[str] = [r"^Monarch internal logs are being written to "]
+"""Lines Monarch's Rust side prints straight to file descriptor 2 while it makes the process's client context."""
 
 _installed = False
 _lock = threading.Lock()
@@ -80,6 +87,7 @@ def install() -> None:
         for category, message, module in WARNING_FILTERS:
             warnings.filterwarnings("ignore", message=message, category=category, module=module)
         _patch_cpu_memory_binding()
+        _after_import("monarch._src.actor.actor_mesh", _wrap_monarch_client_context)
         _installed = True
 
 
@@ -117,6 +125,53 @@ def _patch_cpu_memory_binding() -> None:
             return spec
 
     sys.meta_path.insert(0, _Finder())
+
+
+def _after_import(target: str, hook) -> None:
+    """Call ``hook(module)`` on module ``target`` now if it is imported, else right after it is."""
+    import importlib.abc
+    import importlib.machinery
+
+    if target in sys.modules:
+        hook(sys.modules[target])
+        return
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target_=None):
+            if fullname != target:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_hook(module):
+                exec_module(module)
+                hook(module)
+
+            spec.loader.exec_module = exec_and_hook
+            return spec
+
+    sys.meta_path.insert(0, _Finder())
+
+
+def _wrap_monarch_client_context(module) -> None:
+    """Make Monarch's lazy client context run its first initialisation with `MONARCH_LINES` dropped from fd 2.
+
+    The initialisation starts no process (checked: the bootstrap spawns no child), so nothing inherits the
+    captured descriptor; any other line written meanwhile is written back."""
+    lazy = getattr(module, "_client_context", None)
+    init = getattr(lazy, "_init", None)
+    if init is None or getattr(init, "_forgelab_quiet", False):
+        return
+
+    def quiet_init(*args, **kwargs):
+        with _drop_fd2_lines(MONARCH_LINES):
+            return init(*args, **kwargs)
+
+    quiet_init._forgelab_quiet = True
+    lazy._init = quiet_init
 
 
 class _FilteredOps:

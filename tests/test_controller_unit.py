@@ -61,7 +61,7 @@ def test_accounting_and_metrics_columns(tmp_path):
         assert col in df.columns, col
     assert (df["weight_sync_ms"] == 3.5).all()  # the fake trainer's gather 1 + write 0.5 + send 2 ms
     kinds = [e["kind"] for e in run.events]
-    assert kinds[0] == "spawned" and kinds[1] == "eval" and kinds[-1] == "finished"
+    assert kinds[:3] == ["spawned", "data", "eval"] and kinds[-1] == "finished"
     # the greedy fake answers every held-out problem right: evaluation scored the final answers
     assert run.accuracy_history == [(0, 1.0), (6, 1.0)]
     trained = run.rollouts[run.rollouts["status"] == "trained"]
@@ -625,7 +625,7 @@ def test_a_10000_row_file_trains_on_all_of_its_training_rows(tmp_path):
     manifest = json.loads((run.out_dir / "manifest.json").read_text())
     split = manifest["data_split"]
     assert (split["rows"], split["train"], split["heldout_rows"], split["evaluated"]) == (10_000, 9_000, 1_000, 8)
-    assert split["heldout"] == 0.1 and split["max_train_problems"] is None
+    assert str(split["heldout"]) == "0.1" and split["max_train_problems"] is None
     (ev,) = [e for e in run.events if e["kind"] == "data"]
     assert ev["message"].startswith("data: 9000 of 9000 training rows (rows 0-8999 of ") and "last 1000 rows" in ev["message"]
 
@@ -791,3 +791,177 @@ def test_public_packages_resolve_their_lazy_names():
         assert not subs & set(mod.__all__), f"{pkg}: {sorted(subs & set(mod.__all__))} are both names and modules"
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         forgelab.engines.nope  # noqa: B018
+
+
+# ---------------------------------------------------------------------------- custom losses, small traps (issue #25: 5, 9)
+
+
+def halved_dapo(logprobs_B_T, **kwargs):
+    """DAPO at half weight: a loss function given as code."""
+    from forgelab.algos import LOSSES
+
+    loss, metrics = LOSSES["dapo"](logprobs_B_T, **kwargs)
+    return 0.5 * loss, metrics
+
+
+def test_a_run_starts_on_a_loss_function_which_reaches_the_trainer_by_value(tmp_path):
+    from forgelab.config import ConfigError
+    from forgelab.engines.trainer_support import PackedLoss
+
+    cfg = config(tmp_path, steps=2)
+    cfg.train.loss = halved_dapo
+    held = {}
+
+    async def spawn(c):
+        held["p"] = await fake_spawn(c)
+        return held["p"]
+
+    run = run_to_end(Run(cfg, spawn=spawn))
+    assert run.state == "finished" and run.loss_name == "halved_dapo"
+    got = held["p"].trainer.loss  # what the trainer process was given: the code itself, by value
+    assert isinstance(got, PackedLoss) and got.name == "halved_dapo" and got.unpack().__doc__ == halved_dapo.__doc__
+    assert set(run.metrics["loss_name"]) == {"halved_dapo"}
+    assert "halved_dapo" in cfg.to_yaml()  # a config holding code still prints
+    with pytest.raises(ConfigError, match="train.loss: unknown loss 3"):
+        RunConfig.from_dict({"train": {"loss": 3}})
+
+
+def test_a_losses_entry_only_the_notebook_has_is_shipped_not_lost(monkeypatch, tmp_path):
+    """A name added to (or replaced in) LOSSES in this process passes validation and must reach the trainer as
+    code: it travels packed under its name; the built-ins still travel by name."""
+    from forgelab.algos import LOSSES
+    from forgelab.controller.controls import prepare_loss
+    from forgelab.engines.spawn import component_configs
+    from forgelab.engines.trainer_support import PackedLoss
+
+    monkeypatch.setitem(LOSSES, "halved", halved_dapo)
+    cfg = config(tmp_path)
+    cfg.train.loss = "halved"
+    cfg.validate()
+    shipped = component_configs(cfg)["trainer"].loss
+    assert isinstance(shipped, PackedLoss) and shipped.name == "halved"
+    assert shipped.unpack().__doc__ == halved_dapo.__doc__
+    name, spec, _ = prepare_loss(cfg, "halved", {})  # run.set_loss("halved") ships it the same way
+    assert name == "halved" and isinstance(spec, PackedLoss) and spec.name == "halved"
+    assert prepare_loss(cfg, "dapo", {})[1] == "dapo"
+    cfg.train.loss = "grpo"
+    assert component_configs(cfg)["trainer"].loss == "grpo"
+    monkeypatch.setitem(LOSSES, "grpo", halved_dapo)  # a built-in replaced in the notebook: its code travels
+    assert isinstance(component_configs(cfg)["trainer"].loss, PackedLoss)
+
+
+def test_grpo_default_kl_without_a_reference_is_set_to_zero_and_said(tmp_path, caplog):
+    from forgelab.algos.loss_checks import reference_notes
+    from forgelab.config import ConfigError
+    from forgelab.controller.controls import LossSwapRefused
+    from forgelab.engines.spawn import component_configs
+
+    cfg = config(tmp_path, steps=2, reference=False)
+    assert cfg.train.loss == "grpo"
+    (note,) = reference_notes(cfg.train.loss, cfg.train.loss_kwargs, cfg.placement.reference)
+    assert "kl_coef=0.04" in note and "placement.reference is false" in note
+    assert component_configs(cfg)["trainer"].loss_kwargs == {"kl_coef": 0.0}  # what the trainer runs, visibly
+    with pytest.raises(ConfigError, match=r"train.loss_kwargs.kl_coef: 0.04 needs the reference model"):
+        RunConfig.from_dict({"train": {"loss_kwargs": {"kl_coef": 0.04}}, "placement": {"reference": False}})
+    assert reference_notes("grpo", {"kl_coef": 0.0}, False) == [] == reference_notes("grpo", {}, True)
+
+    async def go():
+        run = Run(cfg, spawn=fake_spawn)
+        await run.start()
+        await run.until(step=1, timeout=60)
+        with pytest.raises(LossSwapRefused, match="kl_coef: 0.1 needs the reference model"):
+            await run.set_loss("dapo", kl_coef=0.1)  # the same rule for a live swap
+        await run.wait()
+        await run.shutdown()
+        return run
+
+    with caplog.at_level("WARNING"):
+        run = asyncio.run(go())
+    assert [e["message"] for e in run.events if e["kind"] == "config_note"] == [note]
+    assert any(note in r.getMessage() for r in caplog.records)
+
+
+def test_set_loss_without_await_still_swaps_and_a_failure_is_logged(tmp_path, caplog):
+    """`run.set_loss(...)` forgotten without `await` (a notebook cell) used to do nothing and say nothing."""
+    held = {}
+
+    async def spawn(c):
+        held["p"] = await fake_spawn(c)
+        return held["p"]
+
+    async def go():
+        run = Run(config(tmp_path, steps=6), spawn=spawn)
+        await run.start()
+        await run.until(step=1, timeout=60)
+        cmd = run.set_loss("dapo")  # not awaited
+        await run.until(predicate=lambda r: r.loss_name == "dapo", timeout=60)
+        assert "dapo" in repr(cmd) and "applies_at_step" in repr(cmd)
+        bad = run.set_loss("dapo", eps_hgih=0.3)  # refused; nobody awaits it: the refusal is logged
+        await run.until(predicate=lambda r: any("eps_hgih" in rec.getMessage() for rec in caplog.records), timeout=60)
+        assert "failed" in repr(bad)
+        assert (await run.set_loss("grpo"))["loss"] == "grpo"  # awaited, it returns the swap's report as before
+        await run.wait()
+        await run.shutdown()
+        return run
+
+    with caplog.at_level("WARNING"):
+        run = asyncio.run(go())
+    assert "dapo" in [s["loss"] for s in held["p"].trainer.steps]  # the trainer did train with it
+    (msg,) = [r.getMessage() for r in caplog.records if "eps_hgih" in r.getMessage()]
+    assert "run.set_loss('dapo') failed and nothing awaited it: LossSwapRefused" in msg
+
+
+def test_rollout_inspector_before_any_rollout_and_after_the_run(tmp_path, caplog):
+    """Built before the first rollout (a dashboard cell right after start) it refreshes without error; when
+    the run ends it turns to the trained episodes, not the last rollout's cancelled ones; a status the user
+    chose stays."""
+    from forgelab.lab import RolloutInspector
+
+    run = Run(config(tmp_path, steps=3), spawn=fake_spawn)
+    insp, chosen = RolloutInspector(run, min_interval_s=0.0), RolloutInspector(run, min_interval_s=0.0)
+
+    async def go():
+        with caplog.at_level("ERROR", logger="forgelab.lab"):
+            _ = insp.widget, chosen.widget  # first refresh: no rollout exists yet
+        assert not [r for r in caplog.records if r.name.startswith("forgelab.lab")], caplog.text
+        assert list(insp.select.options) == [] and insp.status.value == "all statuses"
+        chosen.status.value = "dropped"  # by hand
+        await run.start()
+        await asyncio.wait_for(run.wait(), 60)
+        await insp.throttle.settled()
+        await chosen.throttle.settled()
+        await run.shutdown()
+
+    asyncio.run(go())
+    newest = run.rollouts.sort_values("id").iloc[-1]
+    assert newest["status"] != "trained"  # what the table used to open on
+    assert insp.status.value == "trained" and set(insp.df["status"]) == {"trained"} and len(insp.df) > 0
+    assert insp.episode()["status"] == "trained"
+    assert chosen.status.value == "dropped" and all(s.startswith("dropped") for s in chosen.df["status"])
+    late = RolloutInspector(run)  # opened after the run ended
+    _ = late.widget
+    assert late.status.value == "trained" and late.episode()["status"] == "trained"
+
+
+def test_run_summary_closes_its_accounting(tmp_path):
+    """`make demo`'s last JSON line (`follow_run`'s summary) shows every term of its accounting identity."""
+    from forgelab.progress import follow_run
+
+    summary = asyncio.run(follow_run(Run(config(tmp_path, steps=3), spawn=fake_spawn), started_at=0.0, start=True))
+    e = summary["episodes"]
+    assert e["generated"] == e["trained"] + e["evicted"] + e["dropped"] + e["buffered"] + e["in_flight"]
+    assert e["trained"] == 3 * 8 and sum(e["dropped_reasons"].values()) == e["dropped"]
+
+
+def test_subpackages_are_reachable_as_attributes_of_a_fresh_import():
+    """`forgelab.lab.compare` right after `import forgelab` (it raised AttributeError unless forgelab.lab was
+    imported first); a fresh interpreter, since this one has imported everything already."""
+    import subprocess
+    import sys
+
+    code = ("import forgelab, sys; assert 'forgelab.lab' not in sys.modules; "
+            "print(forgelab.lab.compare.__module__, forgelab.controller.buffer.ReplayBuffer.__name__, "
+            "hasattr(forgelab, 'no_such_thing'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["forgelab.lab.compare", "ReplayBuffer", "False"]

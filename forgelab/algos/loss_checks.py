@@ -36,6 +36,9 @@ __all__ = [
     "strict_hparams",
     "with_completion_budget",
     "completion_budget",
+    "without_reference",
+    "reference_notes",
+    "loss_label",
     "validate_loss_output",
 ]
 
@@ -140,6 +143,47 @@ def with_completion_budget(loss: Any, kwargs: Mapping[str, Any] | None, budget: 
     if "max_tokens" in params and params["max_tokens"].kind is not inspect.Parameter.VAR_KEYWORD:
         out["max_tokens"] = int(budget)
     return out
+
+
+def without_reference(loss: Any, kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+    """The keywords ``loss`` runs with when there is no reference model, and a message when they differ.
+
+    An explicit ``kl_coef > 0`` raises ``LossError`` (there are no reference logprobs to take a KL to). A
+    loss whose own default ``kl_coef`` is positive (grpo's 0.04) gets ``kl_coef=0.0`` written in, with a
+    message saying so: the KL term is off, and now visibly so.
+
+    >>> without_reference("grpo", {})[0], without_reference("dapo", {})
+    ({'kl_coef': 0.0}, ({}, None))
+    """
+    out = dict(kwargs or {})
+    name, fn = _resolve(loss)
+    kl = out.get("kl_coef")
+    if isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl > 0:
+        raise LossError(f"kl_coef: {kl} needs the reference model, but placement.reference is false; set "
+                        "placement.reference: true or kl_coef: 0")
+    if kl is not None:
+        return out, None
+    try:
+        p = inspect.signature(fn).parameters.get("kl_coef")
+    except (TypeError, ValueError):
+        p = None
+    default = None if p is None or p.default is inspect.Parameter.empty else p.default
+    if not isinstance(default, (int, float)) or isinstance(default, bool) or default <= 0:
+        return out, None
+    out["kl_coef"] = 0.0
+    return out, (f"loss {name!r} takes kl_coef={default} by default, but placement.reference is false: with no "
+                 "reference model there is no KL term, so it trains with kl_coef 0. Set "
+                 "train.loss_kwargs.kl_coef: 0 to say so, or placement.reference: true for the KL term")
+
+
+def reference_notes(loss: Any, kwargs: Mapping[str, Any] | None, reference: bool) -> list[str]:
+    """What a run with this loss resolves implicitly about KL, in words (a run logs each at start)."""
+    return [] if reference else [n for n in [without_reference(loss, kwargs)[1]] if n]
+
+
+def loss_label(loss: Any) -> str:
+    """The name a loss spec goes by: the registry name, a packed loss's name, or the function's ``__name__``."""
+    return _resolve(loss)[0] if not isinstance(loss, str) else loss
 
 
 def completion_budget(rollout: Any) -> int:

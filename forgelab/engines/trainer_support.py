@@ -5,6 +5,7 @@ and its step); everything here is importable without building a model.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -17,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["WarmupCosine", "PackedLoss", "pack_loss", "resolve_loss", "check_tokens", "check_batch", "resolve_device",
-           "REQUIRED_BATCH_KEYS"]
+__all__ = ["WarmupCosine", "PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "check_tokens", "check_batch",
+           "resolve_device", "REQUIRED_BATCH_KEYS"]
 
 REQUIRED_BATCH_KEYS = ("tokens_B_L", "mask_B_T", "generator_logprobs_B_T", "advantages_B")
 
@@ -63,6 +64,23 @@ def pack_loss(fn: Callable) -> PackedLoss:
     if not callable(fn):
         raise TypeError(f"pack_loss: expected a loss function, got {type(fn).__name__}")
     return PackedLoss(name=getattr(fn, "__name__", type(fn).__name__), payload=cloudpickle.dumps(fn))
+
+
+def shipped_loss(spec: Any) -> "str | PackedLoss":
+    """A loss as it must travel to the trainer process: a built-in by name (every process knows it); anything
+    else by value: a function, or a name the controller's `LOSSES` has but the trainer's does not (added or
+    replaced in a notebook), packed under that name. An unknown name raises ``ValueError``."""
+    from forgelab.algos.losses import BUILTIN_LOSSES, LOSSES
+
+    if isinstance(spec, PackedLoss):
+        return spec
+    if isinstance(spec, str):
+        if spec not in LOSSES:
+            raise ValueError(f"unknown loss {spec!r}; registered losses: {sorted(LOSSES)} (or pass a function)")
+        if LOSSES[spec] is BUILTIN_LOSSES.get(spec):
+            return spec
+        return dataclasses.replace(pack_loss(LOSSES[spec]), name=spec)
+    return pack_loss(spec)
 
 
 def resolve_loss(spec: Any) -> tuple[str, Callable]:

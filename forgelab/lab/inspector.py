@@ -15,6 +15,8 @@ from forgelab.lab.tokens import COLOUR_BY, spans_html, table_html, token_rows
 
 SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length")
 CORRECTNESS = ("all", "only right", "only wrong")
+STATUSES = ("all statuses", "trained", "buffered", "in_flight", "evicted", "dropped")
+ENDED = ("finished", "stopped", "failed")
 
 
 def _short(x: Any, n: int) -> str:
@@ -34,7 +36,9 @@ class RolloutInspector(Panel):
     """A filterable, sortable table of recent episodes and a token-level view of the selected one.
 
     Filters: `text` (substring of prompt or completion, case-insensitive), `correctness`
-    ("only right": the `reward/exact_answer` part (else the reward) is > 0.5), `reward_range`, `task`.
+    ("only right": the `reward/exact_answer` part (else the reward) is > 0.5), `reward_range`, `task`, `status`
+    (buffer status; "dropped" matches every reason). When the run has ended, the table shows the trained
+    episodes (the newest ones are then the last rollout, cancelled unscored) unless `status` was set by hand.
     Colour the tokens by `colour_by`: "logprob" (generator), "advantage" or "kl" (k3 vs the reference).
     """
 
@@ -47,6 +51,7 @@ class RolloutInspector(Panel):
         """The filtered, sorted episodes currently listed (pandas DataFrame)."""
         self._syncing = False
         self._seen = (-1, -1)
+        self._status_set = False  # the user chose a status: the end of the run does not change it
 
     # ------------------------------------------------------------------ widget
     def _build(self):
@@ -56,6 +61,7 @@ class RolloutInspector(Panel):
         self.text = W.Text(placeholder="filter prompt / completion", layout=lay(width="220px"))
         self.correctness = W.Dropdown(options=CORRECTNESS, value="all", layout=lay(width="115px"))
         self.task = W.Dropdown(options=["all tasks"], value="all tasks", layout=lay(width="140px"))
+        self.status = W.Dropdown(options=STATUSES, value="all statuses", layout=lay(width="125px"))
         self.reward_range = W.FloatRangeSlider(value=(-1e9, 1e9), min=-1e9, max=1e9, step=0.01, description="reward",
                                                readout_format=".2f", continuous_update=False,
                                                layout=lay(width="300px"), style={"description_width": "50px"})
@@ -70,20 +76,24 @@ class RolloutInspector(Panel):
         self.header = W.HTML()
         self.tokens = W.HTML(layout=lay(width="62%"))
         self.side = W.HTML(layout=lay(width="38%"))
-        for w in (self.text, self.correctness, self.task, self.reward_range, self.sort_by, self.ascending):
+        for w in (self.text, self.correctness, self.task, self.status, self.reward_range, self.sort_by, self.ascending):
             w.observe(self._on_filter, names="value")
         self.select.observe(lambda _: self._show_selected(), names="value")
         self.colour_by.observe(lambda _: self._show_selected(), names="value")
-        filters = W.HBox([self.text, self.correctness, self.task, self.reward_range, self.sort_by, self.ascending],
+        filters = W.HBox([self.text, self.correctness, self.task, self.status, self.reward_range, self.sort_by,
+                          self.ascending],
                          layout=lay(flex_flow="row wrap", align_items="center"))
         picker = W.HBox([self.select, W.Label("colour by"), self.colour_by], layout=lay(align_items="center"))
         return W.VBox([filters, self.table, picker, self.header, W.HBox([self.tokens, self.side])])
 
     def _wants(self, msg: dict) -> bool:
-        return "event" not in msg  # new episodes arrive with steps
+        # new episodes arrive with steps; the end of the run turns the table to the trained episodes
+        return "event" not in msg or msg["event"].get("kind") in ENDED
 
-    def _on_filter(self, _change) -> None:
+    def _on_filter(self, change) -> None:
         if not self._syncing:
+            if isinstance(change, dict) and change.get("owner") is self.status:  # a traitlets change (a dict)
+                self._status_set = True
             self._apply(self._all())
 
     # ------------------------------------------------------------------ data
@@ -94,12 +104,16 @@ class RolloutInspector(Panel):
         if self._widget is None:
             return
         df = self._all()
-        key = (len(df), int(df["id"].iloc[-1]) if len(df) and "id" in df.columns else -1)
+        ended = getattr(self.run, "state", None) in ENDED
+        key = (len(df), int(df["id"].iloc[-1]) if len(df) and "id" in df.columns else -1, ended)
         if key == self._seen and self.df is not None:
             return
         self._seen = key
         self._syncing = True
         try:
+            if (ended and not self._status_set and self.status.value == "all statuses" and "status" in df.columns
+                    and (df["status"] == "trained").any()):
+                self.status.value = "trained"
             if len(df) and "task" in df.columns:
                 tasks = ["all tasks"] + sorted(str(t) for t in df["task"].dropna().unique())
                 if list(self.task.options) != tasks:
@@ -138,6 +152,8 @@ class RolloutInspector(Panel):
             keep = both(right if self.correctness.value == "only right" else ~right)
         if self.task.value != "all tasks" and "task" in df.columns:
             keep = both(df["task"].astype(str) == self.task.value)
+        if self.status.value != "all statuses" and "status" in df.columns:
+            keep = both(df["status"].astype(str).str.split(":").str[0] == self.status.value)
         lo, hi = self.reward_range.value
         reward = df["reward"].astype(float)
         if reward.min() < lo - 1e-9 or reward.max() > hi + 1e-9:
@@ -150,8 +166,9 @@ class RolloutInspector(Panel):
         self.df = self.filtered(df)
         self.table.value = self._table_html(self.df)
         shown = self.df.head(self.max_rows)
+        cols = ("id", "reward", "completion")  # none before the first rollout: an empty frame has no columns
         options = [(f"#{int(i)}  r={_num(rw)}  {_short(c, 40)}", int(i))
-                   for i, rw, c in zip(*(shown[k].tolist() for k in ("id", "reward", "completion")))]
+                   for i, rw, c in zip(*(shown[k].tolist() for k in cols))] if set(cols) <= set(shown.columns) else []
         prev = self.select.value
         self._syncing = True
         try:
@@ -207,6 +224,7 @@ class RolloutInspector(Panel):
         if episode_id not in [v for _, v in self.select.options]:
             self._syncing = True
             self.text.value, self.correctness.value, self.task.value = "", "all", "all tasks"
+            self.status.value = "all statuses"
             self.reward_range.value = (self.reward_range.min, self.reward_range.max)
             self._syncing = False
             df = self._all()

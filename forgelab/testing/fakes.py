@@ -333,7 +333,10 @@ def fake_generators(cfg: Any, n: int | None = None, p_correct: float = 0.5) -> F
 
 async def fake_spawn(cfg: Any) -> FakeParts:
     """Fakes sized from the config: `placement.generator_replicas` replicas, a reference if asked for."""
+    from forgelab.engines.spawn import component_configs
+
     gens = fake_generators(cfg)
     envs = FakeEnvs(cfg.model.path) if cfg.rollout.env is not None else None
     return FakeParts(generators=gens, envs=envs,
-                     trainer=FakeTrainer(cfg.train.loss), reference=FakeReference() if cfg.placement.reference else None)
+                     trainer=FakeTrainer(component_configs(cfg)["trainer"].loss),  # the loss as the trainer gets it
+                     reference=FakeReference() if cfg.placement.reference else None)
