@@ -7,6 +7,7 @@
     forgelab show RUN_DIR                                  a run's timeline: config, each change, code diffs
     forgelab diff RUN_A RUN_B                              config, swapped functions, versions, hardware
     forgelab replay RUN_DIR [--until N] [--trust]          re-run with its recorded changes, compare metrics
+    forgelab export RUN_DIR [--merge] [--out DIR]          the saved LoRA adapter (PEFT) or merged / full HF model
 """
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                             "a fork's checkpoint); refused otherwise")
     p_rep.add_argument("--allow-mismatch", action="store_true",
                        help="replay even where package versions or built-in code differ from the manifest's")
+    p_exp = sub.add_parser("export", help="write a run's last checkpoint as a PEFT adapter (LoRA) or a HF model")
+    p_exp.add_argument("run_dir", help="a run directory, a checkpoint directory or a trainer checkpoint")
+    p_exp.add_argument("--merge", action="store_true", help="LoRA: write the base with the adapter merged in")
+    p_exp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export/{adapter,merged,model})")
     args = parser.parse_args(argv)
 
     from forgelab.config.run_config import ConfigError
@@ -92,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_run(cfg, args.resume))
         if args.cmd in ("show", "diff", "replay"):
             return _provenance(args)
+        if args.cmd == "export":
+            from forgelab.engines.export import export_checkpoint
+
+            try:
+                print(json.dumps(export_checkpoint(args.run_dir, args.out, merge=args.merge)))
+            except (FileNotFoundError, ValueError) as e:
+                print(f"forgelab export: {e}", file=sys.stderr)
+                return 1
+            return 0
         if args.cmd == "demo":
             from forgelab.demo import demo
 

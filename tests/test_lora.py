@@ -269,6 +269,28 @@ def test_pushed_adapter_generator_equals_peft_and_trainer_merged(loop, parts, mo
         assert _max_gap(lp, truth) <= 4 * base_err, (name, _max_gap(lp, truth), base_err)
 
 
+def _check_cli_export(loop, trainer, ckpt: str, tmp_path) -> None:
+    """`forgelab export CKPT [--merge]` (a separate process, no actor) writes what the live trainer exports."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    live_adapter, live_merged = str(tmp_path / "live-adapter"), str(tmp_path / "live-merged")
+    loop.run_until_complete(trainer.call("export_adapter", live_adapter))
+    loop.run_until_complete(trainer.call("export_hf", live_merged))
+    for flags, live, name in (([], live_adapter, "adapter_model.safetensors"),
+                              (["--merge"], live_merged, "model.safetensors")):
+        out = str(tmp_path / f"cli{len(flags)}")
+        proc = subprocess.run([sys.executable, "-m", "forgelab.cli", "export", ckpt, "--out", out, *flags],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert summary["kind"] == ("merged" if flags else "adapter") and summary["out"] == out
+        got, want = load_file(os.path.join(out, name)), load_file(os.path.join(live, name))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)  # the same tensors
+
+
 @integration
 def test_lora_checkpoint_resumes_exactly_and_refuses_another_base(loop, parts, batches, tmp_path):
     _, t2, _ = parts
@@ -284,6 +306,7 @@ def test_lora_checkpoint_resumes_exactly_and_refuses_another_base(loop, parts, b
     elements = sum(math.prod(v.size) for k, v in saved.items() if getattr(v, "size", None) and "step" not in k)
     info = loop.run_until_complete(t2.call("info"))[0]
     assert elements == 3 * info["trainable_params"]  # adapters + AdamW's two moments
+    _check_cli_export(loop, t2, ckpt, tmp_path)
     first = loop.run_until_complete(t2.call("train_step", batches[2]))
     fp_first = loop.run_until_complete(t2.call("fingerprint"))
     loop.run_until_complete(t2.call("load", ckpt))
