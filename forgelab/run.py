@@ -332,7 +332,8 @@ class Run(experiments.Experiments):
 
     @property
     def rollouts(self):
-        """Recent episodes (newest last) with token ids, logprobs, rewards, advantages and status."""
+        """The newest 2000 episodes (newest last) with token ids, logprobs, rewards, advantages and status;
+        ``attrs["older"]`` counts the earlier ones, which are in the rollout log (`read_rollouts(run.out_dir)`)."""
         import pandas as pd
 
         return self.rollout.dataframe() if self.rollout else pd.DataFrame()

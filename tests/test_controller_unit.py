@@ -519,6 +519,8 @@ def test_rollout_log_records_every_closed_episode_once_and_flushes_on_stop(tmp_p
     assert dropped == c["dropped_reasons"]
     held = {ep.id for ep in run.buffer.buffered()}
     assert held.isdisjoint(log["id"]) and len(log) + len(held) == c["generated"]
+    view = run.rollouts  # the in-memory view is capped, and says by how much
+    assert view.attrs["shown"] == len(view) and view.attrs["shown"] + view.attrs["older"] == c["generated"]
 
 
 def _block(first: int, n: int, version: int, group: int):

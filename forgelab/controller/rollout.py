@@ -42,6 +42,9 @@ from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.rollout")
 
+RECENT = 2000
+"""Episodes kept in memory for views (`Rollouts.dataframe`, `run.rollouts`); every closed one is in the rollout log."""
+
 __all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "episode_seed", "determinism"]
 
 
@@ -194,7 +197,8 @@ class Rollouts:
         self.config, self.source, self.buffer, self.rewards = config, source, buffer, rewards
         self.reference, self.stream, self.gate, self.emit, self.pad_id = reference, stream, gate, emit, pad_id
         self.pause, self.rewards_for = pause, rewards_for
-        self.recent: deque[Episode] = deque(maxlen=2000)  # buffered, trained or dropped, newest last
+        self.recent: deque[Episode] = deque(maxlen=RECENT)  # a view: buffered, trained or dropped, newest last
+        self.recent_total = 0  # episodes ever put in `recent` (the older ones are in the rollout log)
         self.next_group_id = 0
         self.next_episode_id = 0
         self.ids_unused = 0  # ids admitted for episodes that were never generated (the rollout failed first)
@@ -253,7 +257,7 @@ class Rollouts:
         lost = [ep for ep in admitted.created if self.buffer.status(ep.id) is None]
         if lost:
             self.buffer.drop(lost, reason)
-            self.recent.extend(lost)  # never buffered or dropped before: not in `recent` yet
+            self._remember(lost)  # never buffered or dropped before: not in `recent` yet
         return len(lost)
 
     # -- one rollout --------------------------------------------------------------------------------------
@@ -310,13 +314,17 @@ class Rollouts:
             await self._add_ref_logprobs(keep)
         async with self.gate.changed:
             self.buffer.add(keep)
-            self.recent.extend(keep)
+            self._remember(keep)
             self.gate.changed.notify_all()
 
     def _drop(self, eps: list[Episode], reason: str) -> None:
         if eps:
             self.buffer.drop(eps, reason)
-            self.recent.extend(eps)
+            self._remember(eps)
+
+    def _remember(self, eps: list[Episode]) -> None:
+        self.recent.extend(eps)
+        self.recent_total += len(eps)
 
     async def _add_ref_logprobs(self, eps: list[Episode]) -> None:
         from forgelab.runtime.service import NoHealthyReplicaError, ReplicaFailedError
@@ -342,7 +350,8 @@ class Rollouts:
 
     # -- views --------------------------------------------------------------------------------------------
     def dataframe(self):
-        """Recent episodes (newest last) with token ids, logprobs, rewards, advantages and buffer status."""
+        """The newest `RECENT` episodes (newest last) with token ids, logprobs, rewards, advantages and buffer
+        status; ``df.attrs``: ``shown``, ``older`` (how many earlier ones are not shown) and where they are."""
         import pandas as pd
 
         rows = []
@@ -360,7 +369,10 @@ class Rollouts:
             }
             row.update({f"reward/{k}": v for k, v in ep.reward_parts.items()})
             rows.append(row)
-        return pd.DataFrame(rows)
+        df = pd.DataFrame(rows)
+        df.attrs.update(shown=len(rows), older=self.recent_total - len(rows),
+                        older_in="the rollout log: read_rollouts(run.out_dir), once the buffer closed them")
+        return df
 
 
 def episode_seed(run_seed: int, episode_id: int) -> int:
