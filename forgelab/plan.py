@@ -16,6 +16,11 @@ component configs a `Run` would spawn (`forgelab.engines.spawn.component_configs
 - reference: weights, one micro-batch's forward temporaries, chunked logits, the runtime;
 - the shared-memory weights file (same-host weight sync): counted once, not per process.
 
+With ``lora.enabled``: the trainer keeps the frozen base (no gradients, no AdamW state) plus the adapters
+with theirs, no output-projection or embedding gradient, pushes the adapter alone, and (``lora.reference:
+base``) runs one extra no-grad forward for the reference instead of a reference process; the generator adds
+``max_loras`` adapter slots at vLLM's ``max_lora_rank`` and as many in its CPU adapter cache.
+
 The per-token activation and runtime constants were fitted on CPU measurements
 (`python -m forgelab.bench realmodel` reports planned vs measured); they are estimates:
 the planner's job is to name the term that will not fit, not to be exact.
@@ -72,6 +77,13 @@ class ModelShape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attn = self.dim * (q + 2 * kv) + q * self.dim + (2 * self.head_dim if self.qk_norm else 0)
         return attn + 3 * self.dim * self.ffn + 2 * self.dim
+
+    def lora_params(self, targets: Any, rank: int) -> int:
+        """Parameters of rank-``rank`` LoRA adapters on ``targets`` (HF projection names) in every layer."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        dims = {"q_proj": (self.dim, q), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv), "o_proj": (q, self.dim),
+                "gate_proj": (self.dim, self.ffn), "up_proj": (self.dim, self.ffn), "down_proj": (self.ffn, self.dim)}
+        return self.layers * sum(rank * sum(dims[t]) for t in targets)
 
     @property
     def params(self) -> int:
@@ -174,6 +186,14 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     wb = _bytes(gen.dtype)
     seqs = min(int(gen.max_num_seqs), cfg.rollout.group_size * cfg.rollout.prompts_per_rollout * cfg.rollout.concurrency)
     g_terms = {"weights": P * wb, "runtime": RUNTIME_BYTES["generator"], "sampler logits": seqs * V * 4 * 2}
+    lora = cfg.lora if cfg.lora.enabled else None
+    A = shape.lora_params(lora.targets, lora.rank) if lora else 0  # trainable adapter parameters
+    if lora:
+        from forgelab.config.components import vllm_lora_rank
+
+        # vLLM keeps max_loras adapter slots at max_lora_rank, and as many adapters in its CPU cache
+        slots = int(gen.max_loras) * shape.lora_params(lora.targets, vllm_lora_rank(lora.rank)) * wb
+        g_terms["LoRA slots + adapter cache"] = 2 * slots
     if on_gpu and gpu_mem_gib:
         g_terms = {"vLLM reservation (weights + KV + activations)": gen.gpu_memory_utilization * gpu_mem_gib * GiB,
                    "runtime": 0.0}
@@ -193,26 +213,36 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     cb = _bytes(tr.dtype) if on_gpu else 4
     largest_unit = (V * D * cb * (1 if shape.tied else 2) if world > 1 else 0)
     act = tokens * shape.act_bytes_per_token(cb)
-    static = {"parameters": 4 * P / world, "optimizer (AdamW)": 8 * P / world, "gathered FSDP unit": largest_unit,
-              "runtime": RUNTIME_BYTES["trainer"]}
+    trained = A if lora else P  # LoRA: the base is frozen (no gradients, no optimizer state), the adapters train
+    static = {"parameters": 4 * (P + A) / world, "optimizer (AdamW)": 8 * trained / world,
+              "gathered FSDP unit": largest_unit, "runtime": RUNTIME_BYTES["trainer"]}
+    proj_grad = 0.0 if lora else emb_bytes  # a frozen output projection / embedding gets no gradient
     # The rest is not alive all at once: the peak is the largest of the step's phases.
     phases = {
         # the output projection's gradient is built chunk by chunk while the layers' activations wait
-        "backward through the logits": {"activations": act, "projection grad": emb_bytes,
+        "backward through the logits": {"activations": act, "projection grad": proj_grad,
                                         "logits chunks": min(chunk, tokens) * V * 4 * LOGITS_COPIES},
         # the layers' gradients accumulate; the embedding's own dense gradient is added last
-        "backward through the layers": {"activations": act, "gradients": 4 * P / world,
-                                        "embedding grad (temporary)": emb_bytes},
-        "optimizer step": {"gradients": 4 * P / world, "optimizer temporaries": 4 * P / world},
-        # one rank's HF export gathers every DTensor (a full fp32 copy); a single process exports views
-        "weight push": {"weight export": 4 * P if world > 1 else 0.0},
+        "backward through the layers": {"activations": act, "gradients": 4 * trained / world,
+                                        "embedding grad (temporary)": proj_grad},
+        "optimizer step": {"gradients": 4 * trained / world, "optimizer temporaries": 4 * trained / world},
+        # one rank's HF export gathers every DTensor (a full fp32 copy); a single process exports views;
+        # LoRA pushes the adapter alone
+        "weight push": {"weight export": 4 * (A if lora else P) if world > 1 else 0.0},
     }
+    if lora and tr.lora.reference == "base":
+        # the reference from the base: one no-grad forward per micro-batch before the step's own (transient)
+        phases["reference forward (adapters off)"] = {
+            "forward temporaries": tokens * 4 * (4 * D + 3 * shape.ffn),
+            "logits chunks": min(chunk, tokens) * V * 4 * 2}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
     t_terms = {**static, **phases[phase]}
     trainer = ProcessPlan("trainer", world, t_terms, on_gpu, phase=phase)
     processes = [generator, trainer]
 
-    if pl.reference:
+    from forgelab.engines.spawn import reference_process
+
+    if reference_process(cfg):  # not with LoRA taking the reference from the base
         rrows = int(ref.micro_batch_size or cfg.train.batch_size)
         rtok = rrows * T
         r_terms = {
@@ -224,7 +254,7 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
         processes.append(ProcessPlan("reference", int(pl.reference_replicas), r_terms, on_gpu))
 
     transport = getattr(tr, "weight_transport", "auto")
-    shared = 0.0 if (on_gpu or transport == "message") else 4.0 * P
+    shared = 0.0 if (on_gpu or transport == "message") else 4.0 * (A if lora else P)
     plan = MemoryPlan(processes, shared, gpus=gpus, gpu_mem_gib=gpu_mem_gib,
                       host_mem_gib=host_mem_gib if host_mem_gib is not None else _host_mem_gib())
     _check(plan)

@@ -137,6 +137,26 @@ def test_spawn_plan_takes_the_reference_from_the_base():
     assert not reference_process(none) and component_configs(none)["trainer"].lora.reference == "process"
 
 
+def test_plan_models_lora(model_dir):
+    """The planner: adapters counted as the trainer builds them (155,648 for rank 8 on the tiny model's seven
+    projections in 4 layers: 4 x 8 x (512 + 384 + 384 + 512 + 1024 + 1024 + 1024)), no base gradients or
+    AdamW state, no output-projection gradient, the adapter as the shared file, no reference process."""
+    from forgelab.config import RunConfig
+    from forgelab.engines.titan import read_hf_config
+    from forgelab.plan import ModelShape, plan_memory
+
+    shape = ModelShape.from_hf(read_hf_config(model_dir))
+    assert shape.lora_params(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 8) == 155_648
+    full = plan_memory(RunConfig.from_dict({"model": {"path": model_dir}}))
+    lora = plan_memory(RunConfig.from_dict({"model": {"path": model_dir}, "lora": {"enabled": True}}))
+    by_name = lambda plan: {p.name: p for p in plan.processes}  # noqa: E731
+    assert "reference" in by_name(full) and "reference" not in by_name(lora)
+    tf, tl = by_name(full)["trainer"].terms, by_name(lora)["trainer"].terms
+    assert tl["optimizer (AdamW)"] == 8 * 155_648 and tf["optimizer (AdamW)"] == 8 * shape.params
+    assert tl.get("projection grad", 0) == 0 and tl.get("embedding grad (temporary)", 0) == 0
+    assert lora.shared_bytes == 4 * 155_648 and full.shared_bytes == 4 * shape.params
+
+
 def test_adapter_on_fused_qkv_is_peft_per_projection(model_dir, tmp_path):
     """In one process: random B on every projection (llama3 q/k rows permuted on export); HF + peft on the
     exported adapter, and HF with the adapter merged, against the float64 merged model."""

@@ -53,6 +53,15 @@ def check_lora_targets(targets, where: str = "lora.targets") -> tuple[str, ...]:
     return tuple(targets)
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+    for r in allowed:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({allowed[-1]})")
+
+
 @dataclass(kw_only=True)
 class LoraConfig:
     """LoRA adapters instead of full fine-tuning (forgelab.engines.lora); off unless ``enabled``.

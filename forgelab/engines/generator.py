@@ -35,20 +35,11 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from monarch.actor import Port, endpoint
 
-from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, SamplingConfig  # noqa: F401 -- re-exported
+from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, SamplingConfig, vllm_lora_rank  # noqa: F401 -- re-exported
 from forgelab.runtime.component import Component
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
 from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared, serve_base  # noqa: F401
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds a rank-``rank`` adapter."""
-    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
-    for r in allowed:
-        if r >= rank:
-            return r
-    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({allowed[-1]})")
 
 
 class VLLMEngine:
