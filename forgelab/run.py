@@ -84,7 +84,8 @@ class Run(experiments.Experiments):
         self.records = RolloutRecorder()  # every episode the buffer closes -> out_dir/rollouts/*.parquet
         self.buffer.add_close_listener(self.records.on_close)
         self.data = load_split(cfg.rollout.task, heldout=cfg.rollout.heldout, max_train=cfg.rollout.max_train_problems,
-                               eval_n=cfg.eval.n, seed=cfg.train.seed)  # explicit limits, reported at spawn
+                               eval_n=cfg.eval.n, seed=cfg.train.seed, split=cfg.rollout.split,
+                               system_prompt=cfg.rollout.system_prompt)  # explicit limits, reported at spawn
         self.stream = ProblemStream(self.data.train, seed=cfg.train.seed)
         self.heldout = self.data.heldout
         self._task_reward = heldout_reward(cfg.rollout)
@@ -361,5 +362,6 @@ class Run(experiments.Experiments):
 
 
 async def replay(run_dir: str | Path, **kwargs: Any):
-    """`forgelab.replay(run_dir, until=None, out_dir=None, name=None, spawn=None)`: `Run.replay`."""
+    """`forgelab.replay(run_dir, until=None, out_dir=None, name=None, spawn=None, trusted=False,
+    allow_mismatch=False)`: `Run.replay` (see `forgelab.experiments.replay`)."""
     return await Run.replay(run_dir, **kwargs)
