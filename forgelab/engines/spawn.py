@@ -52,11 +52,33 @@ class Parts:
                     raise err
         finally:
             if self.job is not None:
+                await _shutdown_job_hosts(self.job)
                 try:
                     self.job.kill()
                 except Exception as err:  # noqa: BLE001
                     log.warning("forgelab: killing the hosts job failed: %s: %s", type(err).__name__, err)
             self.generators = self.trainer = self.reference = self.envs = self.job = None
+
+
+async def _shutdown_job_hosts(job: Any, timeout: float = 30.0) -> None:
+    """Stop the job's host workers through Monarch (`HostMesh.shutdown`) before the job is killed.
+
+    `job.kill()` ends what the job started on this machine; for an SSH job that is the local `ssh` client,
+    and the worker it started on the node outlives it (no tty, no hangup). Shutting the host meshes down
+    ends the workers themselves, wherever they run. Failures are logged: the kill still follows."""
+    from forgelab.runtime.placement import job_mesh_names
+
+    try:
+        state = job.state(cached_path=None)
+        meshes = [getattr(state, name) for name in job_mesh_names(job)]
+    except Exception as err:  # noqa: BLE001 -- a job that cannot report its state is still killed
+        log.warning("forgelab: the hosts job's state is unavailable (%s: %s); killing it", type(err).__name__, err)
+        return
+    results = await asyncio.gather(*(asyncio.wait_for(m.shutdown(), timeout) for m in meshes),
+                                   return_exceptions=True)
+    for err in results:
+        if isinstance(err, BaseException):
+            log.warning("forgelab: shutting down a host mesh failed: %s: %s", type(err).__name__, err)
 
 
 def component_configs(cfg: RunConfig) -> dict[str, Any]:
