@@ -185,10 +185,6 @@ class ReplayBuffer:
         "stale") or "dropped" (with its reason). Called after the buffer's state changed; an error is logged."""
         self._close_listeners.append(fn)
 
-    def remove_close_listener(self, fn: Callable[[list[Episode], str, str], None]) -> None:
-        if fn in self._close_listeners:
-            self._close_listeners.remove(fn)
-
     def _closed_now(self, episodes: list[Episode], status: str, reason: str = "") -> None:
         if not episodes:
             return
