@@ -994,3 +994,31 @@ def test_a_run_resumed_from_a_checkpoint_restores_the_bounded_buffer_exactly(tmp
     assert resumed.step == 12 and first.step == 12
     c = resumed.buffer.check_accounting()  # (ids admitted but not generated before the save are not re-used)
     assert c["trained"] == 12 * 8
+
+
+def test_rollout_recorder_parts_pending_rows_and_a_fresh_directory(tmp_path, monkeypatch):
+    from forgelab.controller import rollout_log
+    from forgelab.controller.rollout_log import RolloutRecorder, read_rollouts
+
+    eps = _block(0, 10, 0, 0)
+    rec = RolloutRecorder()
+    rec.on_close(eps[:3], "trained")
+    assert rec.flush() == 0 and len(rec.pending) == 3  # no directory yet: the rows wait
+    rec.attach(tmp_path)
+    rec.on_close(eps[3:4], "dropped", "reward_error:f")
+    rec.step_done(3)  # not a multiple of FLUSH_EVERY: nothing written
+    assert not (tmp_path / "rollouts").exists()
+    rec.step_done(rollout_log.FLUSH_EVERY)
+    monkeypatch.setattr(rollout_log, "MAX_PENDING", 4)
+    rec.on_close(eps[4:8], "evicted", "stale")  # 4 waiting rows: a part at once, whatever the step
+    assert rec.written == 8 and rec.parts == 2 and rec.pending == []
+    log = read_rollouts(tmp_path).set_index("id")
+    assert list(log["status"]) == ["trained"] * 3 + ["dropped"] + ["evicted"] * 4
+    assert log.loc[3, "reason"] == "reward_error:f" and log.loc[7, "reason"] == "stale"
+    again = RolloutRecorder(tmp_path)  # a resume of this directory appends after the parts there
+    again.on_close(eps[8:], "trained")
+    again.flush()
+    assert again.parts == 3 and len(read_rollouts(tmp_path)) == 10
+    fresh = RolloutRecorder()
+    fresh.attach(tmp_path, append=False)  # a new run of the same directory: the old run's parts go
+    assert not list((tmp_path / "rollouts").glob("part-*.parquet")) and fresh.parts == 0

@@ -36,7 +36,7 @@ __all__ = ["RolloutRecorder", "read_rollouts", "rescore_frame", "rescore_run", "
 FLUSH_EVERY = 4
 """Trained steps between parquet parts (and a part when the run stops)."""
 MAX_PENDING = 8192
-"""Rows waiting in memory that make the next trained step write a part whatever the step."""
+"""Rows waiting in memory that make a part at once (a run whose steps are rare or never come: memory stays bounded)."""
 
 
 class RolloutRecorder:
@@ -72,10 +72,12 @@ class RolloutRecorder:
     def on_close(self, episodes: list, status: str, reason: str = "") -> None:
         """The buffer's close listener: one row per episode, with the status it closed with."""
         self.pending.extend(_row(ep, status, reason) for ep in episodes)
+        if len(self.pending) >= MAX_PENDING:
+            self.flush()
 
     def step_done(self, step: int) -> None:
-        """After trained step ``step``: write a part every `FLUSH_EVERY` steps or when `MAX_PENDING` rows wait."""
-        if step % FLUSH_EVERY == 0 or len(self.pending) >= MAX_PENDING:
+        """After trained step ``step``: write a part every `FLUSH_EVERY` steps."""
+        if step % FLUSH_EVERY == 0:
             self.flush()
 
     def flush(self) -> int:
