@@ -122,6 +122,30 @@ def test_status_carries_component_fields(svc, loop):
     assert all(s.healthy and s.in_flight == 0 and len(s.pids) == 1 for s in status)
 
 
+@integration
+def test_each_replica_reports_calls_failures_and_latency_percentiles(svc, loop):
+    """Per-replica request metrics (issue #29 item 3): every routed call counts on the replica that served it,
+    a call whose endpoint raised counts as a failure, and the latency percentiles bound the known hold."""
+    before = {s.index: (s.calls, s.failures) for s in svc.status()}
+    hold = 0.05
+
+    async def go():
+        await asyncio.gather(*(svc.route("hold", hold) for _ in range(6)))
+        with pytest.raises(ActorError):
+            await svc.route("boom", "counted")
+
+    loop.run_until_complete(go())
+    after = svc.status()
+    calls = sum(s.calls - before[s.index][0] for s in after)
+    failures = sum(s.failures - before[s.index][1] for s in after)
+    assert calls == 7 and failures == 1
+    for s in after:
+        ms = s.latency_ms
+        assert ms["n"] == min(s.calls, 1024) and ms["p50"] <= ms["p95"] <= ms["p99"]
+    held = [s for s in after if s.calls - before[s.index][0] >= 1 and s.latency_ms["p99"] >= hold * 1e3]
+    assert held, "no replica's p99 covers a call that held 50 ms"
+
+
 # ------------------------------------------------------------------ faults
 @integration
 def test_kill_replica_retries_idempotent_and_respawns(svc, loop, tmp_path):

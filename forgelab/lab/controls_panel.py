@@ -105,7 +105,8 @@ class Controls(Panel):
 
 
 class ServicesPanel(Panel):
-    """A table of each replica: health, in-flight requests, restarts, weight version, pid, last error."""
+    """A table of each replica: health, in-flight requests, calls, failures, latency percentiles, restarts,
+    weight version, pid, last error."""
 
     min_interval_s = 1.0
 
@@ -129,12 +130,14 @@ class ServicesPanel(Panel):
             body.append(
                 f"<tr><td>{esc(r['service'])}</td><td>{esc(r['index'])}</td>"
                 f"<td><span style='color:{dot}'>●</span> {'healthy' if r['healthy'] else 'down'}</td>"
-                f"<td>{esc(r['in_flight'])}</td><td>{esc(r['restarts'])}</td><td>{esc(r['version'])}</td>"
+                f"<td>{esc(r['in_flight'])}</td><td>{esc(r['calls'])}</td><td>{esc(r['failures'])}</td>"
+                f"<td>{esc(r['latency'])}</td><td>{esc(r['restarts'])}</td><td>{esc(r['version'])}</td>"
                 f"<td>{esc(r['pid'])}</td><td title='{err}' style='color:#b00020'>{err[:40]}</td></tr>")
         self.table.value = (
             "<table class='fl-table fl-services' style='border-collapse:collapse;font-size:12px'><thead><tr>"
             + "".join(f"<th style='text-align:left;padding:2px 8px;background:#f3f4f6'>{h}</th>" for h in
-                      ("service", "replica", "health", "in flight", "restarts", "version", "pid", "last error"))
+                      ("service", "replica", "health", "in flight", "calls", "failures", "latency p50/p95/p99",
+                       "restarts", "version", "pid", "last error"))
             + "</tr></thead><tbody>" + "".join(body).replace("<td", "<td style='padding:2px 8px'")
             + "</tbody></table>"
             + (f"<div class='fl-pool' style='font-size:11px;color:#555'>{esc(pool_line(self.run))}</div>" if pool_line(self.run) else ""))

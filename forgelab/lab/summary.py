@@ -103,7 +103,8 @@ def events_lines(run: Any, n: int = 6) -> list[str]:
 
 
 def services_rows(run: Any) -> list[dict]:
-    """One dict per replica: service, index, healthy, in_flight, restarts, version, pid, last_error."""
+    """One dict per replica: service, index, healthy, in_flight, restarts, version, pid, last_error, calls,
+    failures and latency (p50/p95/p99 text)."""
     st = _safe(run.status, {}) or {}
     rows = []
     for service, replicas in (st.get("services") or {}).items():
@@ -118,8 +119,17 @@ def services_rows(run: Any) -> list[dict]:
                 "in_flight": field(r, "in_flight", 0), "restarts": field(r, "restarts", 0),
                 "version": info.get("version", "") if isinstance(info, dict) else "",
                 "pid": pid, "last_error": field(r, "last_error", None) or "",
+                "calls": field(r, "calls", 0), "failures": field(r, "failures", 0),
+                "latency": latency_text(field(r, "latency_ms", None) or {}),
             })
     return rows
+
+
+def latency_text(ms: dict) -> str:
+    """"p50 / p95 / p99 ms" of a replica's recent calls ("" before any call)."""
+    if not ms or not ms.get("n"):
+        return ""
+    return f"{ms['p50']:.1f} / {ms['p95']:.1f} / {ms['p99']:.1f} ms"
 
 
 def pool_line(run: Any) -> str:
@@ -140,7 +150,8 @@ def services_lines(run: Any) -> list[str]:
     for r in rows:
         err = f"  last error: {str(r['last_error'])[:80]}" if r["last_error"] else ""
         out.append(f"  {r['service']}[{r['index']}] {'healthy' if r['healthy'] else 'DOWN'}  in_flight {r['in_flight']}"
-                   f"  restarts {r['restarts']}  version {r['version']}{err}")
+                   f"  restarts {r['restarts']}  version {r['version']}  calls {r['calls']}  failures {r['failures']}"
+                   + (f"  latency p50/p95/p99 {r['latency']}" if r["latency"] else "") + err)
     return out
 
 

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 

@@ -18,8 +18,10 @@ import asyncio
 import contextvars
 import itertools
 import logging
+import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, NamedTuple, Self
 
@@ -65,14 +67,48 @@ class ReplicaStatus:
     info: dict[str, Any] = field(default_factory=dict)
     """Fields the controller set with `set_replica_info` / `refresh_info`."""
     name: str | None = None
+    calls: int = 0
+    """Calls routed to this replica (every endpoint, retries included)."""
+    failures: int = 0
+    """Calls that raised (the endpoint's error or the process's death)."""
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    """p50/p95/p99 of its recent calls, and the window size ``n`` (`RequestStats`)."""
 
     @property
     def pid(self) -> int | None:
         return self.pids[0] if self.pids else None
 
 
+class RequestStats:
+    """One replica's requests: calls and failures since it was created (respawns included), and the latencies
+    of its most recent `WINDOW` calls, from which the percentiles are taken (the window, not every call: a
+    live panel's view; `calls` counts them all)."""
+
+    WINDOW = 1024
+    __slots__ = ("calls", "failures", "latencies_s")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.failures = 0
+        self.latencies_s: deque[float] = deque(maxlen=self.WINDOW)
+
+    def record(self, seconds: float, ok: bool) -> None:
+        self.calls += 1
+        self.failures += not ok
+        self.latencies_s.append(seconds)
+
+    def percentiles_ms(self) -> dict[str, float]:
+        """p50/p95/p99 latency (ms, nearest rank) over the window, and its size ``n`` (NaN with no calls)."""
+        xs = sorted(self.latencies_s)
+        out: dict[str, float] = {"n": float(len(xs))}
+        for q in (50, 95, 99):
+            out[f"p{q}"] = xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))] * 1e3 if xs else math.nan
+        return out
+
+
 class Replica:
-    __slots__ = ("index", "handle", "state", "in_flight", "restarts", "pids", "last_error", "info", "endpoints", "single")
+    __slots__ = ("index", "handle", "state", "in_flight", "restarts", "pids", "last_error", "info", "endpoints", "single",
+                 "stats")
 
     def __init__(self, index: int, single: bool):
         self.index = index
@@ -85,6 +121,7 @@ class Replica:
         self.info: dict[str, Any] = {}
         self.endpoints: dict[str, Any] = {}
         self.single = single
+        self.stats = RequestStats()
 
     def describe(self) -> str:
         text = f"#{self.index} {self.state} (pids {self.pids}, restarts {self.restarts}"
@@ -187,9 +224,26 @@ class ReplicaPool:
 
     # ---------------------------------------------------------------- calls
     async def _call_all(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
+        """`endpoint` on every rank of `rep` (timed into its `RequestStats`)."""
         if rep.single:
-            return await self._endpoint(rep, endpoint).call_one(*args, **kwargs)
-        return await handle.call(endpoint, *args, **kwargs)
+            return await self._timed(rep, self._endpoint(rep, endpoint).call_one(*args, **kwargs))
+        return await self._timed(rep, handle.call(endpoint, *args, **kwargs))
+
+    async def _call_one(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
+        """`endpoint` on `rep` (rank 0 of a multi-process replica), timed into its `RequestStats`."""
+        if rep.single:
+            return await self._timed(rep, self._endpoint(rep, endpoint).call_one(*args, **kwargs))
+        return await self._timed(rep, handle.call_one(endpoint, *args, **kwargs))
+
+    @staticmethod
+    async def _timed(rep: Replica, call: Awaitable[Any]) -> Any:
+        t0, ok = time.perf_counter(), False
+        try:
+            result = await call
+            ok = True
+            return result
+        finally:
+            rep.stats.record(time.perf_counter() - t0, ok)
 
     def _endpoint(self, rep: Replica, endpoint: str) -> Any:
         ep = rep.endpoints.get(endpoint)
@@ -287,6 +341,7 @@ class ReplicaPool:
                 in_flight=rep.in_flight, restarts=rep.restarts, pids=tuple(rep.pids),
                 last_error=rep.last_error, info=dict(rep.info),
                 name=rep.handle.name if rep.handle is not None else None,
+                calls=rep.stats.calls, failures=rep.stats.failures, latency_ms=rep.stats.percentiles_ms(),
             )
             for rep in self._replicas
         ]

@@ -184,9 +184,7 @@ class Service(ReplicaPool):
         handle = rep.handle
         rep.in_flight += 1
         try:
-            if rep.single:
-                return await self._endpoint(rep, endpoint).call_one(*args, **kwargs)
-            return await handle.call_one(endpoint, *args, **kwargs)
+            return await self._call_one(rep, handle, endpoint, args, kwargs)
         except SupervisionError as err:
             failure = err
         finally:
@@ -212,9 +210,7 @@ class Service(ReplicaPool):
         other_handle = other.handle
         other.in_flight += 1
         try:
-            if other.single:
-                return await self._endpoint(other, endpoint).call_one(*args, **kwargs)
-            return await other_handle.call_one(endpoint, *args, **kwargs)
+            return await self._call_one(other, other_handle, endpoint, args, kwargs)
         except SupervisionError as err2:
             self._fail(other, other_handle, f"process died during {endpoint}() (retry): {first_line(err2)}")
             raise ReplicaFailedError(
