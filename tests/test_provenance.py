@@ -96,7 +96,7 @@ def test_function_records_restore_and_name_what_cannot():
 
     rec = fn_record(short_reward, REWARDS)
     assert rec["sha256"] == hashlib.sha256(rec["source"].encode()).hexdigest() and "def short_reward" in rec["source"]
-    back = restore_fn(json.loads(json.dumps(rec)), REWARDS)
+    back = restore_fn(json.loads(json.dumps(rec)), REWARDS, trusted=True)  # written here: trusted
     assert back is not short_reward and back("", "12", "12") == 1.0 and back("", "12345", "1") == 0.0
     builtin = fn_record(REWARDS["exact_answer"], REWARDS)
     assert builtin["builtin"] == "exact_answer" and restore_fn(builtin, REWARDS) is REWARDS["exact_answer"]
