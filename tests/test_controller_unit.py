@@ -1022,3 +1022,29 @@ def test_rollout_recorder_parts_pending_rows_and_a_fresh_directory(tmp_path, mon
     fresh = RolloutRecorder()
     fresh.attach(tmp_path, append=False)  # a new run of the same directory: the old run's parts go
     assert not list((tmp_path / "rollouts").glob("part-*.parquet")) and fresh.parts == 0
+
+
+def test_env_runs_report_turn_and_episode_latency_percentiles(tmp_path):
+    """Latency you can see (issue #29 item 3): every step of an environment run carries p50/p95/p99 of its
+    episodes' turn and episode latencies, computed over all of them (checked against numpy's nearest rank)."""
+    import dataclasses
+
+    import numpy as np
+
+    from forgelab.envs.episode import latency_percentiles
+
+    cfg = config(tmp_path, steps=2)
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, env="arithmetic_tutor", max_turns=2)).validate()
+    run = run_to_end(Run(cfg, spawn=fake_spawn))
+    df = run.metrics
+    for kind in ("turn", "episode"):
+        cols = [f"latency/{kind}_p{q}_ms" for q in (50, 95, 99)]
+        assert df[cols].notna().all().all() and (df[cols[0]] <= df[cols[1]]).all() and (df[cols[1]] <= df[cols[2]]).all()
+    eps = [ep for ep in run.rollout.recent if ep.info.get("turn_latency_s")]
+    got = latency_percentiles(eps)
+    turns = [x for ep in eps for x in ep.info["turn_latency_s"]]
+    for q in (50, 95, 99):
+        want = float(np.percentile(turns, q, method="inverted_cdf")) * 1e3
+        assert got[f"turn_p{q}_ms"] == pytest.approx(want, rel=1e-9)
+    # an episode lasts at least as long as its turns together
+    assert all(ep.info["episode_latency_s"] >= sum(ep.info["turn_latency_s"]) for ep in eps)

@@ -112,9 +112,10 @@ def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: 
         if vals:
             row[f"reward/{name}"] = sum(vals) / len(vals)
     if run.config.rollout.env is not None:  # environment counters (e.g. tool calls) per episode
-        from forgelab.envs.episode import env_metric_means
+        from forgelab.envs.episode import env_metric_means, latency_percentiles
 
         row.update({f"env/{k}": v for k, v in env_metric_means(eps).items()})
+        row.update({f"latency/{k}": v for k, v in latency_percentiles(eps).items()})
     ages = [run.version - 1 - ep.policy_version for ep in eps]
     row["policy_age_mean"] = sum(ages) / len(ages)
     row["policy_age_max"] = max(ages)

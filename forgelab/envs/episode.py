@@ -40,14 +40,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import traceback
+import math
 import os
+import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from forgelab.types import Completion, Episode
 
-__all__ = ["DROP_OUTCOMES", "ChatFormat", "EnvActorConfig", "EpisodeLimits", "env_metric_means", "final_answer", "run_episode"]
+__all__ = ["DROP_OUTCOMES", "ChatFormat", "EnvActorConfig", "EpisodeLimits", "env_metric_means", "final_answer",
+           "latency_percentiles", "run_episode"]
 
 DROP_OUTCOMES = frozenset({"env_timeout", "env_error", "generator_error"})
 """Episode outcomes that are not trained: the controller drops them with the outcome as reason."""
@@ -134,6 +137,30 @@ def env_metric_means(episodes: list[Any]) -> dict[str, float]:
     return {k: sum(m.get(k, 0.0) for m in per_ep) / len(per_ep) for k in names} if per_ep else {}
 
 
+def _nearest_rank(sorted_xs: list[float], q: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, max(0, math.ceil(q / 100 * len(sorted_xs)) - 1))]
+
+
+def latency_percentiles(episodes: list[Any]) -> dict[str, float]:
+    """p50/p95/p99 (ms, nearest rank) of every turn's latency (generation + environment step) and of every
+    episode's wall time, over all the episodes given (none sampled); {} when none was timed.
+
+        >>> from types import SimpleNamespace as E
+        >>> eps = [E(info={"turn_latency_s": [0.01, 0.03], "episode_latency_s": 0.05}),
+        ...        E(info={"turn_latency_s": [0.02], "episode_latency_s": 0.02})]
+        >>> latency_percentiles(eps)["turn_p50_ms"], latency_percentiles(eps)["episode_p99_ms"]
+        (20.0, 50.0)
+    """
+    turns = sorted(x for ep in episodes for x in (ep.info or {}).get("turn_latency_s", ()))
+    whole = sorted(ep.info["episode_latency_s"] for ep in episodes if "episode_latency_s" in (ep.info or {}))
+    out: dict[str, float] = {}
+    for name, xs in (("turn", turns), ("episode", whole)):
+        if xs:
+            for q in (50, 95, 99):
+                out[f"{name}_p{q}_ms"] = round(_nearest_rank(xs, q) * 1e3, 6)
+    return out
+
+
 async def _bounded(coro: Awaitable[Any], timeout_s: float) -> Any:
     """Await `coro` for at most `timeout_s`; on timeout cancel it and do not wait for it to finish
     (an environment that swallows cancellation must not hang the episode)."""
@@ -167,7 +194,8 @@ async def run_episode(
     (they become the outcome, see the module docstring). `sampling.max_tokens` bounds each turn."""
     limits = limits or EpisodeLimits()
     info: dict[str, Any] = {"turns": [], "turn_versions": [], "cached_tokens": [], "observations": [],
-                            "env_metrics": {}}
+                            "env_metrics": {}, "turn_latency_s": []}
+    t_start = time.perf_counter()
     parts: dict[str, float] = {}
     prompt_ids: list[int] = []
     completion_ids: list[int] = []
@@ -177,6 +205,7 @@ async def run_episode(
 
     def finish(outcome: str, error: str = "") -> Episode:
         info["outcome"] = outcome
+        info["episode_latency_s"] = time.perf_counter() - t_start
         info["assistant_turns"] = sum(1 for t in info["turns"] if t[2] == "assistant")
         if error:
             info["error"] = error
@@ -206,6 +235,7 @@ async def run_episode(
             return finish("max_tokens")
         turn_sampling = copy.copy(sampling)
         turn_sampling.max_tokens = min(sampling.max_tokens, budget)
+        t_turn = time.perf_counter()  # a turn's latency: its generation and its environment step
         try:
             c = await generate(ids, turn_sampling)
         except Exception as e:
@@ -225,6 +255,7 @@ async def run_episode(
             return finish("env_timeout", f"step {turn} took longer than step_timeout_s={limits.step_timeout_s}s")
         except Exception as e:
             return finish("env_error", f"step {turn}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+        info["turn_latency_s"].append(time.perf_counter() - t_turn)
         reward += r
         for k, v in (step_info.get("reward_parts") or {}).items():
             parts[k] = parts.get(k, 0.0) + float(v)
