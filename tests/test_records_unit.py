@@ -296,6 +296,7 @@ def test_env_run_in_sync_mode_replays_exactly_or_is_marked_not_deterministic(tmp
 
 
 # ---------------------------------------------------------------- wandb: several runs alive in one process
+@pytest.mark.slow  # wandb's service process and reader: ~20-50 s on 2 busy cores
 def test_two_trackers_alive_in_one_process_each_keep_a_complete_wandb_history(tmp_path):
     """A parent's tracker keeps logging after a fork's tracker starts (wandb on, offline); both histories are
     complete when read back with wandb's own reader (with reinit="finish_previous" the parent's would stop)."""
