@@ -690,7 +690,9 @@ def test_reward_revisions_count_changes_and_mark_where_they_took_effect():
 def test_reward_changes_are_events_with_revisions_and_the_first_scored_rollout_marks_them(tmp_path):
     from forgelab.rewards import answer_format
 
-    run = Run(config(tmp_path, steps=4), spawn=fake_spawn)
+    # enough steps that rollouts admitted after the changes are scored before the run can end (the changes are
+    # made at step 1; at most (age + 1) batches were admitted before them)
+    run = Run(config(tmp_path, steps=12), spawn=fake_spawn)
 
     async def go():
         await run.start()
@@ -698,8 +700,7 @@ def test_reward_changes_are_events_with_revisions_and_the_first_scored_rollout_m
         run.set_reward_weights({"answer_format": 0.25})
         run.remove_reward("answer_format")
         run.add_reward("answer_format", answer_format, 0.5)
-        await run.until(predicate=lambda r: any(e["kind"] == "reward_effective" for e in r.events), timeout=30)
-        await run.wait()
+        await run.until(predicate=lambda r: any(e["kind"] == "reward_effective" for e in r.events), timeout=60)
         await run.shutdown()
 
     asyncio.run(go())
