@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo test test-fast test-unit test-integration test-notebooks bench model clean
+.PHONY: setup browser sshd demo docs test test-fast test-unit test-integration test-notebooks bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -47,7 +47,11 @@ sshd:
 demo: setup
 	$(BIN)/forgelab demo
 
-test: setup
+# The API reference from the docstrings (mkdocs + mkdocstrings, --strict: warnings fail): build/reference/.
+docs: setup
+	$(BIN)/python tools/api_reference.py
+
+test: setup docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 --nbval-lax tests tutorials notebooks
 
 # The development loop's fast tier (a few minutes here): pure functions, doctests and the controller
@@ -72,4 +76,4 @@ model: setup
 	$(BIN)/python -m forgelab.recipes.tiny_model
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs build .pytest_cache

@@ -160,8 +160,9 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     """Each process's planned peak for `RunConfig` ``cfg``.
 
     Args:
-        gpus, gpu_mem_gib: place every generator replica, trainer rank and reference replica on its own GPU of
-            this size (``placement.with_gpus``); None: the config's own placement, on the host.
+        gpus: place every generator replica, trainer rank and reference replica on its own GPU, this many
+            GPUs of ``gpu_mem_gib`` each (``placement.with_gpus``); None: the config's own placement, on the host.
+        gpu_mem_gib: the memory of each GPU (with ``gpus``).
         host_mem_gib: host memory to check against (default: this machine's MemTotal).
         seq_len: tokens per training sequence (default ``model.max_model_len``, the worst case).
         hf_config: the model's ``config.json`` dict (default: read from ``model.path``).

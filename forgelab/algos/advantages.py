@@ -33,6 +33,7 @@ import torch
 __all__ = ["group_zscore", "group_zscore_unbiased", "group_mean_centered", "leave_one_out", "ADVANTAGES", "AdvantageFn"]
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
+"""``fn(rewards_P_G) -> advantages_P_G``: an advantage estimator (a value of `ADVANTAGES`)."""
 
 
 def _as_rewards_P_G(rewards_P_G, fn: str) -> torch.Tensor:

@@ -37,6 +37,7 @@ from forgelab.algos.logprobs import masked_mean
 __all__ = ["truncated_is_weights", "IS_LEVELS"]
 
 IS_LEVELS = ("token", "sequence", "geometric")
+"""The granularities `truncated_is_weights` computes its weights at."""
 
 
 def truncated_is_weights(

@@ -77,6 +77,7 @@ __all__ = [
 ]
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+"""``fn(logprobs_B_T, *, generator_logprobs_B_T, advantages_B, mask_B_T, ...) -> (loss, metrics)`` (module docstring)."""
 
 
 # --- shared pieces -----------------------------------------------------------
@@ -230,7 +231,8 @@ def grpo(
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs, ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights multiplying the clipped term, ``[B, T]``, or None.
-        eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+        eps_low: the ratio's clip range is ``[1 - eps_low, 1 + eps_high]``.
+        eps_high: see ``eps_low``.
         kl_coef: weight of the KL penalty (beta).
     """
     t = _clipped_pg_terms("grpo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
@@ -267,7 +269,8 @@ def dapo(
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
-        eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+        eps_low: the ratio's clip range is ``[1 - eps_low, 1 + eps_high]``.
+        eps_high: see ``eps_low``.
         kl_coef: weight of the k3 KL-to-reference term (0: none, the DAPO paper's choice).
     """
     t = _clipped_pg_terms("dapo", _clipped_token_objective, logprobs_B_T, generator_logprobs_B_T, advantages_B,
@@ -309,7 +312,8 @@ def dr_grpo(
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: per-token importance weights, ``[B, T]``, or None.
-        eps_low, eps_high: ratio clip range ``[1 - eps_low, 1 + eps_high]``.
+        eps_low: the ratio's clip range is ``[1 - eps_low, 1 + eps_high]``.
+        eps_high: see ``eps_low``.
         max_tokens: the normalising constant per sequence, the completion budget. Called
             without it (outside a run), the widest trained span of the batch (first to
             last trained position of a row, the largest over rows): never the padded
@@ -370,7 +374,8 @@ def gspo(
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: importance weights, ``[B, T]``, averaged per sequence, or None.
-        seq_eps_low, seq_eps_high: sequence-ratio clip range ``[1 - seq_eps_low, 1 + seq_eps_high]``.
+        seq_eps_low: the sequence ratio's clip range is ``[1 - seq_eps_low, 1 + seq_eps_high]``.
+        seq_eps_high: see ``seq_eps_low``.
         kl_coef: weight of the k3 KL-to-reference term.
     """
     logp, log_ratio, adv, mask, on, w = _prepare(
@@ -427,7 +432,8 @@ def cispo(
         mask_B_T: 1.0 on trained tokens, 0.0 elsewhere, ``[B, T]``.
         ref_logprobs_B_T: reference-model logprobs (``kl_ref`` metric, KL term), ``[B, T]``, or None.
         is_weights_B_T: extra per-token importance weights, ``[B, T]``, or None.
-        is_eps_low, is_eps_high: IS-weight clip range ``[1 - is_eps_low, 1 + is_eps_high]``.
+        is_eps_low: the IS weight's clip range is ``[1 - is_eps_low, 1 + is_eps_high]``.
+        is_eps_high: see ``is_eps_low``.
         kl_coef: weight of the k3 KL-to-reference term.
     """
     t = _clipped_pg_terms("cispo", _sg_clipped_token_objective, logprobs_B_T, generator_logprobs_B_T,

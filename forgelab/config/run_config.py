@@ -22,6 +22,7 @@ from forgelab.config.value_types import (ConfigError, build_section, finite_rang
                                           non_negative, positive_int)
 
 SHIPPED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-llama")
+"""The shipped tiny model's directory (3.2 M parameters, character tokenizer): `model.path`'s default."""
 
 
 
@@ -39,6 +40,8 @@ from forgelab.config.sections import (  # noqa: E402
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The model every part loads: checkpoint, dtype, context length (`model:` in YAML)."""
+
     path: str = SHIPPED_MODEL
     """HF checkpoint directory (config.json, safetensors, tokenizer). Default: the shipped tiny model."""
     dtype: str = "float32"
@@ -49,6 +52,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
+    """How episodes are made: the data, the group size, sampling, rewards, environment (`rollout:`)."""
+
     task: str = "addition"
     """A toy task name (see forgelab.data.tasks.TASKS) or a dataset: a .jsonl/.parquet/.csv/.json file or a
     save_to_disk directory, and from Python a `datasets.Dataset` / `DatasetDict`. Columns: `prompt` (text or chat
@@ -99,6 +104,8 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """The optimisation: steps, batch, learning rate, loss, staleness bound, seed (`train:`)."""
+
     steps: int = 100
     """Optimizer steps to run."""
     batch_size: int = 64
@@ -134,6 +141,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class PlacementConfig:
+    """How many processes of each part, and where: replicas, threads, GPUs (`placement:`)."""
+
     generator_replicas: int = 1
     """vLLM generator replicas behind the generator service."""
     trainer_procs: int = 1
@@ -156,6 +165,8 @@ class PlacementConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
+    """Held-out greedy evaluation: how often and on how many problems (`eval:`)."""
+
     every: int = 10
     """Held-out greedy accuracy every this many steps (0 = only at start and end)."""
     n: int = 200
@@ -164,6 +175,8 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class TrackingConfig:
+    """Where a run writes: its directory, wandb, checkpoints (`tracking:`)."""
+
     out_dir: str = "runs"
     """Metrics CSV/Parquet, plots, checkpoints and the wandb run go to out_dir/name."""
     wandb: bool = True
@@ -202,6 +215,8 @@ class HostsConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
+    """A whole run's configuration, validated before anything starts (`RunConfig.from_yaml`, `validate`)."""
+
     name: str = "forgelab"
     """Run name (directory under tracking.out_dir)."""
     model: ModelConfig = field(default_factory=ModelConfig)

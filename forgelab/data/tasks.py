@@ -187,6 +187,7 @@ TASKS: dict[str, Task] = {
     "addition": Task(name="addition", sample=_sample_addition, max_answer_chars=4),
     "multistep": Task(name="multistep", sample=_sample_multistep, max_answer_chars=4),
 }
+"""The toy tasks by name (``rollout.task``): generated from a seed, disjoint train/test splits."""
 
 
 def get_task(name: str) -> Task:
