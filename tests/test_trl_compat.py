@@ -353,3 +353,60 @@ def test_losses_against_trls_own_loss_code():
     assert max(cispo_default) > 0.1, cispo_default
     print(f"bias-corrected KL: max |TRL - forgelab| {small:.2e} (drift 0.05), {large:.2e} (drift 0.3); "
           f"cispo defaults: max {max(cispo_default):.3f}")
+
+
+def test_a_trl_reward_hot_swapped_into_a_run_replays_and_rescores(tmp_path):
+    """Against the in-process fakes: a TRL-style reward added live (a hot swap at step 2) scores the episodes
+    after it as a direct call does, the run replays exactly from its directory (the change re-applied), and
+    `forgelab.rescore` with the TRL function gives the recorded values back."""
+    import json
+
+    import datasets
+    from trl.rewards import get_soft_overlong_punishment
+
+    from forgelab import rescore
+    from forgelab.config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.run import Run, replay
+    from forgelab.testing.fakes import fake_spawn
+
+    rows = addition_rows(60)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:50]),
+                          "test": datasets.Dataset.from_list(rows[50:])}).save_to_disk(str(tmp_path / "data"))
+    cfg = RunConfig(
+        name="swap", rollout=RolloutConfig(task=str(tmp_path / "data"), split="train", heldout="test", group_size=4,
+                                           prompts_per_rollout=2, concurrency=2, max_tokens=6,
+                                           rewards={"trl.rewards:think_format_reward": 1.0}),
+        train=TrainConfig(steps=6, batch_size=8, warmup_steps=1, max_policy_age=0, seed=3),
+        eval=EvalConfig(every=0, n=4), tracking=TrackingConfig(out_dir=str(tmp_path / "runs"), wandb=False),
+        placement=PlacementConfig())
+    run = Run(cfg, spawn=fake_spawn)
+    overlong = get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=4)
+
+    def on_row(row):
+        if row.get("step") == 2:
+            run.add_reward("correct", correct_answer, 1.0)
+            run.add_reward("overlong", overlong, 0.5)
+
+    run.add_listener(on_row)
+
+    async def go():
+        await run.start()
+        await asyncio.wait_for(run.wait(), 60)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.state == "finished", run.message
+    scored = [ep for ep in run.rollout.recent if "correct" in ep.reward_parts]
+    assert scored, "the hot-swapped reward scored nothing"
+    for ep in scored:
+        completions = [[{"role": "assistant", "content": ep.completion}]]
+        assert ep.reward_parts["correct"] == correct_answer(completions, [ep.info["ground_truth"]])[0]
+        assert ep.reward_parts["overlong"] == overlong([ep.completion_ids])[0]
+    assert len({ep.reward_parts["correct"] for ep in scored}) > 1
+    m = json.loads((run.out_dir / "manifest.json").read_text())
+    assert m["deterministic"] is True
+    report = asyncio.run(replay(run.out_dir, out_dir=tmp_path / "replays", spawn=fake_spawn, trusted=True))
+    assert report.ok and report.steps == 6 and len(report.changes_applied) == 2, str(report)
+    recorded = {ep.id: ep.reward_parts["correct"] for ep in scored}
+    df = rescore(run.out_dir, {"correct": correct_answer}, episodes=list(recorded))  # the ones the log holds
+    assert len(df) > 0 and list(df["new_reward"]) == [recorded[i] for i in df["id"]]
