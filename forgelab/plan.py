@@ -41,6 +41,9 @@ RUNTIME_BYTES = {"trainer": 0.55 * GiB, "reference": 0.55 * GiB, "generator": 1.
 #: ``chunk x V`` fp32 blocks alive at once in the chunked logprobs/entropy pass (measured: ~7 in the forward
 #: with entropy: logits, logsumexp's and log-softmax's temporaries, probabilities, their product).
 LOGITS_COPIES = 7
+#: The same with a frozen output projection (LoRA): no projection-gradient products per chunk (fitted on the
+#: 2-layer Qwen3-0.6B LoRA loop of `python -m forgelab.bench lora --quick`: trainer peak PSS 1.75 GiB).
+LOGITS_COPIES_FROZEN = 3
 #: Activation values kept for backward per token and layer: ``a*D + b*(q+kv dims) + c*I`` (fp32 each).
 ACT_D, ACT_QKV, ACT_I = 6, 4, 4
 
@@ -222,7 +225,8 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     phases = {
         # the output projection's gradient is built chunk by chunk while the layers' activations wait
         "backward through the logits": {"activations": act, "projection grad": proj_grad,
-                                        "logits chunks": min(chunk, tokens) * V * 4 * LOGITS_COPIES},
+                                        "logits chunks": min(chunk, tokens) * V * 4 * (
+                                            LOGITS_COPIES_FROZEN if lora else LOGITS_COPIES)},
         # the layers' gradients accumulate; the embedding's own dense gradient is added last
         "backward through the layers": {"activations": act, "gradients": 4 * trained / world,
                                         "embedding grad (temporary)": proj_grad},

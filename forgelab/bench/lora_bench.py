@@ -1,0 +1,201 @@
+"""LoRA vs full fine-tuning on the Qwen3-0.6B shape, side by side in one run: push, trainer, memory, plan.
+
+    python -m forgelab.bench lora [--quick]
+
+Random weights of the real shape (`forgelab.recipes.real_shapes`, written once under the cache dir);
+LoRA is rank 8 on all seven projections, the reference taken from the base (no reference process).
+
+1. **Trainer alone** (one process each, one after the other, 1 thread; ``TrainerState``, no actors) at
+   full depth (``--quick``: 2 layers): full fine-tuning vs LoRA on a synthetic GRPO batch of B x L tokens:
+   ``s_per_step`` (median after the first), peak RSS (VmHWM), and what a push gathers (bytes, ms).
+   ``lora_trainer_peak_over_full`` (goal <= 0.55) is the ratio of the two peaks.
+2. **The whole loop** (a `Run`; each process's peak PSS sampled every 50 ms): the full loop (generator +
+   trainer + reference) on the 2-layer shape, the LoRA loop (generator + trainer) at full depth (``--quick``:
+   2 layers). ``lora_loop_fits_24gib``: the LoRA loop's processes together peak under 24 GiB;
+   ``plan_error``: the largest ``|planned - measured| / measured`` over every process of both loops
+   (`forgelab.plan`, goal <= 0.2).
+3. **Push**: ``lora_push_over_full`` (goal <= 0.05) is the median ``weight_sync_ms`` of a LoRA loop over a
+   full loop's at the same depth (2 layers; at full depth the full push only grows): gather, shared-memory
+   write, and the generator's load (vLLM ``reload_weights`` vs loading the adapter).
+
+``--quick`` runs every part on the shipped tiny model (``shape: tiny-llama``): it proves the code path in
+about a minute; its numbers say nothing about the Qwen3 goals.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from forgelab.bench.common import emit_json, print_machine
+from forgelab.bench.realmodel import _PssSampler, _vm_kib, planned_pss
+
+GiB = 1024**3
+LORA = {"enabled": True, "rank": 8, "alpha": 16.0}
+
+
+# -- part 1: trainer alone ------------------------------------------------------------------------------
+
+def _trainer_main(model_dir: str, B: int, L: int, steps: int, lora: bool) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from forgelab.config.components import LoraConfig
+    from forgelab.engines.trainer import TrainerConfig
+    from forgelab.engines.trainer_core import TrainerState
+
+    cfg = TrainerConfig(model_dir=model_dir, lr=1e-5, device="cpu", lora=LoraConfig(**LORA) if lora else LoraConfig())
+    st = TrainerState.create(cfg, 0, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, st.ckpt.hf_config["vocab_size"], (B, L), generator=g)
+    gen_lp = st.logprobs(tokens)
+    batch = {"tokens_B_L": tokens, "mask_B_T": torch.ones(B, L - 1), "generator_logprobs_B_T": gen_lp,
+             "advantages_B": torch.linspace(-1, 1, B)}  # no reference logprobs: LoRA computes them from the base
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = st.train_step(batch)
+        times.append(time.perf_counter() - t0)
+        assert not out["skipped"], out
+    t0 = time.perf_counter()
+    pushed = st.push_state_dict()
+    gather_ms = (time.perf_counter() - t0) * 1e3
+    print(json.dumps({"step_s": times, "peak_gib": _vm_kib("VmHWM") * 1024 / GiB,
+                      "params": sum(p.numel() for p in st.model.parameters()),
+                      "trainable": sum(p.numel() for p in st.params), "gather_ms": gather_ms,
+                      "push_bytes": sum(v.numel() * v.element_size() for v in pushed.values())}), flush=True)
+
+
+def _children(*argss: tuple[str, ...]) -> list[dict]:
+    """One child process per argument tuple, all at once; each child's last JSON line."""
+    procs = [subprocess.Popen([sys.executable, "-m", "forgelab.bench.lora_bench", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in argss]
+    outs = [(args, p, *p.communicate()) for args, p in zip(argss, procs)]
+    for args, p, _, err in outs:
+        if p.returncode != 0:
+            raise RuntimeError(f"lora bench child {args} failed:\n{err[-3000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for _, _, out, _ in outs]
+
+
+def _child(*args: str) -> dict:
+    return _children(args)[0]
+
+
+# -- part 2: loops ----------------------------------------------------------------------------------------
+
+def loop_config(model_dir: str, out_dir: str, steps: int, lora: bool):
+    from forgelab.bench.realmodel import loop_config as base
+    from forgelab.config.components import LoraConfig
+
+    cfg = base(model_dir, out_dir, steps, prompts=1)
+    cfg.name = "lora" if lora else "full"
+    if lora:
+        cfg.lora = LoraConfig(**LORA)
+    return cfg
+
+
+async def _loop(model_dir: str, steps: int, lora: bool) -> dict:
+    from forgelab.run import Run
+
+    with tempfile.TemporaryDirectory(prefix="forgelab-lora-bench-") as out, _PssSampler() as sampler:
+        cfg = loop_config(model_dir, out, steps, lora)
+        run = Run(cfg)
+        await run.start()
+        roles, has_reference = {}, run.reference is not None
+        parts = [("generator", run.generators.handles()), ("trainer", [run.trainer])]
+        if run.reference is not None:
+            parts.append(("reference", run.reference.handles()))
+        for name, handles in parts:
+            for k, h in enumerate(handles):
+                for pid in await h.pids():
+                    roles[pid] = f"{name}{k}"
+        await run.wait()
+        df = run.metrics
+        await run.shutdown()
+        state, message = run.state, run.message
+    if state != "finished":
+        raise RuntimeError(f"the {'LoRA' if lora else 'full'} loop ended {state}: {message}")
+    pss = {role: sampler.peaks.get(pid, 0) * 1024 / GiB for pid, role in roles.items()}
+    later = df.iloc[1:] if len(df) > 1 else df
+    measured_plan = planned_pss(cfg, pss)
+    return {"s_per_step": float(statistics.median(later["step_time_s"])),
+            "weight_sync_ms": float(statistics.median(later["weight_sync_ms"])),
+            "peak_pss_gib": pss, "planned_pss_gib": measured_plan, "peak_total_gib": sum(pss.values()),
+            "reference_process": has_reference}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--_trainer":
+        _trainer_main(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5] == "lora")
+        return {}
+    ap = argparse.ArgumentParser(prog="python -m forgelab.bench lora", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="the shipped tiny model everywhere (proves the path, not the Qwen3 numbers), the two "
+                         "trainers at once, loops of 2 steps")
+    args = ap.parse_args(argv)
+    from forgelab.recipes.real_shapes import real_shape_checkpoint
+
+    start = print_machine("start")
+    if args.quick:  # proves the code path in about a minute: the shipped tiny model (4 layers) everywhere
+        from forgelab.config.run_config import SHIPPED_MODEL
+
+        small = deep = SHIPPED_MODEL
+        shape, layers, (B, L, steps), loop_steps = "tiny-llama", 4, (4, 64, 2), 2
+    else:
+        small = real_shape_checkpoint("qwen3-0.6b", layers=2, max_position_embeddings=512)
+        deep = real_shape_checkpoint("qwen3-0.6b", max_position_embeddings=512)
+        shape, layers, (B, L, steps), loop_steps = "qwen3-0.6b", 28, (4, 256, 3), 5
+    result: dict = {"suite": "lora", "quick": args.quick, "shape": shape, "lora": LORA,
+                    "trainer_layers": layers, "trainer_batch": [B, L]}
+
+    trainers = {}
+    kinds = ("full", "lora")
+    if args.quick:  # proves the path: both at once (peaks stay per process; timings share the cores)
+        trainers = dict(zip(kinds, _children(*[("--_trainer", deep, str(B), str(L), str(steps), k) for k in kinds])))
+    for kind in kinds:  # otherwise one at a time: clean timings
+        t = trainers.get(kind) or _child("--_trainer", deep, str(B), str(L), str(steps), kind)
+        trainers[kind] = t
+        print(f"trainer alone, {kind:>4} ({layers} layers, {t['trainable'] / 1e6:.1f} M of {t['params'] / 1e6:.0f} M "
+              f"trained, {B}x{L}): {statistics.median(t['step_s'][1:] or t['step_s']):.2f} s/step, "
+              f"peak {t['peak_gib']:.2f} GiB, push gathers {t['push_bytes'] / 2**20:.1f} MiB in {t['gather_ms']:.0f} ms",
+              flush=True)
+    step = {k: statistics.median(t["step_s"][1:] or t["step_s"]) for k, t in trainers.items()}
+    result.update(trainer=trainers, trainer_s_per_step=step,
+                  lora_trainer_s_per_step_over_full=step["lora"] / step["full"],
+                  lora_trainer_peak_over_full=trainers["lora"]["peak_gib"] / trainers["full"]["peak_gib"],
+                  lora_push_bytes_over_full=trainers["lora"]["push_bytes"] / trainers["full"]["push_bytes"])
+
+    shallow = "tiny" if args.quick else "2layers"
+    loops = {f"full_{shallow}": asyncio.run(_loop(small, loop_steps, lora=False)),
+             f"lora_{shallow}": asyncio.run(_loop(small, loop_steps, lora=True))}
+    if not args.quick:
+        loops[f"lora_{layers}layers"] = asyncio.run(_loop(deep, loop_steps, lora=True))
+    lora_deep = loops[f"lora_{shallow}" if args.quick else f"lora_{layers}layers"]
+    errors = {}
+    for name, lp in loops.items():
+        for role, m in lp["peak_pss_gib"].items():
+            if m > 0:
+                errors[f"{name}/{role}"] = abs(lp["planned_pss_gib"][role] - m) / m
+        print(f"loop {name}: {lp['s_per_step']:.2f} s/step, weight sync {lp['weight_sync_ms']:.1f} ms, peak PSS "
+              + ", ".join(f"{r} {v:.2f} (plan {lp['planned_pss_gib'][r]:.2f})" for r, v in sorted(lp["peak_pss_gib"].items()))
+              + f" GiB; total {lp['peak_total_gib']:.2f} GiB", flush=True)
+    result.update(loops=loops,
+                  lora_push_over_full=loops[f"lora_{shallow}"]["weight_sync_ms"] / loops[f"full_{shallow}"]["weight_sync_ms"],
+                  lora_loop_peak_total_gib=lora_deep["peak_total_gib"],
+                  lora_loop_fits_24gib=bool(lora_deep["peak_total_gib"] < 24.0),
+                  lora_loop_layers=layers, plan_errors=errors,
+                  plan_error=max(errors.values()) if errors else float("nan"))
+    end = print_machine("end")
+    result.update(loadavg_start=start.get("loadavg"), loadavg_end=end.get("loadavg"))
+    emit_json(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
