@@ -28,6 +28,7 @@ _LAZY = {
     "PlacementConfig": "forgelab.config",
     "EvalConfig": "forgelab.config",
     "TrackingConfig": "forgelab.config",
+    "LoraConfig": "forgelab.config",
     "ConfigError": "forgelab.config",
     "ProcessPool": "forgelab.engines",
     "rescore": "forgelab.controller",

@@ -7,11 +7,11 @@
 `Config` (generator, trainer, reference, environment actor), `sections` how a YAML section reaches a
 component's config, `value_types` the type checks an unknown or wrong value meets.
 """
-from forgelab.config.components import (EnvActorConfig, GeneratorConfig, ReferenceConfig, SamplingConfig,
-                                        TrainerConfig)
+from forgelab.config.components import (EnvActorConfig, GeneratorConfig, LoraConfig, ReferenceConfig,
+                                        SamplingConfig, TrainerConfig)
 from forgelab.config.run_config import (SHIPPED_MODEL, ConfigError, EvalConfig, HostsConfig, ModelConfig, PlacementConfig,
                                         RolloutConfig, RunConfig, TrackingConfig, TrainConfig)
 
-__all__ = ["SHIPPED_MODEL", "ConfigError", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "ModelConfig",
+__all__ = ["SHIPPED_MODEL", "ConfigError", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "LoraConfig", "ModelConfig",
            "PlacementConfig", "ReferenceConfig", "RolloutConfig", "RunConfig", "SamplingConfig", "TrackingConfig",
            "TrainConfig", "TrainerConfig"]
