@@ -119,6 +119,11 @@ def test_dataset_sources_and_splits_are_explicit(tmp_path):
     # the same object from Python; a fraction of a single dataset; parquet and csv files read through datasets
     s = load_split(dd, split="train", heldout=dd["test"])
     assert len(s.train) == 30 and len(s.heldout) == 10
+    # a dataset object is recorded by its description (manifest, wandb): loading that back says what to do
+    recorded = RunConfig(rollout=RolloutConfig(task=dd["train"], heldout=dd["test"])).validate().to_dict()
+    assert recorded["rollout"]["task"].startswith("<Dataset(30 rows")
+    with pytest.raises(ConfigError, match="save_to_disk"):
+        RunConfig.from_dict(recorded)
     for f in ("t.parquet", "t.csv"):
         s = load_split(str(tmp_path / f), heldout=0.25)
         assert len(s.train) == 15 and len(s.heldout) == 5 and problem_chat(s.train[0]) == s.train[0].prompt

@@ -319,7 +319,9 @@ class RunConfig:
 
         if isinstance(r.task, str) and r.task not in TASKS and not Path(r.task).exists():
             raise ConfigError(f"rollout.task: {r.task!r} is neither a toy task ({', '.join(sorted(TASKS))}) nor an "
-                              "existing dataset (.jsonl/.parquet/.csv/.json file, save_to_disk directory)")
+                              "existing dataset (.jsonl/.parquet/.csv/.json file, save_to_disk directory)" + (
+                                  "; a dataset object from Python is recorded by its description only: save it "
+                                  "with save_to_disk and give the directory" if r.task.startswith("<Dataset") else ""))
         for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
             positive_int(f"rollout.{name}", getattr(r, name))
         try:
