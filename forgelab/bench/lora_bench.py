@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from forgelab.bench.common import emit_json, print_machine
-from forgelab.bench.realmodel import _PssSampler, _vm_kib, planned_pss
+from forgelab.bench.realmodel import PssSampler, vm_kib, planned_pss
 
 GiB = 1024**3
 LORA = {"enabled": True, "rank": 8, "alpha": 16.0}
@@ -65,7 +65,7 @@ def _trainer_main(model_dir: str, B: int, L: int, steps: int, lora: bool) -> Non
     t0 = time.perf_counter()
     pushed = st.push_state_dict()
     gather_ms = (time.perf_counter() - t0) * 1e3
-    print(json.dumps({"step_s": times, "peak_gib": _vm_kib("VmHWM") * 1024 / GiB,
+    print(json.dumps({"step_s": times, "peak_gib": vm_kib("VmHWM") * 1024 / GiB,
                       "params": sum(p.numel() for p in st.model.parameters()),
                       "trainable": sum(p.numel() for p in st.params), "gather_ms": gather_ms,
                       "push_bytes": sum(v.numel() * v.element_size() for v in pushed.values())}), flush=True)
@@ -102,7 +102,7 @@ def loop_config(model_dir: str, out_dir: str, steps: int, lora: bool):
 async def _loop(model_dir: str, steps: int, lora: bool) -> dict:
     from forgelab.run import Run
 
-    with tempfile.TemporaryDirectory(prefix="forgelab-lora-bench-") as out, _PssSampler() as sampler:
+    with tempfile.TemporaryDirectory(prefix="forgelab-lora-bench-") as out, PssSampler() as sampler:
         cfg = loop_config(model_dir, out, steps, lora)
         run = Run(cfg)
         await run.start()

@@ -48,7 +48,7 @@ from forgelab.bench.common import emit_json, print_machine
 GiB = 1024**3
 
 
-def _vm_kib(field: str, pid: str = "self") -> int:
+def vm_kib(field: str, pid: str = "self") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -94,7 +94,7 @@ def _trainer_main(model_dir: str, B: int, L: int, steps: int) -> None:
         out = st.train_step(batch)
         times.append(time.perf_counter() - t0)
         assert not out["skipped"], out
-    print(json.dumps({"step_s": times, "peak_gib": _vm_kib("VmHWM") * 1024 / GiB,
+    print(json.dumps({"step_s": times, "peak_gib": vm_kib("VmHWM") * 1024 / GiB,
                       "params": sum(p.numel() for p in st.model.parameters())}), flush=True)
 
 
@@ -113,14 +113,14 @@ def _logits_main(model_dir: str, N: int, mode: str) -> None:
     h = torch.randn(1, N, w.shape[1], generator=g).requires_grad_(True)
     y = torch.randint(0, w.shape[0], (1, N), generator=g)
     _reset_peak()
-    base = _vm_kib("VmRSS")
+    base = vm_kib("VmRSS")
     if mode == "chunked":
         lp, ent = chunked_logprobs_entropy(h, w, y)
     else:
         z = h @ w.t()
         lp, ent = gather_logprobs(z, y), token_entropy(z)
     (lp.sum() + ent.sum()).backward()
-    print(json.dumps({"peak_gib": (_vm_kib("VmHWM") - base) * 1024 / GiB}), flush=True)
+    print(json.dumps({"peak_gib": (vm_kib("VmHWM") - base) * 1024 / GiB}), flush=True)
 
 
 def _children(*argss: tuple[str, ...]) -> list[dict]:
@@ -144,7 +144,7 @@ def _child(*args: str) -> dict:
 
 # -- part 3: the whole loop -----------------------------------------------------------------------------
 
-class _PssSampler:
+class PssSampler:
     """Peak PSS of every descendant process of this one, sampled in a thread."""
 
     def __init__(self, every_s: float = 0.05):
@@ -188,7 +188,7 @@ def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2):
 async def _loop(model_dir: str, steps: int, prompts: int = 2) -> dict:
     from forgelab.run import Run
 
-    with tempfile.TemporaryDirectory(prefix="forgelab-realmodel-") as out, _PssSampler() as sampler:
+    with tempfile.TemporaryDirectory(prefix="forgelab-realmodel-") as out, PssSampler() as sampler:
         cfg = loop_config(model_dir, out, steps, prompts)
         run = Run(cfg)
         await run.start()

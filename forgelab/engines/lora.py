@@ -41,7 +41,8 @@ from forgelab.weights.adapter import HF_TARGETS, peft_config, peft_name
 
 __all__ = ["TITAN_MODULE", "LoRAAdapter", "check_targets", "add_adapters", "adapters", "adapters_disabled",
            "dropout_seed", "is_adapter_key", "adapter_state_dict", "peft_tensors", "adapter_config", "base_hash",
-           "merged_hf_state_dict"]
+           "merged_hf_state_dict", "step_dropout", "export_adapter", "checkpoint_model_state", "checkpoint_record",
+           "check_checkpoint_record"]
 
 #: HF projection name -> (torchtitan module path inside a decoder layer, part of a fused qkv or None).
 TITAN_MODULE = {
@@ -221,16 +222,24 @@ def adapter_config(lora: Any, base_model: str | None = None) -> dict[str, Any]:
                        targets=tuple(lora.targets), base_model=base_model)
 
 
+_HASHES: dict[tuple, str] = {}  # (path, names, sizes, mtimes) -> hex: a trainer saving every few steps hashes once
+
+
 def base_hash(model_dir: str) -> str:
     """SHA-256 over the base checkpoint's config.json and safetensors files (names and bytes), hex."""
-    h = hashlib.sha256()
     names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors") or n == "config.json")
+    stats = [os.stat(os.path.join(model_dir, n)) for n in names]
+    key = (os.path.abspath(model_dir), tuple(names), tuple((s.st_size, s.st_mtime_ns) for s in stats))
+    if key in _HASHES:
+        return _HASHES[key]
+    h = hashlib.sha256()
     for name in names:
         h.update(name.encode() + b"\0")
         with open(os.path.join(model_dir, name), "rb") as f:
             for block in iter(lambda: f.read(1 << 22), b""):
                 h.update(block)
-    return h.hexdigest()
+    _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
 
 
 def merged_hf_state_dict(model: nn.Module, ckpt: Any, lora: Any) -> dict[str, torch.Tensor]:
@@ -242,3 +251,57 @@ def merged_hf_state_dict(model: nn.Module, ckpt: Any, lora: Any) -> dict[str, to
     full = full_state_dict(model)
     base = titan_to_hf({k: v for k, v in full.items() if not is_adapter_key(k)}, ckpt)
     return merge_adapter(base, peft_tensors(model, ckpt), float(lora.alpha) / int(lora.rank))
+
+
+def step_dropout(model: nn.Module, lora: Any, seed: int, step: int, rank: int, micro_index: int):
+    """Adapter dropout for one micro-batch's training forward passes; a no-op without LoRA dropout.
+
+    The mask's seed depends on (seed, step, rank, micro-batch) only: the no-grad pass 1 and the backward
+    pass 2 of a micro-batch draw the same mask, and a resumed run draws the same masks."""
+    if lora is None or not lora.dropout:
+        return contextlib.nullcontext()
+    return dropout_seed(model, ((int(seed) * 1_000_003 + step) * 1_009 + rank) * 1_013 + micro_index)
+
+
+def export_adapter(model: nn.Module, ckpt: Any, lora: Any, path: str, *, write: bool = True) -> str:
+    """Write the adapter as a PEFT directory (``write``: this rank writes; every rank gathers). LoRA only."""
+    from forgelab.weights.adapter import write_adapter
+
+    if lora is None:
+        raise ValueError("export_adapter: this trainer has no LoRA adapters; use export_hf")
+    tensors = peft_tensors(model, ckpt)
+    if write:
+        write_adapter(path, tensors, adapter_config(lora, ckpt.model_dir))
+    return path
+
+
+def checkpoint_model_state(model: nn.Module, lora: Any) -> dict[str, torch.Tensor]:
+    """What a trainer checkpoint holds of the model: every parameter, or with LoRA the adapters only."""
+    return model.state_dict() if lora is None else adapter_state_dict(model)
+
+
+def checkpoint_record(lora: Any, model_dir: str) -> dict[str, Any]:
+    """Saved with a LoRA checkpoint: the adapters' config and the base they sit on (path, sha256 of its files)."""
+    from dataclasses import asdict
+
+    return {"config": asdict(lora), "base_path": os.path.abspath(model_dir), "base_sha256": base_hash(model_dir)}
+
+
+def check_checkpoint_record(saved: dict[str, Any] | None, mine: dict[str, Any] | None, path: str) -> None:
+    """Refuse a checkpoint whose adapters (or lack of them) or base do not match this trainer's."""
+    if (saved is None) != (mine is None):
+        has = "LoRA adapters only" if saved is not None else "full weights"
+        raise ValueError(f"{path!r} holds {has}, but this trainer is "
+                         f"{'a LoRA' if mine is not None else 'a full fine-tuning'} trainer; "
+                         "resume with the lora config the checkpoint was saved with")
+    if saved is None:
+        return
+    if saved["base_sha256"] != mine["base_sha256"]:
+        raise ValueError(f"{path!r} holds LoRA adapters trained on the base at {saved['base_path']!r} "
+                         f"(sha256 {saved['base_sha256'][:12]}), but this trainer's base "
+                         f"{mine['base_path']!r} has sha256 {mine['base_sha256'][:12]}: adapters only make "
+                         "sense on their own base; set model.path to it")
+    shape = lambda c: (c["rank"], sorted(c["targets"]))  # noqa: E731
+    if shape(saved["config"]) != shape(mine["config"]):
+        raise ValueError(f"{path!r} holds rank-{saved['config']['rank']} adapters on {saved['config']['targets']}, "
+                         f"this trainer has rank {mine['config']['rank']} on {mine['config']['targets']}")

@@ -239,11 +239,9 @@ class TrainerState:
         micro = self._micro_batches(B)
         rows = torch.cat(micro)
         spans_B_2 = spans_from_mask(batch["mask_B_T"].cpu())  # only masked positions enter the loss
-        if ref_B_T is None and self.ref_from_base:
-            ref_B_T = self._base_logprobs(tokens, micro, spans_B_2, B).to(dev)
-            metrics_ref = {"ref_from_base": 1.0}
-        else:
-            metrics_ref = {}
+        ref_from_base = ref_B_T is None and self.lora is not None and self.lora.reference == "base"
+        if ref_from_base:  # LoRA: a batch without reference logprobs gets the base model's (adapters off)
+            ref_B_T = self.base_logprobs(tokens, spans_B_2).to(dev)
 
         # Pass 1: this rank's logprobs (keeping the graph when there is one micro-batch).
         graphs, parts, ents = [], [], []
@@ -259,7 +257,7 @@ class TrainerState:
         m_local = mask_B_T[rows]
         e_sum, e_cnt = self.sum_across_ranks([float((ent_local * m_local).sum()), float(m_local.sum())])
         metrics: dict[str, Any] = {"entropy": e_sum / max(e_cnt, 1.0), "n_tokens": e_cnt, "n_seqs": float(B),
-                                   **metrics_ref}
+                                   **({"ref_from_base": 1.0} if ref_from_base else {})}
 
         # The loss of the global batch, identical on every rank.
         lp_leaf = self._all_gather_rows(local_lp, B).detach().requires_grad_(True)
@@ -303,43 +301,21 @@ class TrainerState:
             raise SkipStep(f"non-finite gradients (grad_norm={grad_norm}) from loss {name!r}")
         return loss_value, metrics, grad_norm
 
-    @property
-    def ref_from_base(self) -> bool:
-        """LoRA with ``lora.reference == "base"``: a batch without reference logprobs gets the base model's."""
-        return self.lora is not None and self.lora.reference == "base"
-
-    def _base_logprobs(self, tokens_B_L: torch.Tensor, micro: list[torch.Tensor], spans_B_2: torch.Tensor | None,
-                       B: int) -> torch.Tensor:
-        """The base model's ``logprobs_B_T`` (adapters off, no grad), all rows on every rank: the free reference."""
-        from forgelab.engines.lora import adapters_disabled
-
-        with torch.no_grad(), adapters_disabled(self.model):
-            parts = [self._forward(tokens_B_L, mb, need_entropy=False, spans_B_2=spans_B_2)[0] for mb in micro]
-        return self._all_gather_rows(torch.cat(parts), B)
-
     def _dropout(self, micro_index: int):
-        """Adapter dropout for one micro-batch's training forward passes (a no-op without LoRA dropout).
+        """Adapter dropout for one micro-batch's training passes (`forgelab.engines.lora.step_dropout`)."""
+        from forgelab.engines.lora import step_dropout
 
-        The mask's seed depends on (seed, step, rank, micro-batch) only: the no-grad pass 1 and the
-        backward pass 2 of a micro-batch draw the same mask, and a resumed run draws the same masks."""
-        import contextlib
-
-        if self.lora is None or not self.lora.dropout:
-            return contextlib.nullcontext()
-        from forgelab.engines.lora import dropout_seed
-
-        seed = ((self.config.seed * 1_000_003 + self.step) * 1_009 + self.rank) * 1_013 + micro_index
-        return dropout_seed(self.model, seed)
+        return step_dropout(self.model, self.lora, self.config.seed, self.step, self.rank, micro_index)
 
     def base_logprobs(self, tokens_B_L: Any, spans_B_2: Any = None) -> torch.Tensor:
-        """The base model's logprobs (adapters off): what a reference on the base would answer. LoRA only."""
+        """`logprobs` of the base model (adapters off): the free reference, every row on every rank. LoRA only."""
+        from forgelab.engines.lora import adapters_disabled
+
         if self.lora is None:
             raise ValueError("base_logprobs: this trainer has no LoRA adapters; its base is its policy "
                              "(use a ReferenceModel for a frozen copy)")
-        tokens_B_L = check_tokens(tokens_B_L)
-        spans_B_2 = check_spans(spans_B_2, tokens_B_L)
-        B = tokens_B_L.shape[0]
-        return self._base_logprobs(tokens_B_L, self._micro_batches(B), spans_B_2, B).float().cpu()
+        with adapters_disabled(self.model):
+            return self.logprobs(tokens_B_L, spans_B_2)
 
     def _grad_norm(self) -> float:
         """The global L2 norm of the gradients (float64 sum of squares: `sum_of_squares`)."""
@@ -407,32 +383,23 @@ class TrainerState:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full HF-named weights (with LoRA: the base with the adapters merged in). Collective."""
+        from forgelab.engines.lora import merged_hf_state_dict
         from forgelab.engines.titan import to_hf_state_dict
 
-        if self.lora is None:
-            return to_hf_state_dict(self.model, self.ckpt)
-        from forgelab.engines.lora import merged_hf_state_dict
-
-        return merged_hf_state_dict(self.model, self.ckpt, self.lora)
+        return to_hf_state_dict(self.model, self.ckpt) if self.lora is None else merged_hf_state_dict(
+            self.model, self.ckpt, self.lora)
 
     def push_state_dict(self) -> dict[str, torch.Tensor]:
         """What a weight push sends: the full HF weights, or with LoRA only the adapter (PEFT names). Collective."""
-        if self.lora is None:
-            return self.hf_state_dict()
         from forgelab.engines.lora import peft_tensors
 
-        return peft_tensors(self.model, self.ckpt)
+        return self.hf_state_dict() if self.lora is None else peft_tensors(self.model, self.ckpt)
 
     def export_adapter(self, path: str) -> str:
         """Write the adapter as a PEFT directory (rank 0 writes; every rank gathers). LoRA only."""
-        from forgelab.engines.lora import adapter_config, peft_tensors
-        from forgelab.weights.adapter import write_adapter
+        from forgelab.engines.lora import export_adapter
 
-        if self.lora is None:
-            raise ValueError("export_adapter: this trainer has no LoRA adapters; use export_hf")
-        tensors = peft_tensors(self.model, self.ckpt)
-        if self.rank == 0:
-            write_adapter(path, tensors, adapter_config(self.lora, self.ckpt.model_dir))
+        export_adapter(self.model, self.ckpt, self.lora, path, write=self.rank == 0)
         if self.world > 1:
             dist.barrier()
         return path
@@ -462,15 +429,17 @@ class TrainerState:
     def save(self, path: str) -> str:
         import torch.distributed.checkpoint as dcp
 
+        from forgelab.engines.lora import checkpoint_model_state, checkpoint_record
+
         osd, fresh = self._optim_sd()
-        dcp.save({"model": self._model_sd(), "optim": osd}, checkpoint_id=path)
+        dcp.save({"model": checkpoint_model_state(self.model, self.lora), "optim": osd}, checkpoint_id=path)
         loss_spec = self.loss_spec
         if not isinstance(loss_spec, (str, PackedLoss)):
             loss_spec = pack_loss(loss_spec)
         extra = {
             "scheduler": self.scheduler.state_dict(), "step": self.step, "policy_version": self.policy_version,
             "optim_fresh": fresh, "loss": loss_spec, "loss_kwargs": self.loss_kwargs, "world": self.world,
-            "rng": rng_state(), "lora": self._lora_record(),
+            "rng": rng_state(), "lora": self.lora and checkpoint_record(self.lora, self.config.model_dir),
         }
         with open(os.path.join(path, _EXTRA_FILE.format(self.rank)), "wb") as f:
             pickle.dump(extra, f)
@@ -482,14 +451,16 @@ class TrainerState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        from forgelab.engines.lora import check_checkpoint_record, checkpoint_model_state, checkpoint_record
+
         own = os.path.join(path, _EXTRA_FILE.format(self.rank))
         extra_path = own if os.path.exists(own) else os.path.join(path, _EXTRA_FILE.format(0))
         if not os.path.exists(extra_path):
             raise FileNotFoundError(f"{path!r} is not a forgelab trainer checkpoint (no {_EXTRA_FILE.format(0)})")
         with open(extra_path, "rb") as f:
             extra = pickle.load(f)
-        self._check_lora_record(extra.get("lora"), path)
-        model_sd = self._model_sd()
+        check_checkpoint_record(extra.get("lora"), self.lora and checkpoint_record(self.lora, self.config.model_dir), path)
+        model_sd = checkpoint_model_state(self.model, self.lora)
         osd, _ = self._optim_sd()
         state = {"model": model_sd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
@@ -505,47 +476,6 @@ class TrainerState:
         self._pending = None
         set_rng_state(extra["rng"])
         return self.info()
-
-    def _model_sd(self) -> dict[str, Any]:
-        """What a checkpoint holds of the model: every parameter, or with LoRA the adapters only."""
-        if self.lora is None:
-            return self.model.state_dict()
-        from forgelab.engines.lora import adapter_state_dict
-
-        return adapter_state_dict(self.model)
-
-    def _lora_record(self) -> dict[str, Any] | None:
-        """The adapters' shape and the base they sit on (path and content hash), saved with a LoRA checkpoint."""
-        if self.lora is None:
-            return None
-        from dataclasses import asdict
-
-        from forgelab.engines.lora import base_hash
-
-        if getattr(self, "_base_sha256", None) is None:
-            self._base_sha256 = base_hash(self.config.model_dir)
-        return {"config": asdict(self.lora), "base_path": os.path.abspath(self.config.model_dir),
-                "base_sha256": self._base_sha256}
-
-    def _check_lora_record(self, saved: dict[str, Any] | None, path: str) -> None:
-        """Refuse a checkpoint whose adapters (or lack of them) or base do not match this trainer."""
-        mine = self._lora_record()
-        if (saved is None) != (mine is None):
-            has = "LoRA adapters only" if saved is not None else "full weights"
-            raise ValueError(f"{path!r} holds {has}, but this trainer is "
-                             f"{'a LoRA' if mine is not None else 'a full fine-tuning'} trainer; "
-                             "resume with the lora config the checkpoint was saved with")
-        if saved is None:
-            return
-        if saved["base_sha256"] != mine["base_sha256"]:
-            raise ValueError(f"{path!r} holds LoRA adapters trained on the base at {saved['base_path']!r} "
-                             f"(sha256 {saved['base_sha256'][:12]}), but this trainer's base "
-                             f"{mine['base_path']!r} has sha256 {mine['base_sha256'][:12]}: adapters only make "
-                             "sense on their own base; set model.path to it")
-        shape = lambda c: (c["rank"], sorted(c["targets"]))  # noqa: E731
-        if shape(saved["config"]) != shape(mine["config"]):
-            raise ValueError(f"{path!r} holds rank-{saved['config']['rank']} adapters on {saved['config']['targets']}, "
-                             f"this trainer has rank {mine['config']['rank']} on {mine['config']['targets']}")
 
     def fingerprint(self) -> dict[str, Any]:
         params = [local_tensor(v) for _, v in sorted(self.model.state_dict().items())]
