@@ -167,3 +167,72 @@ def test_shutdown_stops_the_ssh_workers(ssh_run, loop):
             pass
     gone, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, f"ssh workers still running after shutdown: {[p.pid for p in alive]}"
+
+
+# --- environment replicas under load ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def env_replica_killed(loop, tmp_path_factory):
+    """A Run on 2 environment replicas with about 1,000 episodes in flight; one replica is killed then."""
+    import asyncio
+    import signal
+
+    from forgelab.config import RunConfig
+    from forgelab.run import Run
+
+    tmp = tmp_path_factory.mktemp("envkill")
+    cfg = RunConfig.from_dict({
+        "name": "envkill",
+        # each episode: 2 turns, the environment thinks 3 s per step, so rollouts stay in flight long enough
+        "rollout": {"task": "addition", "env": "echo", "env_kwargs": {"turns": 2, "think_s": 3.0}, "max_turns": 2,
+                    "group_size": 8, "prompts_per_rollout": 32, "concurrency": 4, "max_tokens": 4,
+                    "env_step_timeout_s": 60.0},
+        # admission lets (served version + max_policy_age + 1) * batch_size = 1024 episodes be live at the start
+        "train": {"steps": 3, "batch_size": 512, "warmup_steps": 1, "max_policy_age": 1,
+                  "loss_kwargs": {"kl_coef": 0.0}},
+        "placement": {"reference": False, "env_replicas": 2},
+        "eval": {"every": 0, "n": 8},
+        "tracking": {"wandb": False, "out_dir": str(tmp / "runs")},
+    })
+    run = Run(cfg)
+
+    async def go():
+        await run.start()
+        deadline = time.monotonic() + 600
+        # episodes being played: admitted slots not yet added or dropped (the condition itself, checked until
+        # it holds)
+        while run.buffer.reserved < 1000:
+            assert time.monotonic() < deadline and run.state == "running", (run.state, run.buffer.counts())
+            await asyncio.sleep(0.05)
+        victim = run.parts.envs.status()[0]
+        in_flight = run.buffer.reserved
+        os.kill(victim.pid, signal.SIGKILL)
+        await run.wait()
+        return victim, in_flight
+
+    try:
+        victim, in_flight = loop.run_until_complete(go())
+        yield run, victim, in_flight
+    finally:
+        loop.run_until_complete(run.shutdown())
+
+
+def test_killing_an_env_replica_at_1000_in_flight_loses_no_episode(env_replica_killed):
+    run, victim, in_flight = env_replica_killed
+    assert in_flight >= 1000
+    c = run.buffer.check_accounting()  # generated == trained + evicted + dropped + buffered + in_flight
+    assert run.state == "finished", run.message
+    assert c["trained"] == 3 * 512
+    # the killed replica's rollouts never reached the controller: their ids are counted unused, rollout by
+    # rollout (a rollout is 32 x 8 = 256 episodes), each in a rollout_error event; every id is accounted for
+    # (ids_unused also counts the rollouts cancelled when the run ended)
+    errors = [e for e in run.events if e["kind"] == "rollout_error"]
+    never = sum(e["episodes_never_generated"] for e in errors)
+    lost = never + sum(e["episodes_dropped"] for e in errors)
+    assert errors and lost >= 256 and lost % 256 == 0 and never <= run.rollout.ids_unused
+    assert c["generated"] + run.rollout.ids_unused == run.rollout.next_episode_id
+    assert all("envactor" in e["message"] for e in errors)
+    # the service replaced the replica: both replicas healthy again, the killed one restarted
+    status = run.parts.envs.status()
+    assert all(s.healthy for s in status) and status[victim.index].restarts >= 1

@@ -19,8 +19,9 @@ from there one path scores, normalises and buffers them:
 Accounting: an episode is *generated* once it reached the controller (an
 `Episode` exists). A rollout that fails or is cancelled after that drops its
 not-yet-buffered episodes (``rollout_error:<Type>`` / ``rollout_cancelled``);
-episodes lost inside a dead generator never existed here, and their admission
-slots are given back (their ids stay unused: `Rollouts.ids_unused`).
+episodes lost inside a dead generator or environment replica never existed here, and their admission
+slots are given back (their ids stay unused: `Rollouts.ids_unused`; the ``rollout_error`` event says how
+many: ``episodes_never_generated``).
 """
 from __future__ import annotations
 
@@ -244,8 +245,10 @@ class Rollouts:
                 raise
             except Exception as e:
                 lost = self._drop_unaccounted(admitted, f"rollout_error:{type(e).__name__}")
-                self.ids_unused += self.per_call - len(admitted.created)
-                self.emit("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost)
+                never = self.per_call - len(admitted.created)
+                self.ids_unused += never
+                self.emit("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost,
+                          episodes_never_generated=never)
                 self.failure_log.warning("forgelab: rollout failed: %s", e)
                 await asyncio.sleep(0.5)  # back off before the next attempt (a dying replica, a respawn)
             finally:
