@@ -209,6 +209,36 @@ def test_adapter_on_fused_qkv_is_peft_per_projection(model_dir, tmp_path):
         assert float((x - truth).abs().max()) <= 4 * base_err, (name, float((x - truth).abs().max()), base_err)
 
 
+def test_adapter_dropout_is_seeded_and_off_outside_training(model_dir):
+    """Dropout masks the adapters' inputs only under `dropout_seed`: one seed draws one mask (pass 1 and the
+    backward pass 2 of a micro-batch agree bit for bit), another seed another; without a seed (rollouts,
+    the reference, evaluation) the forward is the plain LoRA forward."""
+    from forgelab.config.components import LoraConfig
+    from forgelab.engines.lora import adapters, add_adapters, dropout_seed, step_dropout
+    from forgelab.engines.titan import build_from_hf
+    from forgelab.engines.titan_forward import model_logprobs
+
+    model, ckpt = build_from_hf(model_dir)
+    cfg = LoraConfig(enabled=True, rank=4, dropout=0.5)
+    add_adapters(model, ckpt, cfg, seed=0)
+    with torch.no_grad():
+        for a in adapters(model):
+            for t in a.B:
+                a.B[t].normal_(0, 0.05)
+        tokens = torch.randint(10, 100, (2, 16))
+        plain = model_logprobs(model, tokens)
+        with dropout_seed(model, 7):
+            d7 = model_logprobs(model, tokens)
+        with dropout_seed(model, 7):
+            again = model_logprobs(model, tokens)
+        with dropout_seed(model, 8):
+            d8 = model_logprobs(model, tokens)
+        assert torch.equal(model_logprobs(model, tokens), plain)  # the seed is gone after the block
+        with step_dropout(model, LoraConfig(enabled=True, dropout=0.0), 0, 3, 0, 1):
+            assert torch.equal(model_logprobs(model, tokens), plain)  # no dropout configured: a no-op
+    assert torch.equal(d7, again) and not torch.equal(d7, d8) and not torch.equal(d7, plain)
+
+
 # ---------------------------------------------------------------------------------------- real processes
 @integration
 def test_b_zero_trainer_and_generator_logprobs_equal_the_base(loop, parts, batches):

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         small = real_shape_checkpoint("qwen3-0.6b", layers=2, max_position_embeddings=512)
         deep = real_shape_checkpoint("qwen3-0.6b", max_position_embeddings=512)
-        shape, layers, (B, L, steps), loop_steps = "qwen3-0.6b", 28, (4, 256, 3), 5
+        shape, layers, (B, L, steps), loop_steps = "qwen3-0.6b", 28, (4, 256, 2), 4
     result: dict = {"suite": "lora", "quick": args.quick, "shape": shape, "lora": LORA,
                     "trainer_layers": layers, "trainer_batch": [B, L]}
 
