@@ -1049,3 +1049,31 @@ def test_env_runs_report_turn_and_episode_latency_percentiles(tmp_path):
         assert got[f"turn_p{q}_ms"] == pytest.approx(want, rel=1e-9)
     # an episode lasts at least as long as its turns together
     assert all(ep.info["episode_latency_s"] >= sum(ep.info["turn_latency_s"]) for ep in eps)
+
+
+def test_a_run_directory_opens_in_the_lab_with_every_trained_episode_and_its_token_values(tmp_path):
+    """`forgelab.lab.open(RUN_DIR)` (issue #28 item 3): read from the run's files, no process; every trained
+    episode is in the rollout table with its token ids and generator logprobs, the metrics and the timeline are
+    there, and a command is refused by name."""
+    import forgelab.lab
+    from forgelab.controller.recorded import RecordedRun
+
+    run = run_to_end(Run(config(tmp_path, steps=4, reference=True), spawn=fake_spawn))
+    view = forgelab.lab.open(run.out_dir)
+    rec = view.run
+    assert isinstance(rec, RecordedRun) and rec.state == "finished" and rec.step == 4
+    assert list(rec.metrics["step"]) == list(run.metrics["step"])
+    df = rec.rollouts
+    trained = df[df["status"] == "trained"]
+    assert len(trained) == run.buffer.counts()["trained"] == 4 * 8
+    for _, r in trained.iterrows():  # the token view's columns, per token
+        assert len(r["generator_logprobs"]) == len(r["completion_ids"]) > 0
+        assert r["ref_logprobs"] is not None and len(r["ref_logprobs"]) == len(r["completion_ids"])
+    snap = rec.snapshot()
+    assert snap.name == run.config.name and snap.episodes["trained"] == 32 and snap.accuracy is not None
+    assert "recorded run" in view.summary() and any(e["kind"] == "finished" for e in rec.events)
+    assert "step" in view.timeline.html()
+    view.inspector.widget  # builds headless, as in a notebook
+    assert set(view.inspector.filtered()["id"]) <= set(df["id"])
+    with pytest.raises(RuntimeError, match="set_loss: .* is a recorded run .* Run.fork_from"):
+        rec.set_loss("dapo")

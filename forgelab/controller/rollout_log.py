@@ -9,7 +9,7 @@
 replay buffer closes it (trained, evicted or dropped: `RolloutRecorder`, a close
 listener of the buffer), as parquet parts written every `FLUSH_EVERY` trained
 steps, whenever `MAX_PENDING` rows wait, and when the run stops: id, group id,
-prompt, completion, target, token ids, generator logprobs, reward and its parts,
+prompt, completion, target, token ids, generator and reference logprobs, loss mask, reward and its parts,
 advantage, policy version, status, drop reason, finish reason and the problem's
 info (JSON). Nothing is capped: an episode still buffered when the run stops is
 not closed, and is not in the log (a resume may train it).
@@ -102,6 +102,9 @@ def _row(ep: Any, status: str, reason: str = "") -> dict:
         "reward_parts": json.dumps(ep.reward_parts), "advantage": float(ep.advantage),
         "policy_version": int(ep.policy_version), "status": status, "reason": reason,
         "finish_reason": ep.finish_reason, "info": json.dumps(ep.info, default=repr),
+        # the reference's per-token logprobs (None without a reference) and which tokens train (None: all)
+        "ref_logprobs": None if ep.ref_logprobs is None else [float(x) for x in ep.ref_logprobs],
+        "loss_mask": None if ep.loss_mask is None else [int(x) for x in ep.loss_mask],
     }
 
 

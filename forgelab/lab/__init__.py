@@ -23,10 +23,21 @@ from forgelab.lab.inspector import RolloutInspector
 from forgelab.lab.loss_panel import LossPanel
 from forgelab.lab.metrics import MetricsPanel
 from forgelab.lab.rewards_panel import RewardPanel
+from forgelab.lab.recorded_view import RecordedView
 from forgelab.lab.summary import text_summary
 from forgelab.lab.timeline_panel import Timeline, timeline
 
 __all__ = [
     "compare", "Compare", "dashboard", "Dashboard", "MetricsPanel", "RolloutInspector", "RewardPanel", "LossPanel", "Controls",
-    "ServicesPanel", "Panel", "Throttle", "in_notebook", "text_summary", "timeline", "Timeline",
+    "ServicesPanel", "Panel", "Throttle", "in_notebook", "text_summary", "timeline", "Timeline", "open",
+    "RecordedView",
 ]
+
+
+def open(run_dir):  # noqa: A001 -- `forgelab.lab.open(RUN_DIR)` reads like `open(path)` on purpose
+    """A finished run (or one still running in another kernel) in the lab, read from its directory: metrics,
+    the timeline of live changes and the rollout table with the token view; no process is spawned.
+
+        view = forgelab.lab.open("runs/demo")   # view.metrics, view.inspector, view.timeline; view.run.reload()
+    """
+    return RecordedView(run_dir)

@@ -30,6 +30,10 @@ class Timeline:
         return timeline_entries(self.source)
 
     def _repr_html_(self) -> str:
+        return self.html()
+
+    def html(self) -> str:
+        """The timeline as an HTML table (what a notebook shows)."""
         cfg, _ = change_source(self.source)
         rows = []
         for e in self.entries:
