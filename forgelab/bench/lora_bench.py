@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true",
                     help="the shipped tiny model everywhere (proves the path, not the Qwen3 numbers), the two "
                          "trainers at once, loops of 2 steps")
+    ap.add_argument("--full-layers", type=int, nargs=2, default=None, metavar=("N1", "N2"),
+                    help="measure the full fine-tuning trainer at these two depths and extrapolate its peak and "
+                         "s/step linearly to 28 layers (its 13 GiB full-depth process may not fit a shared host)")
     args = ap.parse_args(argv)
     from forgelab.recipes.real_shapes import real_shape_checkpoint
 
@@ -158,10 +161,24 @@ def main(argv: list[str] | None = None) -> dict:
     kinds = ("full", "lora")
     if args.quick:  # proves the path: both at once (peaks stay per process; timings share the cores)
         trainers = dict(zip(kinds, _children(*[("--_trainer", deep, str(B), str(L), str(steps), k) for k in kinds])))
+    elif args.full_layers:  # full fine-tuning at two reduced depths, extrapolated linearly to the real one
+        pts = [(n, _child("--_trainer", real_shape_checkpoint("qwen3-0.6b", layers=n, max_position_embeddings=512),
+                          str(B), str(L), str(steps), "full")) for n in args.full_layers]
+        (n1, t1), (n2, t2) = pts
+        line = lambda a, b: a + (b - a) * (layers - n1) / (n2 - n1)  # noqa: E731  (peak, time: linear in depth)
+        trainers["full"] = {"peak_gib": line(t1["peak_gib"], t2["peak_gib"]),
+                            "step_s": [line(statistics.median(t1["step_s"][1:] or t1["step_s"]),
+                                            statistics.median(t2["step_s"][1:] or t2["step_s"]))],
+                            "params": line(t1["params"], t2["params"]), "trainable": line(t1["trainable"], t2["trainable"]),
+                            "gather_ms": line(t1["gather_ms"], t2["gather_ms"]),
+                            "push_bytes": line(t1["push_bytes"], t2["push_bytes"]),
+                            "extrapolated_from": {str(n): t for n, t in pts}}
+        result["full_trainer_extrapolated"] = True
     for kind in kinds:  # otherwise one at a time: clean timings
         t = trainers.get(kind) or _child("--_trainer", deep, str(B), str(L), str(steps), kind)
         trainers[kind] = t
-        print(f"trainer alone, {kind:>4} ({layers} layers, {t['trainable'] / 1e6:.1f} M of {t['params'] / 1e6:.0f} M "
+        print(f"trainer alone, {kind:>4} ({layers} layers{', extrapolated' if 'extrapolated_from' in t else ''}, "
+              f"{t['trainable'] / 1e6:.1f} M of {t['params'] / 1e6:.0f} M "
               f"trained, {B}x{L}): {statistics.median(t['step_s'][1:] or t['step_s']):.2f} s/step, "
               f"peak {t['peak_gib']:.2f} GiB, push gathers {t['push_bytes'] / 2**20:.1f} MiB in {t['gather_ms']:.0f} ms",
               flush=True)
