@@ -10,6 +10,27 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+_THREADS = os.environ.get("FORGELAB_TEST_THREADS")
+if _THREADS:
+    # `make test-numerics` varies the thread count (it changes how a reduction is split): this process runs with
+    # it, and so does every process it starts. forgelab starts an actor's process with OMP_NUM_THREADS,
+    # MKL_NUM_THREADS and FORGELAB_THREADS set from its placement's `threads` (default 1), so those are
+    # overridden after the placement sets them; plain subprocesses inherit os.environ.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = os.environ["FORGELAB_THREADS"] = _THREADS
+    import torch
+
+    torch.set_num_threads(int(_THREADS))
+    from forgelab.runtime import component as _component
+
+    _placement_env = _component.Placement.process_env
+
+    def _process_env_with_test_threads(self) -> dict[str, str]:
+        env = _placement_env(self)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = env["FORGELAB_THREADS"] = _THREADS
+        return env
+
+    _component.Placement.process_env = _process_env_with_test_threads
+
 
 @pytest.fixture(scope="module")
 def loop():
