@@ -55,3 +55,7 @@ class Episode:
     info: dict = field(default_factory=dict)
     finish_reason: str = ""
     loss_mask: list[int] | None = None
+    train_values: dict[str, list | None] | None = None
+    """The trainer's per-token view once trained (`forgelab.algos.token_truth`): ``trainer_logprobs``,
+    ``entropy``, ``is_weight`` (None: no IS), ``clipped`` (None: the loss's rule is unknown), one value per
+    completion token, and ``step``, the step that trained it."""

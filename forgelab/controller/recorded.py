@@ -135,6 +135,16 @@ def _inspector_columns(df):
             expanded = df[name].apply(lambda d: d if isinstance(d, dict) else {})
             for key in sorted({k for d in expanded for k in d}):
                 df[parts + key] = expanded.map(lambda d, k=key: d.get(k))
+    if {"trainer_logprobs", "generator_logprobs"} <= set(df.columns):
+        def worst(r) -> float:
+            lps = r["trainer_logprobs"]
+            if lps is None or isinstance(lps, float):
+                return float("nan")
+            mask = r.get("loss_mask")
+            mask = [1] * len(lps) if mask is None or isinstance(mask, float) else list(mask)
+            diffs = [abs(float(t) - float(g)) for t, g, m in zip(lps, r["generator_logprobs"], mask) if m]
+            return max(diffs) if diffs else 0.0
+        df["mismatch_max"] = df.apply(worst, axis=1) if len(df) else []
     if "info" in df and "turns" not in df:
         df["turns"] = df["info"].map(lambda i: (i or {}).get("turns") if isinstance(i, dict) else None)
     return df

@@ -369,6 +369,8 @@ class Rollouts:
                 "prompt_ids": ep.prompt_ids, "completion_ids": ep.completion_ids,
                 "generator_logprobs": ep.generator_logprobs, "ref_logprobs": ep.ref_logprobs,
                 "loss_mask": ep.loss_mask, "turns": ep.info.get("turns"),
+                **{k: (ep.train_values or {}).get(k) for k in ("trainer_logprobs", "entropy", "is_weight", "clipped")},
+                "mismatch_max": mismatch_max(ep),
             }
             row.update({f"reward/{k}": v for k, v in ep.reward_parts.items()})
             rows.append(row)
@@ -376,6 +378,17 @@ class Rollouts:
         df.attrs.update(shown=len(rows), older=self.recent_total - len(rows),
                         older_in="the rollout log: read_rollouts(run.out_dir), once the buffer closed them")
         return df
+
+
+def mismatch_max(ep: Episode) -> float:
+    """The largest |trainer logprob - generator logprob| over the episode's trained tokens (NaN before it is
+    trained): the inspector's "largest mismatch" sort."""
+    lps = (ep.train_values or {}).get("trainer_logprobs")
+    if not lps:
+        return float("nan")
+    mask = ep.loss_mask or [1] * len(lps)
+    diffs = [abs(t - g) for t, g, m in zip(lps, ep.generator_logprobs, mask) if m]
+    return max(diffs) if diffs else 0.0
 
 
 def episode_seed(run_seed: int, episode_id: int) -> int:

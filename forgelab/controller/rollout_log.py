@@ -105,6 +105,10 @@ def _row(ep: Any, status: str, reason: str = "") -> dict:
         # the reference's per-token logprobs (None without a reference) and which tokens train (None: all)
         "ref_logprobs": None if ep.ref_logprobs is None else [float(x) for x in ep.ref_logprobs],
         "loss_mask": None if ep.loss_mask is None else [int(x) for x in ep.loss_mask],
+        # the trainer's view of each token when it trained the episode (None if it never trained)
+        **{k: (None if not ep.train_values or ep.train_values.get(k) is None else list(ep.train_values[k]))
+           for k in ("trainer_logprobs", "entropy", "is_weight", "clipped")},
+        "trained_step": int((ep.train_values or {}).get("step", -1)),
     }
 
 

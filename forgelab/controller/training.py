@@ -23,7 +23,7 @@ from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
 
-__all__ = ["train_loop", "train_on", "metrics_row", "TokenRate"]
+__all__ = ["train_loop", "train_on", "metrics_row", "TokenRate", "attach_token_values"]
 
 
 async def train_loop(run: Any) -> None:
@@ -55,6 +55,7 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
         m = dict((await run.trainer.call("train_step", batch))[0])
     finally:
         run.training_in_flight = False
+    token_values = m.pop("token_values", None)
     if m.get("skipped"):
         reason = str(m.get("skip_reason", "skipped"))
         async with gate.changed:  # frees admission slots: wake the rollout workers
@@ -67,6 +68,8 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
                       "Fix the loss (run.set_loss(...)) or the data, then run.resume()")
         return
     run.consecutive_failures = 0
+    if token_values is not None:  # before the buffer closes them: the rollout log records these values
+        attach_token_values(batch_eps, token_values, run.step + 1)
     run.buffer.mark_trained(batch_eps)
     run.step += 1
     run.version += 1
@@ -80,6 +83,24 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     run.tracker.log(row)
     run.records.step_done(run.step)  # closed episodes -> <run dir>/rollouts/*.parquet (forgelab.controller.rollout_log)
     run.notify(row)
+
+
+_TOKEN_COLUMNS = {"trainer_logprobs": "trainer_logprobs_B_T", "entropy": "entropy_B_T", "is_weight": "is_weights_B_T",
+                  "clipped": "clipped_B_T"}
+
+
+def attach_token_values(episodes: list[Episode], token_values: dict, step: int) -> None:
+    """Each episode's slice of the trainer's per-token values (rows in batch order, as `collate` built them),
+    and the step that trained it."""
+    from forgelab.algos.token_truth import per_episode
+
+    P = [len(ep.prompt_ids) for ep in episodes]
+    C = [len(ep.completion_ids) for ep in episodes]
+    per = {k: None if token_values.get(v) is None else per_episode(token_values[v], P, C)
+           for k, v in _TOKEN_COLUMNS.items()}
+    for b, ep in enumerate(episodes):
+        ep.train_values = {k: None if vals is None else vals[b] for k, vals in per.items()}
+        ep.train_values["step"] = step
 
 
 class TokenRate:

@@ -109,6 +109,7 @@ class VLLMEngine:
         self._loop_task: asyncio.Task | None = None
         self._last_add = 0.0
         self._idle_since: float | None = None  # when the engine loop last ran out of requests
+        self.logprob_shift: tuple[int, float] | None = None  # (token index, delta): Generator.corrupt_next_logprob
         self.counters = dict(
             busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
@@ -202,6 +203,11 @@ class VLLMEngine:
         c = out.outputs[0]
         ids = list(c.token_ids)
         logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)] if c.logprobs is not None else []
+        if self.logprob_shift is not None and len(logprobs) > self.logprob_shift[0]:  # a test hook, used once
+            (i, delta), self.logprob_shift = self.logprob_shift, None
+            import numpy as np
+
+            logprobs[i] = float(np.float32(logprobs[i] + delta))  # a float32 value, as vLLM's are
         return Completion(
             prompt_ids=list(prompt_ids),
             completion_ids=ids,
@@ -379,6 +385,12 @@ class Generator(Component):
     @endpoint
     async def status(self) -> dict[str, Any]:
         return self._engine().status()
+
+    @endpoint
+    async def corrupt_next_logprob(self, index: int, delta: float) -> None:
+        """A test hook: the next completion long enough has its token `index`'s recorded logprob shifted by
+        `delta` (what a lost chat-template token or a kernel bug would do); token-truth tests find it."""
+        self._engine().logprob_shift = (int(index), float(delta))
 
     @endpoint
     async def stats(self) -> dict[str, float]:

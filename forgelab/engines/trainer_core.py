@@ -28,8 +28,7 @@ from forgelab.engines.trainer_support import (  # noqa: F401  (re-exported: forg
     WarmupCosine,
     local_tensor,
     rendezvous,
-    rng_state,
-    set_rng_state,
+    rng_state, set_rng_state,
     sha256_hex,
     check_batch,
     check_spans,
@@ -38,6 +37,7 @@ from forgelab.engines.trainer_support import (  # noqa: F401  (re-exported: forg
     resolve_device,
     resolve_loss,
     sum_of_squares,
+    token_values_of,
 )
 
 _EXTRA_FILE = "trainer_rank{}.pkl"
@@ -281,6 +281,8 @@ class TrainerState:
         if self._any(bool(reason)):
             raise SkipStep(reason or "another rank's loss failed")
         loss_value = float(loss_t.detach())
+        self.token_values = token_values_of(lp_leaf.detach(), self._all_gather_rows(ent_local, B), gen_B_T, mask_B_T,
+                                            adv_B, is_w, name, kwargs, metrics)  # per token, and mismatch metrics
 
         # Pass 2: back-propagate this rank's slice of dL/dlogprobs through the model.
         for i, mb in enumerate(micro):
@@ -354,7 +356,7 @@ class TrainerState:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step": self.step, "skipped": 0,
-                "step_time_s": time.perf_counter() - t0, "loss_name": self.loss_name}
+                "step_time_s": time.perf_counter() - t0, "loss_name": self.loss_name, "token_values": self.token_values}
 
     def dry_run_loss(self, spec: Any, batch: Any, loss_kwargs: dict | None) -> dict[str, Any]:
         name, fn = resolve_loss(spec)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["WarmupCosine", "PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "check_tokens", "check_batch",
+__all__ = ["token_values_of", "WarmupCosine", "PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "check_tokens", "check_batch",
            "resolve_device", "REQUIRED_BATCH_KEYS"]
 
 REQUIRED_BATCH_KEYS = ("tokens_B_L", "mask_B_T", "generator_logprobs_B_T", "advantages_B")
@@ -228,3 +228,20 @@ def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, 
         pg_options = dist.ProcessGroupGloo._Options()
         pg_options._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
     return store, pg_options
+
+
+def token_values_of(trainer_logprobs_B_T: torch.Tensor, entropy_B_T: torch.Tensor, generator_logprobs_B_T: torch.Tensor,
+                    mask_B_T: torch.Tensor, advantages: torch.Tensor, is_weights_B_T: torch.Tensor | None,
+                    loss_name: str, loss_kwargs: dict, metrics: dict) -> dict[str, torch.Tensor | None]:
+    """The trainer's view of every token of the batch it trains (issue #28): its logprob under the weights
+    being trained (before the update), its entropy, the importance weight used (None: no IS), whether the loss
+    clipped it (None: a loss whose rule is unknown) and the mask; adds the sampler-vs-trainer mismatch to
+    `metrics` (`forgelab.algos.token_truth`). CPU float32 ``[B, T]`` tensors, sent back with the step's metrics."""
+    from forgelab.algos.token_truth import clipped_tokens, sampler_mismatch
+
+    lp, gen, mask = trainer_logprobs_B_T.float().cpu(), generator_logprobs_B_T.float().cpu(), mask_B_T.float().cpu()
+    metrics.update(sampler_mismatch(gen, lp, mask))
+    clipped = clipped_tokens(loss_name, loss_kwargs, torch.where(mask != 0, lp - gen, 0.0), advantages.cpu(), mask)
+    return {"trainer_logprobs_B_T": lp, "entropy_B_T": entropy_B_T.detach().float().cpu(),
+            "is_weights_B_T": None if is_weights_B_T is None else is_weights_B_T.detach().float().cpu(),
+            "clipped_B_T": None if clipped is None else clipped.float(), "mask_B_T": mask}

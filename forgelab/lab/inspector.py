@@ -11,9 +11,9 @@ from typing import Any
 
 from forgelab.lab._base import Panel, esc
 from forgelab.lab.summary import state_line
-from forgelab.lab.tokens import COLOUR_BY, spans_html, table_html, token_rows
+from forgelab.lab.tokens import COLOUR_BY, histogram_html, mismatch_histogram, spans_html, table_html, token_rows
 
-SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length")
+SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length", "mismatch_max")
 CORRECTNESS = ("all", "only right", "only wrong")
 STATUSES = ("all statuses", "trained", "buffered", "in_flight", "evicted", "dropped")
 ENDED = ("finished", "stopped", "failed")
@@ -39,7 +39,10 @@ class RolloutInspector(Panel):
     ("only right": the `reward/exact_answer` part (else the reward) is > 0.5), `reward_range`, `task`, `status`
     (buffer status; "dropped" matches every reason). When the run has ended, the table shows the trained
     episodes (the newest ones are then the last rollout, cancelled unscored) unless `status` was set by hand.
-    Colour the tokens by `colour_by`: "logprob" (generator), "advantage" or "kl" (k3 vs the reference).
+    Colour the tokens by `colour_by`: "logprob" (generator), "advantage", "kl" (k3 vs the reference), or the
+    trainer's view once trained: "mismatch" (trainer vs generator logprob), "entropy", "is_weight", "clipped".
+    Sort by "mismatch_max" to find the episodes where the sampler and the trainer disagree most;
+    `histogram` shows the per-token mismatch of the latest trained policy version.
     """
 
     min_interval_s = 2.0
@@ -72,7 +75,8 @@ class RolloutInspector(Panel):
         self.table = W.HTML(layout=lay(width="100%", max_height="330px", overflow="auto"))
         self.select = W.Dropdown(options=[], description="episode", layout=lay(width="460px"),
                                  style={"description_width": "55px"})
-        self.colour_by = W.ToggleButtons(options=COLOUR_BY, value="logprob", style={"button_width": "92px"})
+        self.colour_by = W.ToggleButtons(options=COLOUR_BY, value="logprob", style={"button_width": "78px"})
+        self.histogram = W.HTML()
         self.header = W.HTML()
         self.tokens = W.HTML(layout=lay(width="62%"))
         self.side = W.HTML(layout=lay(width="38%"))
@@ -84,7 +88,7 @@ class RolloutInspector(Panel):
                           self.ascending],
                          layout=lay(flex_flow="row wrap", align_items="center"))
         picker = W.HBox([self.select, W.Label("colour by"), self.colour_by], layout=lay(align_items="center"))
-        return W.VBox([filters, self.table, picker, self.header, W.HBox([self.tokens, self.side])])
+        return W.VBox([filters, self.table, self.histogram, picker, self.header, W.HBox([self.tokens, self.side])])
 
     def _wants(self, msg: dict) -> bool:
         # new episodes arrive with steps; the end of the run turns the table to the trained episodes
@@ -160,11 +164,17 @@ class RolloutInspector(Panel):
             keep = both((reward >= lo - 1e-9) & (reward <= hi + 1e-9))
         out = df if keep is None else df[keep]
         out = out.assign(length=[len(x) if isinstance(x, (list, tuple)) else 0 for x in out["completion_ids"]])
-        return out.sort_values(self.sort_by.value, ascending=self.ascending.value, kind="stable")
+        if self.sort_by.value not in out.columns:  # e.g. mismatch_max before any episode trained
+            out = out.assign(**{self.sort_by.value: float("nan")})
+        return out.sort_values(self.sort_by.value, ascending=self.ascending.value, kind="stable", na_position="last")
 
     def _apply(self, df) -> None:
         self.df = self.filtered(df)
         self.table.value = self._table_html(self.df)
+        key = (len(df), int(df["policy_version"].max()) if len(df) and "policy_version" in df.columns else -1)
+        if key != getattr(self, "_hist_key", None):  # per trained version, not per refresh
+            self._hist_key = key
+            self.histogram.value = histogram_html(mismatch_histogram(df))
         shown = self.df.head(self.max_rows)
         cols = ("id", "reward", "completion")  # none before the first rollout: an empty frame has no columns
         options = [(f"#{int(i)}  r={_num(rw)}  {_short(c, 40)}", int(i))

@@ -32,6 +32,7 @@ DEFAULT_PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss",)),
     ("KL to reference (k3)", ("kl_ref",)),
     ("entropy", ("entropy",)),
+    ("sampler vs trainer |Δ logprob|", ("mismatch/abs_mean", "mismatch/max")),
     ("policy age (versions)", ("policy_age_mean",)),
     ("tokens / s", ("tokens_per_s",)),
     ("step time (s)", ("step_time_s",)),
