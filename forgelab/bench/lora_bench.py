@@ -165,10 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
         pts = [(n, _child("--_trainer", real_shape_checkpoint("qwen3-0.6b", layers=n, max_position_embeddings=512),
                           str(B), str(L), str(steps), "full")) for n in args.full_layers]
         (n1, t1), (n2, t2) = pts
-        line = lambda a, b: a + (b - a) * (layers - n1) / (n2 - n1)  # noqa: E731  (peak, time: linear in depth)
-        trainers["full"] = {"peak_gib": line(t1["peak_gib"], t2["peak_gib"]),
-                            "step_s": [line(statistics.median(t1["step_s"][1:] or t1["step_s"]),
-                                            statistics.median(t2["step_s"][1:] or t2["step_s"]))],
+        line = lambda a, b: a + (b - a) * (layers - n1) / (n2 - n1)  # noqa: E731  (memory: linear in depth)
+        # step times are not extrapolated: two noisy points (a shared host) gave a negative slope once
+        trainers["full"] = {"peak_gib": line(t1["peak_gib"], t2["peak_gib"]), "step_s": [],
                             "params": line(t1["params"], t2["params"]), "trainable": line(t1["trainable"], t2["trainable"]),
                             "gather_ms": line(t1["gather_ms"], t2["gather_ms"]),
                             "push_bytes": line(t1["push_bytes"], t2["push_bytes"]),
@@ -177,14 +176,15 @@ def main(argv: list[str] | None = None) -> dict:
     for kind in kinds:  # otherwise one at a time: clean timings
         t = trainers.get(kind) or _child("--_trainer", deep, str(B), str(L), str(steps), kind)
         trainers[kind] = t
+        s_step = statistics.median(t["step_s"][1:] or t["step_s"]) if t["step_s"] else float("nan")
         print(f"trainer alone, {kind:>4} ({layers} layers{', extrapolated' if 'extrapolated_from' in t else ''}, "
               f"{t['trainable'] / 1e6:.1f} M of {t['params'] / 1e6:.0f} M "
-              f"trained, {B}x{L}): {statistics.median(t['step_s'][1:] or t['step_s']):.2f} s/step, "
+              f"trained, {B}x{L}): {s_step:.2f} s/step, "
               f"peak {t['peak_gib']:.2f} GiB, push gathers {t['push_bytes'] / 2**20:.1f} MiB in {t['gather_ms']:.0f} ms",
               flush=True)
-    step = {k: statistics.median(t["step_s"][1:] or t["step_s"]) for k, t in trainers.items()}
+    step = {k: statistics.median(t["step_s"][1:] or t["step_s"]) if t["step_s"] else None for k, t in trainers.items()}
     result.update(trainer=trainers, trainer_s_per_step=step,
-                  lora_trainer_s_per_step_over_full=step["lora"] / step["full"],
+                  lora_trainer_s_per_step_over_full=step["lora"] / step["full"] if step["full"] else None,
                   lora_trainer_peak_over_full=trainers["lora"]["peak_gib"] / trainers["full"]["peak_gib"],
                   lora_push_bytes_over_full=trainers["lora"]["push_bytes"] / trainers["full"]["push_bytes"])
 
