@@ -55,7 +55,6 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
         m = dict((await run.trainer.call("train_step", batch))[0])
     finally:
         run.training_in_flight = False
-    token_values = m.pop("token_values", None)
     if m.get("skipped"):
         reason = str(m.get("skip_reason", "skipped"))
         async with gate.changed:  # frees admission slots: wake the rollout workers
@@ -68,6 +67,7 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
                       "Fix the loss (run.set_loss(...)) or the data, then run.resume()")
         return
     run.consecutive_failures = 0
+    token_values = (await run.trainer.call("token_values"))[0]  # the trainer's view of each token it trained
     if token_values is not None:  # before the buffer closes them: the rollout log records these values
         attach_token_values(batch_eps, token_values, run.step + 1)
     run.buffer.mark_trained(batch_eps)

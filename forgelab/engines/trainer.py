@@ -272,6 +272,12 @@ class Trainer(Component):
         """SHA-256 of this rank's parameters and optimizer state, and the schedule/step: for bit-exact checks."""
         return self.state.fingerprint()
 
+    @endpoint
+    async def token_values(self) -> dict[str, Any] | None:
+        """The last trained batch's per-token values (`forgelab.engines.trainer_support.token_values_of`: trainer
+        logprobs before the update, entropy, IS weights, clipped, mask; CPU ``[B, T]``); None before any step."""
+        return getattr(self.state, "token_values", None)
+
 
 class ReferenceModel(Component):
     """Frozen policy for reference logprobs: eval mode, no grad, float32; each process holds the whole model."""

@@ -23,7 +23,6 @@ import torch.distributed as dist
 __all__ = ["TrainerState", "WarmupCosine", "PackedLoss", "pack_loss", "resolve_loss", "check_tokens", "resolve_device"]
 
 from forgelab.engines.trainer_support import (  # noqa: F401  (re-exported: forgelab.engines.trainer imports them from here)
-    REQUIRED_BATCH_KEYS,
     PackedLoss,
     WarmupCosine,
     local_tensor,
@@ -65,7 +64,7 @@ class TrainerState:
         random.seed(config.seed)
         np.random.seed(config.seed)
 
-        from forgelab.engines.titan import build_from_hf
+        from forgelab.engines.titan import build_from_hf, checkpoint_blocks
 
         model, self.ckpt = build_from_hf(config.model_dir, device=self.device)
         self.lora = config.lora if config.lora.enabled else None
@@ -73,6 +72,8 @@ class TrainerState:
             from forgelab.engines.lora import add_adapters
 
             add_adapters(model, self.ckpt, self.lora, seed=config.seed)
+        if config.activation_checkpointing:
+            checkpoint_blocks(model)
         from forgelab.engines.precision import needs_mixed_precision
 
         if world > 1 or needs_mixed_precision(getattr(config, "dtype", "float32"), self.device.type):
@@ -286,16 +287,13 @@ class TrainerState:
 
         # Pass 2: back-propagate this rank's slice of dL/dlogprobs through the model.
         for i, mb in enumerate(micro):
-            g = grad_B_T[mb].to(dev)
-            if keep_graph:
-                lp = graphs[i]
-            else:
-                with self._dropout(i):  # the same adapter-dropout mask as pass 1 drew for this micro-batch
-                    lp, _ = self._forward(tokens, mb, need_entropy=False, spans_B_2=spans_B_2)
-            if len(mb) == 0:
-                lp.sum().backward()  # zero-valued: keeps this rank in the FSDP reduce-scatter
-            else:
-                lp.backward(g)
+            # the adapter-dropout mask of pass 1, also for blocks recomputed in backward (activation checkpointing)
+            with self._dropout(i):
+                lp = graphs[i] if keep_graph else self._forward(tokens, mb, need_entropy=False, spans_B_2=spans_B_2)[0]
+                if len(mb) == 0:
+                    lp.sum().backward()  # zero-valued: keeps this rank in the FSDP reduce-scatter
+                else:
+                    lp.backward(grad_B_T[mb].to(dev))
         del graphs
 
         grad_norm = self._grad_norm()
@@ -356,7 +354,7 @@ class TrainerState:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {**metrics, "loss": loss, "grad_norm": grad_norm, "lr": lr, "step": self.step, "skipped": 0,
-                "step_time_s": time.perf_counter() - t0, "loss_name": self.loss_name, "token_values": self.token_values}
+                "step_time_s": time.perf_counter() - t0, "loss_name": self.loss_name}
 
     def dry_run_loss(self, spec: Any, batch: Any, loss_kwargs: dict | None) -> dict[str, Any]:
         name, fn = resolve_loss(spec)

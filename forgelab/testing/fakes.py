@@ -216,6 +216,9 @@ class FakeTrainer:
     async def _info(self) -> dict:
         return {"loss": self.loss if isinstance(self.loss, str) else "custom", "loss_kwargs": self.loss_kwargs}
 
+    async def _token_values(self) -> None:
+        return None  # the fake computes no logprobs: no per-token view
+
     async def _fingerprint(self) -> dict:
         return {"steps": len(self.steps)}
 
