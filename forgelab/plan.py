@@ -93,10 +93,15 @@ class ModelShape:
         emb = self.vocab * self.dim
         return emb * (1 if self.tied else 2) + self.layers * self.layer_params + self.dim
 
-    def act_bytes_per_token(self, value_bytes: int = 4) -> int:
-        """Activations autograd keeps for backward, per token, all layers (plus embedding and final norm)."""
+    def act_bytes_per_token(self, value_bytes: int = 4, checkpointed: bool = False) -> int:
+        """Activations autograd keeps for backward, per token, all layers (plus embedding and final norm).
+
+        ``checkpointed`` (trainer.activation_checkpointing): each block keeps only its input, and one block's
+        intermediates live while it is recomputed in backward."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         per_layer = ACT_D * self.dim + ACT_QKV * (q + kv) + ACT_I * self.ffn
+        if checkpointed:
+            return value_bytes * (self.layers * self.dim + per_layer + 3 * self.dim)
         return value_bytes * (self.layers * per_layer + 3 * self.dim)
 
 
@@ -216,7 +221,7 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     # compute dtype: FSDP2 mixed precision gathers and computes in bf16 on CUDA, fp32 on CPU
     cb = _bytes(tr.dtype) if on_gpu else 4
     largest_unit = (V * D * cb * (1 if shape.tied else 2) if world > 1 else 0)
-    act = tokens * shape.act_bytes_per_token(cb)
+    act = tokens * shape.act_bytes_per_token(cb, checkpointed=bool(getattr(tr, "activation_checkpointing", False)))
     trained = A if lora else P  # LoRA: the base is frozen (no gradients, no optimizer state), the adapters train
     static = {"parameters": 4 * (P + A) / world, "optimizer (AdamW)": 8 * trained / world,
               "gathered FSDP unit": largest_unit, "runtime": RUNTIME_BYTES["trainer"]}

@@ -79,6 +79,7 @@ VALUES: dict[tuple[str, str], tuple[str, typing.Any]] = {
     ("trainer", "master_addr"): ("trainer.master_addr", "localhost"),
     ("trainer", "weight_transport"): ("trainer.weight_transport", "message"),
     ("trainer", "shm_dir"): ("trainer.shm_dir", "<tmp>"),
+    ("trainer", "activation_checkpointing"): ("trainer.activation_checkpointing", True),
     ("trainer", "lora.enabled"): ("lora.enabled", True),
     ("trainer", "lora.rank"): ("lora.rank", 4),
     ("trainer", "lora.alpha"): ("lora.alpha", 8.0),

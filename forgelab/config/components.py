@@ -299,6 +299,9 @@ class TrainerConfig:
     when it is missing). The directory is removed when the trainer process exits."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """With ``lora.enabled``: train LoRA adapters on the frozen base (forgelab.engines.lora)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder block's input for backward and recompute the block there: activation memory
+    drops from every layer's intermediates to one block's, for about one more forward pass per step."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field."""

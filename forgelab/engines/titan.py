@@ -358,6 +358,21 @@ def build_from_hf(
     return model, ckpt
 
 
+def checkpoint_blocks(model: torch.nn.Module) -> int:
+    """Activation checkpointing per decoder block: a block keeps only its input for backward and runs its
+    forward again there (non-reentrant `torch.utils.checkpoint`, RNG state restored). Module and parameter
+    names do not change (the block's ``forward`` is wrapped, not the block), so checkpoints and HF export
+    are unaffected. Returns the number of blocks wrapped."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = list(model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers)
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return len(blocks)
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered (a collective under FSDP: call it on every rank)."""
     from torch.distributed.tensor import DTensor
