@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo docs test test-fast test-unit test-integration test-notebooks bench model clean
+.PHONY: setup browser sshd demo docs test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -67,6 +67,40 @@ test-integration: setup
 
 test-notebooks: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax tutorials notebooks
+
+# The numeric tests (marked `numerics`: float32 results within bounds derived in tests/numerics.py) under the
+# kernel choices another CPU makes: MKL and oneDNN held to AVX2 (what MKL runs on AMD), MKL's reproducible
+# COMPATIBLE path, ATen's scalar and AVX2 kernels, and 1, 2 or 4 threads in every process (the reduction is
+# split differently). Each setting runs NUMERICS_REPEAT times, with its own torch inductor cache (vLLM
+# compiles kernels; a cache filled under another ATEN_CPU_CAPABILITY fails to compile). NUMERICS_TESTS
+# narrows the paths, NUMERICS_ARGS goes to pytest (e.g. NUMERICS_ARGS='-m "numerics and not integration"').
+# The summary gives each setting's result and the comparisons closest to their bound. Not part of `make test`.
+NUMERICS_REPEAT ?= 1
+NUMERICS_TESTS ?= tests
+NUMERICS_ARGS ?=
+NUMERICS_SETTINGS := native \
+	"MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2" \
+	MKL_CBWR=COMPATIBLE \
+	ATEN_CPU_CAPABILITY=default \
+	ATEN_CPU_CAPABILITY=avx2 \
+	FORGELAB_TEST_THREADS=1 \
+	FORGELAB_TEST_THREADS=2 \
+	FORGELAB_TEST_THREADS=4
+test-numerics: SHELL := /bin/bash
+test-numerics: setup
+	@logs=$$(mktemp -d); summary=""; fail=0; \
+	for setting in $(NUMERICS_SETTINGS); do \
+	  for run in $$(seq $(NUMERICS_REPEAT)); do \
+	    log=$$logs/$$(echo "$$setting $$run" | tr -c 'A-Za-z0-9_\n' _).jsonl; \
+	    echo "== test-numerics: $$setting (run $$run)"; \
+	    vars=$$([ "$$setting" = native ] || echo "$$setting"); \
+	    env $$vars FORGELAB_NUMERICS_LOG=$$log TORCHINDUCTOR_CACHE_DIR=$${log%.jsonl}.inductor \
+	      $(BIN)/python -m pytest -q -p no:cacheprovider -m numerics $(NUMERICS_ARGS) $(NUMERICS_TESTS) 2>&1 \
+	      | tee $$log.out; rc=$${PIPESTATUS[0]}; [ $$rc = 0 ] || fail=1; \
+	    summary+="$$setting (run $$run): $$(tail -n 1 $$log.out)"$$'\n'"$$($(BIN)/python tests/numerics.py $$log)"$$'\n'; \
+	  done; \
+	done; \
+	echo "== test-numerics summary (logs in $$logs)"; printf '%s' "$$summary"; exit $$fail
 
 bench: setup
 	$(BIN)/python -m forgelab.bench all

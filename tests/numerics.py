@@ -94,3 +94,27 @@ def check(err: float, tol: float, what: str) -> None:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "what": what,
                                 "err": err, "tol": tol}) + "\n")
     assert err <= tol, f"{what}: {err:.3e} > tolerance {tol:.3e} ({err / tol:.2f}x)"
+
+
+def summarize(path: str, top: int = 3) -> str:
+    """The ``top`` comparisons closest to their bound in a FORGELAB_NUMERICS_LOG file, one per line."""
+    if not os.path.exists(path):
+        return "  no comparison logged"
+    worst: dict[tuple[str, str], tuple[float, float, float]] = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            key = (r["test"], r["what"])
+            ratio = r["err"] / r["tol"] if r["tol"] > 0 else math.inf
+            if key not in worst or ratio > worst[key][0]:
+                worst[key] = (ratio, r["err"], r["tol"])
+    rows = sorted(worst.items(), key=lambda kv: -kv[1][0])[:top]
+    head = f"  {len(worst)} comparisons; closest to their bound:"
+    return "\n".join([head] + [f"    err/tol {ratio:.3f} ({err:.2e} / {tol:.2e})  {test.split('::')[-1]}: {what}"
+                               for (test, what), (ratio, err, tol) in rows])
+
+
+if __name__ == "__main__":  # python tests/numerics.py LOG: the comparisons closest to their bound
+    import sys
+
+    print(summarize(sys.argv[1]))
