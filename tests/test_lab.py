@@ -325,7 +325,8 @@ def test_loss_swap_from_panel_reaches_next_step(live):
         assert outcome["ok"], outcome
         assert "applies at step" in lab.loss.message.value and "dapo" in lab.loss.current.value
         lab.controls.resume_button.click()
-        await until(run, lambda: run.step >= outcome["applies_at_step"])
+        # the step's metrics row, not only run.step (which moves before the weight push and the row)
+        await until(run, lambda: (run.metrics["step"] >= outcome["applies_at_step"]).any())
         return outcome
 
     outcome = loop.run_until_complete(scenario())

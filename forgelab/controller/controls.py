@@ -163,11 +163,16 @@ def rewards_for(run: Any, flat: list) -> RewardComposer:
 
 
 async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | None, timeout: float | None) -> Any:
-    """Wait until ``run.step >= step`` and ``predicate(run)`` hold, re-checked on each step and event the run
-    notifies its listeners of (no polling). Raises `RuntimeError` if the run ends first (its own failure if it
-    failed) and `asyncio.TimeoutError` after `timeout` seconds."""
+    """Wait until step `step` is done (its metrics row logged: ``run.metrics`` has it) and ``predicate(run)``
+    holds, re-checked on each step and event the run notifies its listeners of (no polling). Raises
+    `RuntimeError` if the run ends first (its own failure if it failed) and `asyncio.TimeoutError` after
+    `timeout` seconds."""
+    def logged() -> int:  # run.step moves first; the row is logged after the weight push
+        rows = run.tracker.rows if run.tracker is not None else []
+        return int(rows[-1]["step"]) if rows else 0
+
     def met() -> bool:
-        return (step is None or run.step >= step) and (predicate is None or bool(predicate(run)))
+        return (step is None or (run.step >= step and logged() >= step)) and (predicate is None or bool(predicate(run)))
 
     loop, changed = asyncio.get_running_loop(), asyncio.Event()
 

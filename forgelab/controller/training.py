@@ -53,6 +53,9 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     run.training_in_flight = True
     try:
         m = dict((await run.trainer.call("train_step", batch))[0])
+        # the trainer's view of each token it trained; fetched while the step still counts as in flight, so a
+        # loss swap made meanwhile is promised to the step after this one (no await between here and step += 1)
+        token_values = None if m.get("skipped") else (await run.trainer.call("token_values"))[0]
     finally:
         run.training_in_flight = False
     if m.get("skipped"):
@@ -67,7 +70,6 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
                       "Fix the loss (run.set_loss(...)) or the data, then run.resume()")
         return
     run.consecutive_failures = 0
-    token_values = (await run.trainer.call("token_values"))[0]  # the trainer's view of each token it trained
     if token_values is not None:  # before the buffer closes them: the rollout log records these values
         attach_token_values(batch_eps, token_values, run.step + 1)
     run.buffer.mark_trained(batch_eps)
