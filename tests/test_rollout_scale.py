@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -88,31 +87,20 @@ def sshd(tmp_path_factory):
         proc.wait(timeout=30)
 
 
-def _workers(port: int) -> dict[str, int]:
-    """host address -> pid of the Monarch worker listening there (started over ssh by the job)."""
-    found = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "run_worker_loop_forever" in cmd:
-            for h in HOSTS:
-                if f"tcp://{h}:{port}" in cmd:
-                    found[h] = p.info["pid"]
-    return found
-
-
-def _host_of(pid: int, workers: dict[str, int]) -> str | None:
+def _host_of(pid: int, res: dict, procs: dict) -> str | None:
     """The job host whose worker `pid` descends from (None: not under any of them)."""
-    by_pid = {v: k for k, v in workers.items()}
-    for parent in psutil.Process(pid).parents():
-        if parent.pid in by_pid:
-            return by_pid[parent.pid]
+    by_pid = {v: k for k, v in res["workers"].items()}
+    for parent in procs[str(pid)]:
+        if parent in by_pid:
+            return by_pid[parent]
     return None
 
 
 @pytest.fixture(scope="module")
-def ssh_run(loop, sshd, tmp_path_factory):
-    from forgelab.config import RunConfig
-    from forgelab.run import Run
+def ssh_run(sshd, tmp_path_factory):
+    """The Run over the SSH job, in its own process (tests/ssh_job_main.py): an SSHJob switches its process's
+    Monarch transport to TCP for good."""
+    import json
 
     tmp = tmp_path_factory.mktemp("sshrun")
     monarch_port = _free_port()
@@ -121,52 +109,38 @@ def ssh_run(loop, sshd, tmp_path_factory):
                             "python_exe": sys.executable, "ssh_args": sshd[0], "monarch_port": monarch_port}
     data.update({"rollout": {"task": "addition", "group_size": 4, "prompts_per_rollout": 4, "concurrency": 1,
                              "max_tokens": 8},
-                 "train": {"steps": 3, "batch_size": 16, "warmup_steps": 1}, "eval": {"every": 0, "n": 8},
-                 "tracking": {"wandb": False, "out_dir": str(tmp / "runs")}})
+                 "train": {"steps": 3, "batch_size": 16, "warmup_steps": 1, "loss_kwargs": {"kl_coef": 0.0}},
+                 "eval": {"every": 0, "n": 8}, "tracking": {"wandb": False, "out_dir": str(tmp / "runs")}})
     path = tmp / "ssh.yaml"
     path.write_text(yaml.safe_dump(data))
-    run = Run(RunConfig.from_yaml(path))
-    try:
-        loop.run_until_complete(run.start())
-        workers = _workers(monarch_port)
-        gen_pids = [s.pid for s in run.parts.generators.status()]
-        trainer_pids = loop.run_until_complete(run.parts.trainer.pids())
-        loop.run_until_complete(run.wait())
-        yield run, workers, gen_pids, trainer_pids, monarch_port, sshd[1]
-    finally:
-        loop.run_until_complete(run.shutdown())
+    script = Path(__file__).resolve().parent / "ssh_job_main.py"
+    out = subprocess.run([sys.executable, str(script), str(path), str(monarch_port), *HOSTS], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), sshd[1]
 
 
 def test_a_run_over_the_ssh_job_trains_three_steps(ssh_run):
-    run = ssh_run[0]
-    assert run.state == "finished", run.message
-    df = run.metrics
-    assert list(df["step"]) == [1, 2, 3]
+    res, _ = ssh_run
+    assert res["state"] == "finished", res["message"]
+    assert res["steps"] == [1, 2, 3]
     # a step whose groups all scored alike has zero advantages and a zero gradient; not all three can
-    assert df["loss"].notna().all() and (df["grad_norm"] > 0).any()
-    assert run.version == 3  # weights crossed from the trainer's host to the generator's after every step
+    assert all(x == x for x in res["loss"]) and any(g > 0 for g in res["grad_norm"])
+    assert res["version"] == 3  # weights crossed from the trainer's host to the generator's after every step
 
 
 def test_each_part_runs_under_its_ssh_host(ssh_run):
-    run, workers, gen_pids, trainer_pids, _, sshd_pid = ssh_run
-    assert set(workers) == set(HOSTS), f"expected one worker per host started over ssh, found {workers}"
-    for pid in workers.values():  # each started by the ssh server for a login of the job's, as on a node
-        assert sshd_pid in {p.pid for p in psutil.Process(pid).parents()}
-    assert {_host_of(p, workers) for p in gen_pids} == {HOSTS[0]}
-    assert {_host_of(p, workers) for p in trainer_pids} == {HOSTS[1]}
+    res, sshd_pid = ssh_run
+    assert set(res["workers"]) == set(HOSTS), f"expected one worker per host started over ssh, found {res['workers']}"
+    for host, chain in res["worker_parents"].items():  # each started by the ssh server for a login of the job's
+        assert sshd_pid in chain, (host, chain)
+    assert {_host_of(int(p), res, res["generator"]) for p in res["generator"]} == {HOSTS[0]}
+    assert {_host_of(int(p), res, res["trainer"]) for p in res["trainer"]} == {HOSTS[1]}
 
 
-def test_shutdown_stops_the_ssh_workers(ssh_run, loop):
-    run, workers, *_ = ssh_run
-    loop.run_until_complete(run.shutdown())
-    procs = []
-    for pid in workers.values():
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    gone, alive = psutil.wait_procs(procs, timeout=60)
-    assert not alive, f"ssh workers still running after shutdown: {[p.pid for p in alive]}"
+def test_shutdown_stops_the_ssh_workers(ssh_run):
+    res, _ = ssh_run
+    assert res["workers"] and res["alive_after_shutdown"] == [], f"ssh workers still running: {res}"
 
 
 # --- environment replicas under load ------------------------------------------------------------------------
