@@ -15,7 +15,9 @@ if _THREADS:
     # `make test-numerics` varies the thread count (it changes how a reduction is split): this process runs with
     # it, and so does every process it starts. forgelab starts an actor's process with OMP_NUM_THREADS,
     # MKL_NUM_THREADS and FORGELAB_THREADS set from its placement's `threads` (default 1), so those are
-    # overridden after the placement sets them; plain subprocesses inherit os.environ.
+    # overridden after the placement sets them; plain subprocesses inherit os.environ. (The generator calls
+    # torch.set_num_threads(FORGELAB_THREADS); other processes take torch's default from OMP_NUM_THREADS, which
+    # torch caps at the machine's cores.)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = os.environ["FORGELAB_THREADS"] = _THREADS
     import torch
 

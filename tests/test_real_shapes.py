@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from numerics import EPS, check, fp32_tol, max_abs, max_abs_diff, model_tol
+from numerics import check, fp32_tol, max_abs, max_abs_diff, model_tol
 
 LAYERS = 2
 STEPS = {"qwen3-0.6b": 2, "llama-3.2-1b": 1}
@@ -371,22 +371,30 @@ def test_two_fsdp_ranks_equal_one_on_the_tied_shape(loop, run, tmp_path):
             safetensors.safe_open(f"{out2}/model.safetensors", "pt") as f2, \
             safetensors.safe_open(f"{out0}/model.safetensors", "pt") as f0:
         assert set(f1.keys()) == set(f2.keys()) == set(f0.keys()) and "lm_head.weight" not in f2.keys()
-        diffs = {k: max_abs_diff(f1.get_tensor(k), f2.get_tensor(k)) for k in f1.keys()}
-        moved = {k: max_abs_diff(f1.get_tensor(k), f0.get_tensor(k)) for k in f1.keys()}
         # AdamW moves a weight by lr * m / (sqrt(v) + eps), v holding this step's g^2 (weight (1 - b2) / (1 - b2^t)):
-        # a gradient off by a fraction d moves the update by about lr * d, d <= tol as above. Plus one rounding
-        # of the weight itself: EPS * |w|. (A gradient within rounding of zero at every step so far could move
-        # its weight by up to lr either way; the tied embedding has none: every row gets p_v h from the output
-        # projection.) A tied embedding's gradient lost or counted twice on one rank moves it by ~lr.
-        weights_tol = {k: 2 * m1["lr"] * tol + fp32_tol(max_abs(f1.get_tensor(k))) for k in f1.keys()}
+        # a gradient off by a fraction d moves the update by about lr * d, d <= tol as above, plus one rounding of
+        # the weight itself: `fine` = 2 lr tol + EPS |w|. An element whose gradient cancels to within its own
+        # rounding is the exception: AdamW (eps 1e-8) can move it by up to ~lr either way. Such elements are rare
+        # (4 of the embedding's 155M under MKL_CBWR=COMPATIBLE); up to a fraction tol of a tensor may exceed
+        # `fine`. A tied embedding's gradient lost or counted twice on one rank, or an optimizer state misaligned
+        # by the resharding, moves most elements by ~lr (one rank's gradient counted twice: 83% of the embedding's
+        # elements beyond `fine`, and the gradient norm 640 bounds off).
+        diffs, over, moved, fine = {}, {}, {}, {}
+        for k in f1.keys():
+            w1, w2 = f1.get_tensor(k), f2.get_tensor(k)
+            fine[k] = 2 * m1["lr"] * tol + fp32_tol(max_abs(w1))
+            d = (w1 - w2).abs()
+            diffs[k], over[k] = float(d.max()), float((d > fine[k]).double().mean())
+            moved[k] = float((w1 - f0.get_tensor(k)).abs().median())
     print(f"lr {m1['lr']:.1e}; max |1 rank - 2 ranks| after the step {max(diffs.values()):.1e} "
-          f"(embedding {diffs['model.embed_tokens.weight']:.1e}); the step moved weights by up to {max(moved.values()):.1e} "
-          f"(embedding {moved['model.embed_tokens.weight']:.1e})")
+          f"(embedding {diffs['model.embed_tokens.weight']:.1e}, beyond the rounding bound: a fraction "
+          f"{over['model.embed_tokens.weight']:.1e}); the step moved the median weight by {min(moved.values()):.1e} "
+          f"or more (embedding {moved['model.embed_tokens.weight']:.1e})")
     for k in diffs:
-        check(diffs[k], weights_tol[k], f"{k}: 1 rank vs 2 ranks after the step")
-    # the comparison can fail: the step itself moved the tied embedding far beyond the bound
+        check(over[k], tol, f"{k}: fraction of elements beyond the rounding bound, 1 rank vs 2 ranks")
+    # the comparison can fail: the step itself moved the median embedding weight far beyond the bound
     emb = "model.embed_tokens.weight"
-    assert moved[emb] > 20 * weights_tol[emb], (moved[emb], weights_tol[emb])
+    assert moved[emb] > 20 * fine[emb], (moved[emb], fine[emb])
     assert push["transport"] != "none" and not push["failed"], push
     assert all(v == version for v in versions) and completion.policy_version == version, (versions, version)
     _check_sync(completion, prompt, out2, trainer_lp, run.config.model.path)
