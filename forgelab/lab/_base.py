@@ -273,3 +273,23 @@ class Panel(View):
         if self._widget is not None:
             self._widget.close()
             self._widget = None
+
+
+class Composite(Panel):
+    """A view made of panels (`panels`): each listens for itself, closing it closes them all, and its text
+    summary is the run's."""
+
+    @property
+    def panels(self) -> list[Panel]:
+        raise NotImplementedError
+
+    def listen(self) -> None:  # the panels listen for themselves
+        pass
+
+    def close(self) -> None:
+        for p in self.panels:
+            p.close()
+        super().close()
+
+    def summary(self) -> str:
+        return text_summary(self.run)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from forgelab.lab._base import Panel
+from forgelab.lab._base import Composite, Panel
 from forgelab.lab.controls_panel import Controls, ServicesPanel
 from forgelab.lab.inspector import RolloutInspector
 from forgelab.lab.loss_panel import LossPanel
 from forgelab.lab.metrics import MetricsPanel
 from forgelab.lab.rewards_panel import RewardPanel
-from forgelab.lab.summary import text_summary
 
 
-class Dashboard(Panel):
+class Dashboard(Composite):
     """All panels of one run; each stays reachable (`lab.rewards.register(...)`, `lab.loss.register(...)`)."""
 
     def __init__(self, run: Any, *, metrics_interval_s: float | None = None):
@@ -52,17 +51,6 @@ class Dashboard(Panel):
         return W.VBox([head, top, section("Learning curves"), self.metrics.widget, knobs,
                        section("Rollouts"), W.Box([self.inspector.widget], layout=W.Layout(**card))],
                       layout=W.Layout(width="100%"))
-
-    def listen(self) -> None:  # the panels listen for themselves
-        pass
-
-    def close(self) -> None:
-        for p in self.panels:
-            p.close()
-        super().close()
-
-    def summary(self) -> str:
-        return text_summary(self.run)
 
 
 def dashboard(run: Any, **kwargs: Any) -> Dashboard:

@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from forgelab.controller.recorded import RecordedRun
-from forgelab.lab._base import Panel
+from forgelab.lab._base import Composite, Panel
 from forgelab.lab.inspector import RolloutInspector
 from forgelab.lab.metrics import MetricsPanel
-from forgelab.lab.summary import text_summary
 from forgelab.lab.timeline_panel import Timeline
 
 
-class RecordedView(Panel):
+class RecordedView(Composite):
     """Metrics, timeline and rollouts of a run directory; `run` is its `RecordedRun`."""
 
     def __init__(self, run_dir: str | Path | RecordedRun):
@@ -48,15 +47,3 @@ class RecordedView(Panel):
         return W.VBox([head, section("Learning curves"), self.metrics.widget,
                        section("Live changes"), W.HTML(self.timeline.html()),
                        section("Rollouts"), self.inspector.widget], layout=W.Layout(width="100%"))
-
-    def listen(self) -> None:  # nothing is live
-        pass
-
-    def close(self) -> None:
-        for p in self.panels:
-            p.close()
-        super().close()
-
-    def summary(self) -> str:
-        return text_summary(self.run)
-
