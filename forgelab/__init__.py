@@ -31,6 +31,7 @@ _LAZY = {
     "LoraConfig": "forgelab.config",
     "ConfigError": "forgelab.config",
     "ProcessPool": "forgelab.engines",
+    "Engines": "forgelab.experiments.variants",
     "rescore": "forgelab.controller",
     "replay": "forgelab.run",
     "Episode": "forgelab.types",

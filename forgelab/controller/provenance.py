@@ -256,9 +256,11 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
 
 def write_manifest(run) -> Path:
     """Write `run.out_dir/manifest.json` (a resumed run keeps the first one's as `manifest.first.json`)."""
+    parts = getattr(run, "parts", None)  # a LoRA variant on shared engines names them and its slot
+    shared = parts.pool.provenance(parts.slot) if getattr(parts, "slot", "") else None
     m = build_manifest(run.config, train_problems=getattr(run.stream, "problems", None),
                        heldout_problems=run.heldout,
-                       extra={"resume_from": str(run.resume_from) if run.resume_from else None,
+                       extra={"resume_from": str(run.resume_from) if run.resume_from else None, "shared_engines": shared,
                               # the split the run made (rollout.max_train_problems, rollout.heldout, eval.n)
                               "data_split": {"description": run.data.description, **run.data.info}})
     path = Path(run.out_dir) / MANIFEST_FILE

@@ -23,20 +23,8 @@ import torch.distributed as dist
 __all__ = ["TrainerState", "WarmupCosine", "PackedLoss", "pack_loss", "resolve_loss", "check_tokens", "resolve_device"]
 
 from forgelab.engines.trainer_support import (  # noqa: F401  (re-exported: forgelab.engines.trainer imports them from here)
-    PackedLoss,
-    WarmupCosine,
-    local_tensor,
-    rendezvous,
-    rng_state, set_rng_state,
-    sha256_hex,
-    check_batch,
-    check_spans,
-    check_tokens,
-    pack_loss,
-    resolve_device,
-    resolve_loss,
-    sum_of_squares,
-    token_values_of,
+    PackedLoss, WarmupCosine, local_tensor, rendezvous, rng_state, set_rng_state, sha256_hex, check_batch, check_spans,
+    check_tokens, pack_loss, resolve_device, resolve_loss, sum_of_squares, token_values_of,
 )
 
 _EXTRA_FILE = "trainer_rank{}.pkl"
@@ -153,19 +141,25 @@ class TrainerState:
         self._pending = (spec, name, fn, dict(loss_kwargs or {}))
         return name
 
+    def swap_run_state(self, saved: dict | None) -> dict:
+        """This rank's run fields (loss, pending swap, step, version, config, token values), then ``saved``'s
+        installed (None: kept): what a LoRA slot owns beside its tensors (`forgelab.engines.lora_slots`)."""
+        names = {k: k for k in ("loss_spec", "loss_name", "loss_fn", "loss_kwargs", "step", "policy_version", "config")}
+        names["pending"] = "_pending"
+        mine = {k: getattr(self, a) for k, a in names.items()} | {"token_values": getattr(self, "token_values", None)}
+        for k, v in (saved or {}).items():
+            setattr(self, names.get(k, k), v)
+        return mine
+
     # -- row planning ----------------------------------------------------------------
 
     def _micro_batches(self, B: int) -> list[torch.Tensor]:
         """This rank's row indices per micro-batch; every rank gets the same number (FSDP collectives pair up)."""
         blocks = torch.arange(B).tensor_split(self.world)
         mine = blocks[self.rank]
-        size = self.config_micro or max(1, max(len(b) for b in blocks))
+        size = getattr(self.config, "micro_batch_size", None) or max(1, max(len(b) for b in blocks))
         n_micro = max(1, math.ceil(max(len(b) for b in blocks) / size))
         return [mine[i * size:(i + 1) * size] for i in range(n_micro)]
-
-    @property
-    def config_micro(self) -> int | None:
-        return getattr(self.config, "micro_batch_size", None)
 
     def _forward(self, tokens_B_L: torch.Tensor, rows: torch.Tensor, *, need_entropy: bool,
                  spans_B_2: torch.Tensor | None = None):

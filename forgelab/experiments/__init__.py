@@ -11,6 +11,7 @@ from forgelab.lazy import lazy_exports
 
 _LAZY = {
     "fork_from": "forgelab.experiments.fork",
+    "Engines": "forgelab.experiments.variants",
     "compare_losses": "forgelab.experiments.loss_ab",
     "LossComparison": "forgelab.experiments.loss_ab",
     "ReplayReport": "forgelab.experiments.replay",

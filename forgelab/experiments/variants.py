@@ -1,0 +1,252 @@
+"""Many LoRA runs on one set of engines: variants that share the generator and the trainer, forked live.
+
+    engines = Engines(cfg, slots=4)                  # processes start with the first run attached
+    run = Run(cfg, spawn=engines); await run.start() # a LoRA run in slot 0
+    kids = await engines.sweep(run, {"lr_hi": {"lr": 4e-3}, "dapo": {"loss": "dapo"}})   # forks into slots
+    child = await run.fork(loss="dapo")             # also into a slot: run.parts.pool is the engines
+    await kids["dapo"].shutdown()                    # detaches it: its slot is freed, the processes stay
+    engines.status(); await engines.shutdown()
+
+What is shared and what is not. The processes: one generator service (`SlotGenerator`: one vLLM engine,
+``max_loras`` = 2 x slots adapters, so a replaced adapter can finish its running requests beside the new one)
+and one trainer (`SlotTrainer`), plus the reference service when the config has one. Each attached `Run`
+keeps everything else of its own (buffer, rewards, loss, schedule, data position, event log, run
+directory, tracker), and in the processes its own slot: adapter weights, optimizer state, schedule and
+loss in the trainer (`forgelab.engines.lora_slots`), adapter and version in the generator
+(`forgelab.weights.adapter_slots`). The generator batches all runs' requests together; a run's weight push
+replaces its own adapter only and stops no one's generation. The trainer steps one run's batch at a time
+(N runs: N trainer steps, the base forward/backward is not shared between runs).
+
+A fork of a run on shared engines (`run.fork`, `sweep`) goes into a free slot: no process starts; the
+parent's state travels as a fork checkpoint (adapter + optimizer, a few MB) as for any fork. What cannot
+share (a full-parameter run, an environment run, another model or engine setting) is refused with the reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import time
+from typing import Any
+
+__all__ = ["Engines"]
+
+_ids = itertools.count(1)
+
+
+class Engines:
+    """Processes shared by up to ``slots`` LoRA runs; pass it as ``Run(cfg, spawn=engines)``.
+
+    Args:
+        config: a `RunConfig` (or dict / YAML path) with ``lora.enabled``; it fixes the model, the engine
+            settings and the placement every attached run must share.
+        slots: how many runs can be attached at once.
+    """
+
+    def __init__(self, config: Any, *, slots: int = 4):
+        from forgelab.config.run_config import RunConfig
+
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"Engines(slots=...): a positive integer, got {slots!r}")
+        cfg = config if isinstance(config, RunConfig) else (
+            RunConfig.from_dict(config) if isinstance(config, dict) else RunConfig.from_yaml(config))
+        self.slots = slots
+        self.config = self._shared_config(cfg.validate())
+        self._check(self.config)
+        self.name = f"engines{next(_ids)}"
+        self.parts: Any = None
+        self.attached: dict[str, Any] = {}  # slot -> SlotParts
+        self.run_names: dict[str, str] = {}  # slot -> the attached run's name
+        self.spawn_s = 0.0
+        self.last_note = ""
+        self._lock = asyncio.Lock()
+
+    def _shared_config(self, cfg: Any) -> Any:
+        cfg = copy.deepcopy(cfg)
+        cfg.generator.max_loras = max(int(cfg.generator.max_loras), 2 * self.slots)
+        return cfg
+
+    def _check(self, cfg: Any) -> None:
+        who = f"run {cfg.name!r}"
+        if not cfg.lora.enabled:
+            raise ValueError(f"{who} is a full-parameter run (lora.enabled false): shared engines hold LoRA runs "
+                             "only (each a slot). Give it its own processes (Run(cfg) without spawn=engines), "
+                             "or enable lora")
+        if cfg.rollout.env is not None:
+            raise ValueError(f"{who} plays environment episodes (rollout.env {cfg.rollout.env!r}): its turns reach "
+                             "the generator from env processes, which do not carry a LoRA slot; run it on its own "
+                             "processes")
+        if cfg.hosts.job is not None:
+            raise ValueError(f"{who} runs on a monarch.job (hosts.job): shared engines run on this host")
+
+    # ------------------------------------------------------------------ processes
+    async def start(self) -> "Engines":
+        """Spawn the shared processes (if not yet): SlotGenerator service, SlotTrainer, reference if configured."""
+        async with self._lock:
+            if self.parts is None:
+                await self._spawn()
+        return self
+
+    async def _spawn(self) -> None:
+        from forgelab.engines.lora_slots import SlotTrainer
+        from forgelab.engines.slot_generator import SlotGenerator
+        from forgelab.engines.spawn import Parts, component_configs, reference_process
+        from forgelab.engines.trainer import ReferenceModel
+        from forgelab.engines.pool import engine_key
+
+        cfg, p = self.config, self.config.placement
+        cc = component_configs(cfg)
+        common = dict(threads=p.threads, with_gpus=p.with_gpus)
+        jobs = [SlotGenerator.options(num_replicas=p.generator_replicas, **common).as_service(cc["generator"]),
+                SlotTrainer.options(procs=p.trainer_procs, **common).as_actor(cc["trainer"])]
+        if reference_process(cfg):
+            jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(cc["reference"]))
+        t0 = time.time()
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    await r.shutdown()
+            raise failed[0]
+        self.spawn_s = time.time() - t0
+        self.parts = Parts(generators=results[0], trainer=results[1], reference=results[2] if len(results) > 2 else None,
+                           seconds=self.spawn_s)
+        self.parts.generators.on_respawn = self._respawned
+        self.key = engine_key(cfg)
+
+    async def _respawned(self, handle: Any) -> None:
+        """A generator replica came back empty: every attached run pushes its adapter to it (its catch_up)."""
+        for parts in list(self.attached.values()):
+            hook = parts.generators.on_respawn
+            if hook is not None:
+                await hook(handle)
+
+    # ------------------------------------------------------------------ runs
+    def free_slots(self) -> list[str]:
+        return [s for s in (f"slot{i}" for i in range(self.slots)) if s not in self.attached]
+
+    async def __call__(self, cfg: Any) -> Any:
+        return await self.attach(cfg)
+
+    async def attach(self, cfg: Any) -> Any:
+        """A run's parts on these engines (`SlotParts`): a free slot with fresh adapters and `cfg`'s trainer
+        settings (loss, lr, schedule). Refuses a config that cannot share them, naming why."""
+        from forgelab.engines.pool import engine_key
+        from forgelab.engines.slot_parts import SlotGenerators, SlotParts, SlotTrainerHandle
+        from forgelab.engines.spawn import component_configs
+
+        self._check(cfg)
+        mine = self._shared_config(cfg)
+        await self.start()
+        key = engine_key(mine)
+        diff = sorted(k for k in key if key[k] != self.key.get(k))
+        if diff:
+            raise ValueError(f"run {cfg.name!r} cannot share {self.name}: it differs in {', '.join(diff)} (the model, "
+                             "engine, lora shape and placement are the engines'); give it its own processes")
+        t0 = time.time()
+        async with self._lock:
+            free = self.free_slots()
+            if not free:
+                raise RuntimeError(f"{self.name}: all {self.slots} slots are in use ("
+                                   + ", ".join(f"{s}: {n}" for s, n in sorted(self.run_names.items()))
+                                   + "); detach a run (await run.shutdown()) or make Engines(slots=...) larger")
+            slot = free[0]
+            self.attached[slot] = None  # reserved
+        try:
+            await self.parts.generators.fanout("drop_slot", slot)  # nothing left from a detached run
+            await self.parts.trainer.call("slot_new", slot, component_configs(cfg)["trainer"])
+        except BaseException:
+            self.attached.pop(slot, None)
+            raise
+        parts = SlotParts(generators=SlotGenerators(self.parts.generators, slot),
+                          trainer=SlotTrainerHandle(self.parts.trainer, slot), reference=self.parts.reference,
+                          seconds=time.time() - t0, pool=self, slot=slot)
+        self.attached[slot], self.run_names[slot] = parts, cfg.name
+        self.last_note = f"{cfg.name} attached to {slot} in {parts.seconds:.2f} s"
+        return parts
+
+    async def detach(self, target: Any) -> None:
+        """Free a slot: ``target`` is an attached `Run` (stopped and shut down: its `shutdown` detaches it), its
+        `SlotParts`, or a slot name. The processes and the other runs go on."""
+        if hasattr(target, "shutdown") and hasattr(target, "config"):
+            await target.shutdown()
+            return
+        parts = self.attached.get(target) if isinstance(target, str) else target
+        slot = getattr(parts, "slot", None)
+        if parts is None or self.attached.get(slot) is not parts:
+            return  # detached already (the slot may hold another run now)
+        parts.generators.detach()
+        self.attached[slot] = None  # still reserved while the processes forget it
+        try:
+            if self.parts is not None:
+                await self.parts.trainer.call("slot_free", slot)
+                await self.parts.generators.fanout("drop_slot", slot)
+        finally:
+            self.attached.pop(slot, None)
+            self.last_note = f"{self.run_names.pop(slot, '?')} detached from {slot}"
+
+    async def sweep(self, parent: Any, variants: dict[str, dict], *, start: bool = True) -> dict[str, Any]:
+        """Fork ``parent`` (a run on these engines) into one slot per entry of ``variants`` ({name: overrides},
+        overrides as for `Run.fork`), all from the same parent state; ``{name: child Run}``, started."""
+        from forgelab.experiments.fork import fork
+
+        if getattr(parent.parts, "pool", None) is not self:
+            raise ValueError(f"sweep: run {parent.config.name!r} is not attached to {self.name}; start it with "
+                             "Run(cfg, spawn=engines)")
+        if len(variants) > len(self.free_slots()):
+            raise RuntimeError(f"sweep: {len(variants)} variants but {len(self.free_slots())} free slots of "
+                               f"{self.slots}; detach runs or make Engines(slots=...) larger")
+        was_running = parent.state == "running"
+        children: dict[str, Any] = {}
+        try:
+            for name, overrides in variants.items():  # the parent stays paused: every child starts at its step
+                children[name] = await fork(parent, name=name, pause_parent=True, start=start, pool=self,
+                                            **dict(overrides))
+        finally:
+            if was_running:
+                parent.resume()
+        return children
+
+    # ------------------------------------------------------------------ views
+    def status(self) -> list[dict[str, Any]]:
+        """One row per slot: the run in it (or free) and its state, step and version."""
+        rows = []
+        for i in range(self.slots):
+            slot = f"slot{i}"
+            rows.append({"engines": self.name, "slot": slot, "run": self.run_names.get(slot),
+                         "versions": dict(getattr(self.attached.get(slot), "generators", None).versions)
+                         if self.attached.get(slot) is not None else {}})
+        return rows
+
+    def line(self, parts: Any = None) -> str:
+        """One line for the services panel: which runs use which slots."""
+        used = ", ".join(f"{s}: {n}" for s, n in sorted(self.run_names.items())) or "none"
+        here = f"this run in {parts.slot}; " if parts is not None and getattr(parts, "slot", "") else ""
+        return f"shared engines {self.name}: {here}{len(self.run_names)}/{self.slots} slots used ({used})"
+
+    def provenance(self, slot: str) -> dict[str, Any]:
+        """What a variant's manifest records of the engines it ran on."""
+        return {"engines": self.name, "slot": slot, "slots": self.slots,
+                "runs_attached": dict(sorted(self.run_names.items())),
+                "replay": "this run shared generator batches with the other runs on these engines: a sample's "
+                          "float results may depend on the batch it was generated in, so a replay of this run "
+                          "alone may draw other samples; replay the whole sweep for an exact rerun"}
+
+    async def slot_stats(self) -> dict[str, Any]:
+        """The trainer's slot table (slots, active, swaps and their time) and the generator's adapters per slot."""
+        t = (await self.parts.trainer.call("slot_stats"))[0]
+        g = await self.parts.generators.fanout("slot_status")
+        return {"trainer": t, "generators": g}
+
+    async def shutdown(self) -> None:
+        """Detach every run and stop the processes."""
+        for parts in list(self.attached.values()):
+            if parts is not None:
+                await self.detach(parts)
+        if self.parts is not None:
+            parts, self.parts = self.parts, None
+            await parts.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<Engines {self.name} {len(self.run_names)}/{self.slots} slots {'up' if self.parts else 'not started'}>"
