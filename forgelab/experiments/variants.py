@@ -59,6 +59,7 @@ class Engines:
         self.run_names: dict[str, str] = {}  # slot -> the attached run's name
         self.spawn_s = 0.0
         self.last_note = ""
+        self.watched: list[Any] = []
         self._lock = asyncio.Lock()
 
     def _shared_config(self, cfg: Any) -> Any:
@@ -186,6 +187,27 @@ class Engines:
             self.attached.pop(slot, None)
             self.last_note = f"{self.run_names.pop(slot, '?')} detached from {slot}"
 
+    def watch(self, run: Any, rollouts: int = 2) -> None:
+        """Pause ``run`` alone when its reward fails on every episode of ``rollouts`` rollouts in a row (no step
+        between): a variant whose reward raises would otherwise keep the shared generator busy for nothing.
+        `sweep` watches the parent and every child; ``run.resume()`` after fixing the reward."""
+        limit = rollouts * run.config.rollout.prompts_per_rollout * run.config.rollout.group_size
+        failed = {"n": 0, "reason": ""}
+
+        def listener(msg: dict) -> None:
+            ev = msg.get("event")
+            if ev is None:
+                failed["n"] = 0 if "step" in msg else failed["n"]  # a metrics row: a step trained
+            elif ev.get("kind") == "reward_error":
+                failed["n"], failed["reason"] = failed["n"] + 1, str(ev.get("reason", ""))
+                if failed["n"] >= limit and run.state == "running":
+                    run.pause(f"paused by {self.name}: the last {failed['n']} episodes all failed their reward "
+                              f"({failed['reason']}; see run.reward_failures); the other runs on these engines go "
+                              "on. Fix the reward (run.add_reward(name, fn, replace=True)), then run.resume()")
+                    failed["n"] = 0
+
+        run.add_listener(listener)
+
     async def sweep(self, parent: Any, variants: dict[str, dict], *, start: bool = True) -> dict[str, Any]:
         """Fork ``parent`` (a run on these engines) into one slot per entry of ``variants`` ({name: overrides},
         overrides as for `Run.fork`), all from the same parent state; ``{name: child Run}``, started."""
@@ -198,11 +220,15 @@ class Engines:
             raise RuntimeError(f"sweep: {len(variants)} variants but {len(self.free_slots())} free slots of "
                                f"{self.slots}; detach runs or make Engines(slots=...) larger")
         was_running = parent.state == "running"
+        if parent not in self.watched:
+            self.watched.append(parent)
+            self.watch(parent)
         children: dict[str, Any] = {}
         try:
             for name, overrides in variants.items():  # the parent stays paused: every child starts at its step
-                children[name] = await fork(parent, name=name, pause_parent=True, start=start, pool=self,
-                                            **dict(overrides))
+                children[name] = child = await fork(parent, name=name, pause_parent=True, start=start, pool=self,
+                                                    **dict(overrides))
+                self.watch(child)
         finally:
             if was_running:
                 parent.resume()

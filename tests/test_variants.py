@@ -1,0 +1,264 @@
+"""LoRA variants on one set of engines (`forgelab.Engines`): slots in the trainer, adapters per slot in vLLM.
+
+The in-process tests drive a `SlotTable` over one `TrainerState`: interleaved slots step exactly as separate
+trainers (the same float32 operations on the same values: compared bit for bit). The integration tests share
+ONE engines (one SlotGenerator, one SlotTrainer) for the whole module: a synchronous LoRA parent forked at
+step 2 into three variants (no override, lr x2, dapo with the format reward off), all four training at once;
+then a variant is detached and two forks reuse slots, one with a reward that starts raising.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer_actors import random_batches, tiny_model_dir
+
+integration = pytest.mark.integration
+
+FORK_AT, STEPS, BATCH = 2, 5, 16
+
+
+# ------------------------------------------------------------------------------------------- in process
+def _fingerprints(table, slot):
+    table.activate(slot)
+    return table.state.fingerprint()
+
+
+def test_interleaved_slots_step_exactly_as_separate_trainers(tmp_path):
+    """Two slots (grpo lr 1e-3; dapo lr 3e-3) stepped alternately on one TrainerState, a third slot copied from
+    the first mid-way, and a slot whose loss is NaN: each slot's adapters, AdamW state, schedule and step equal
+    (SHA-256 of the tensors) those of a trainer that ran its batches alone. Equal by construction: the same
+    float32 operations on the same values in the same order (a swap copies tensors bit for bit), so any slip
+    (a moment left from another slot, a schedule or loss not swapped) changes a hash."""
+    import torch.distributed as dist
+
+    from forgelab.config.components import LoraConfig, TrainerConfig
+    from forgelab.engines.lora_slots import SlotTable
+    from forgelab.engines.trainer_core import TrainerState
+
+    created = not dist.is_initialized()
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = tiny_model_dir(str(tmp_path))
+    cx = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", warmup_steps=1, total_steps=6,
+                       loss_kwargs={"kl_coef": 0.05}, lora=lora)
+    cy = TrainerConfig(model_dir=model, lr=3e-3, device="cpu", warmup_steps=1, total_steps=6,
+                       loss="dapo", lora=lora)
+    cn = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", lora=lora,
+                       loss=lambda lp, **kw: (lp.sum() * float("nan"), {}))
+    b = random_batches(105, 4, B=4, seed=1, with_ref=False)
+    try:
+        shared = TrainerState.create(cx, 0, 1)
+        table = SlotTable(shared)
+        table.new("x", cx), table.new("y", cy), table.new("n", cn)
+        got = {}
+        table.activate("x"), shared.train_step(b[0])
+        table.activate("y"), shared.train_step(b[1])
+        table.activate("n")
+        skipped = shared.train_step(b[0])
+        table.copy("x", "z")
+        table.activate("x"), shared.train_step(b[2])
+        table.activate("z"), shared.train_step(b[3])
+        table.activate("y"), shared.train_step(b[3])
+        got = {s: _fingerprints(table, s) for s in ("x", "y", "z", "n")}
+        alone = {}
+        for name, cfg, seq in (("x", cx, (0, 2)), ("y", cy, (1, 3)), ("z", cx, (0, 3))):
+            st = TrainerState.create(cfg, 0, 1)
+            for i in seq:
+                st.train_step(b[i])
+            alone[name] = st.fingerprint()
+        fresh = TrainerState.create(cn, 0, 1).fingerprint()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    assert skipped["skipped"] == 1 and "loss" in skipped["skip_reason"]
+    for s in ("x", "y", "z"):
+        assert got[s] == alone[s], s
+    assert got["x"]["lr"] != got["y"]["lr"] and got["x"]["step"] == got["y"]["step"] == 2
+    assert got["n"]["params"] == fresh["params"] and got["n"]["step"] == 0  # the NaN slot moved nothing
+    with pytest.raises(KeyError, match="does not exist"):
+        table.activate("nope")
+
+
+# ------------------------------------------------------------------------------------------- real processes
+def _config(name: str, out_dir: Path, steps: int = STEPS):
+    from forgelab.config.components import LoraConfig
+    from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+
+    return RunConfig(name=name, lora=LoraConfig(enabled=True, rank=8, alpha=16.0),
+                     rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=2, concurrency=2,
+                                           max_tokens=8),
+                     train=TrainConfig(steps=steps, batch_size=BATCH, lr=2e-3, warmup_steps=1, max_policy_age=0,
+                                       seed=3, loss_kwargs={"kl_coef": 0.02}),
+                     eval=EvalConfig(every=0, n=8), tracking=TrackingConfig(out_dir=str(out_dir), wandb=True))
+
+
+@pytest.fixture(scope="module")
+def engines(loop, tmp_path_factory):
+    from forgelab.experiments.variants import Engines
+
+    out = tmp_path_factory.mktemp("variants")
+    eng = Engines(_config("base", out), slots=4)
+    eng.out = out
+    yield eng
+    loop.run_until_complete(eng.shutdown())
+    import wandb
+
+    wandb.teardown()
+
+
+@pytest.fixture(scope="module")
+def swept(loop, engines):
+    """The parent and its three variants, all finished (processes kept), and the trainer's pids."""
+    from forgelab.run import Run
+
+    parent = Run(_config("base", engines.out), spawn=engines)
+
+    async def go():
+        await parent.start()
+        await parent.until(step=FORK_AT)
+        kids = await engines.sweep(parent, {"same": {}, "lr2": {"lr": 4e-3},
+                                            "dapo": {"loss": "dapo", "reward_weights": {"answer_format": 0.0}}})
+        await asyncio.gather(parent.wait(), *(k.wait() for k in kids.values()))
+        return kids
+
+    kids = loop.run_until_complete(go())
+    runs = {"base": parent, **kids}
+    pids = loop.run_until_complete(engines.parts.trainer.pids())
+    at = {json.loads((k.out_dir / "origin.json").read_text())["step"] for k in kids.values()}
+    assert len(at) == 1  # the parent stayed paused through the sweep: one parent state for all
+    yield runs, pids, at.pop()
+
+
+@integration
+def test_four_variants_train_on_shared_engines_as_their_overrides_say(swept, engines):
+    import pandas as pd
+
+    runs, _, fs = swept
+    for name, r in runs.items():
+        assert r.state == "finished" and r.step == STEPS, (name, r.state, r.message)
+        assert r.parts.pool is engines
+    assert sorted(p.slot for p in (r.parts for r in runs.values())) == ["slot0", "slot1", "slot2", "slot3"]
+    m = {n: pd.read_csv(r.out_dir / "metrics.csv").set_index("step") for n, r in runs.items()}
+    after = list(range(fs + 1, STEPS + 1))
+    assert after
+    # lr x2, schedule position kept: 4e-3 * f(s) is exactly 2 x (2e-3 * f(s)) in float64 (a power-of-two scale)
+    assert [m["lr2"].loc[s, "lr"] for s in after] == [2 * m["base"].loc[s, "lr"] for s in after]
+    assert (m["dapo"].loc[after, "loss_name"] == "dapo").all() and (m["base"].loc[after, "loss_name"] == "grpo").all()
+    assert (m["dapo"].loc[:fs, "loss_name"] == "grpo").all()
+    # each run's trained episodes were scored with its own reward weights
+    for name, w_fmt in (("base", 0.1), ("dapo", 0.0)):
+        df = runs[name].rollouts
+        df = df[(df["status"] == "trained") & (df["policy_version"] >= fs)]
+        expect = df["reward/exact_answer"] + w_fmt * df["reward/answer_format"]
+        assert len(df) and (df["reward"] - expect).abs().max() < 1e-12, name
+    # every run's completions carry its own version; all four trained on one trainer process
+    for name, r in runs.items():
+        versions = set(r.rollouts["policy_version"])  # a fork trains first on the parent's buffered episodes
+        assert versions <= set(range(0 if name == "base" else fs, STEPS + 1)) and STEPS - 1 in versions, (name, versions)
+
+
+@integration
+def test_no_override_fork_matches_its_parent_in_sync_mode(swept):
+    """max_policy_age 0, seeded samples: the fork without overrides trains as its parent does after the fork.
+    Both generate their batches concurrently in one vLLM batch (with the other variants' requests); the
+    trainer steps them one after the other in one process."""
+    import pandas as pd
+
+    from forgelab.experiments.replay import compare_metrics
+
+    runs, _, fs = swept
+    a = pd.read_csv(runs["base"].out_dir / "metrics.csv")
+    b = pd.read_csv(runs["same"].out_dir / "metrics.csv")
+    diffs = compare_metrics(a[a["step"] > fs], b[b["step"] > fs])
+    assert diffs == [], diffs[:8]
+
+
+def _wandb_history(run_dir: Path) -> list[dict]:
+    """An offline wandb run's history, read by wandb's own reader (as tests/test_real_data_run.py does)."""
+    wandb_cli = shutil.which("wandb") or str(Path(sys.executable).parent / "wandb")
+    out = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(run_dir)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return [json.loads(x)["history"]["item"] for x in out.splitlines()
+            if x.startswith("{") and json.loads(x).get("type") == "history"]
+
+
+@integration
+def test_each_variant_keeps_its_own_logs_manifest_and_accounting(loop, swept, engines):
+    from forgelab.controller.rollout_log import read_rollouts
+
+    runs, _, fs = swept
+    for name, r in runs.items():
+        c = r.episodes
+        assert c["generated"] == c["trained"] + c["evicted"] + c["dropped"] + c["buffered"] + c["in_flight"], (name, c)
+        assert c["trained"] == STEPS * BATCH, (name, c)  # a fork carries its parent's counts on
+        r.records.flush()
+        log = read_rollouts(r.out_dir)
+        trained_here = (STEPS - (0 if name == "base" else fs)) * BATCH
+        assert (log["status"] == "trained").sum() == trained_here, (name, log["status"].value_counts())
+        if name == "base":  # every episode it closed is in its log
+            assert len(log) == c["trained"] + c["evicted"] + c["dropped"], (name, len(log), c)
+        kinds = [e["kind"] for e in (json.loads(x) for x in (r.out_dir / "events.jsonl").read_text().splitlines())]
+        assert "spawned" in kinds and kinds[-1] == "finished", (name, kinds[-3:])
+        assert ("forked_from" in kinds) == (name != "base")
+        man = json.loads((r.out_dir / "manifest.json").read_text())
+        assert man["shared_engines"]["engines"] == engines.name and man["shared_engines"]["slot"] == r.parts.slot
+        assert "replay the whole sweep" in man["shared_engines"]["replay"]
+    for name, r in runs.items():  # wandb: one run per variant, every step logged (complete once finished)
+        r.tracker.finish()
+        wdirs = sorted((r.out_dir / "wandb").glob("offline-run-*"))
+        assert len(wdirs) == 1, (name, wdirs)
+        steps = sorted({int(h["_step"]) for h in _wandb_history(wdirs[0]) if "loss" in h})
+        first = fs + 1 if name != "base" else 1
+        assert steps[-1] == STEPS and set(range(first, STEPS + 1)) <= set(steps), (name, steps)
+
+
+@integration
+def test_detach_frees_a_slot_a_fork_reuses_it_and_a_raising_reward_pauses_only_its_variant(loop, swept, engines):
+    """Detaching "dapo" frees its slot: the next fork takes it (no new process). Then "lr2" is detached too and
+    two forks train beside each other; one's reward starts raising: it is paused alone, the other finishes."""
+    runs, pids, _ = swept
+    boom = {"on": False}
+
+    def flaky(prompt: str, completion: str, target: str, **info) -> float:
+        if boom["on"]:
+            raise RuntimeError("flaky reward: service down")
+        return 0.0
+
+    async def go():
+        freed = runs["dapo"].parts.slot
+        await engines.detach(runs["dapo"])
+        assert runs["dapo"].parts is None and engines.free_slots() == [freed]
+        again = await runs["base"].fork(name="again", steps=STEPS + 3)
+        assert again.parts.slot == freed and engines.free_slots() == []  # the slot "dapo" left
+        await engines.detach(runs["lr2"])
+        bad = await runs["base"].fork(name="bad", steps=STEPS + 3, rewards={"flaky": flaky})
+        engines.watch(bad, rollouts=1)
+        boom["on"] = True
+        try:
+            await bad.until(predicate=lambda r: r.state != "running", timeout=300)
+            await again.wait()
+        except BaseException:
+            await asyncio.gather(again.shutdown(), bad.shutdown())
+            raise
+        return again, bad
+
+    async def close(*rs):
+        await asyncio.gather(*(r.shutdown() for r in rs))
+
+    again, bad = loop.run_until_complete(go())
+    try:
+        assert loop.run_until_complete(engines.parts.trainer.pids()) == pids  # no process started
+        assert again.state == "finished" and again.step == STEPS + 3, again.message
+        assert bad.state == "paused" and "failed their reward" in bad.message and "flaky" in bad.message, bad.message
+        assert bad.step < STEPS + 3 and runs["same"].state == "finished"
+        assert any(e["kind"] == "reward_error" for e in bad.events)
+    finally:
+        loop.run_until_complete(close(again, bad))
+    assert len(engines.free_slots()) == 2
