@@ -55,6 +55,11 @@ class Episode:
     info: dict = field(default_factory=dict)
     finish_reason: str = ""
     loss_mask: list[int] | None = None
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of each completion token (None: no teacher)."""
+    token_advantages: list[float] | None = None
+    """A per-token advantage, one per completion token (None: `advantage` for every token). Distillation sets
+    ``advantage + coef * (teacher_logprob - generator_logprob)`` (`forgelab.algos.advantages.distill_advantages`)."""
     train_values: dict[str, list | None] | None = None
     """The trainer's per-token view once trained (`forgelab.algos.token_truth`): ``trainer_logprobs``,
     ``entropy``, ``is_weight`` (None: no IS), ``clipped`` (None: the loss's rule is unknown), one value per

@@ -210,3 +210,78 @@ def test_killing_an_env_replica_at_1000_in_flight_loses_no_episode(env_replica_k
     # the service replaced the replica: both replicas healthy again, the killed one restarted
     status = run.parts.envs.status()
     assert all(s.healthy for s in status) and status[victim.index].restarts >= 1
+
+
+# --- in-flight weight updates -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inflight_run(loop, tmp_path_factory):
+    """Async GRPO with generator.update_mode inflight. Every completion is at least 48 tokens (min_tokens) and
+    three rollouts of 8 overlap (max_policy_age 2 admits 24 episodes ahead of a batch of 8), so the generator is
+    busy when a step's weights arrive. The run trains until an episode with tokens of two versions has been
+    trained (a condition, checked at every step and event), at most 12 steps."""
+    from forgelab.config import RunConfig
+    from forgelab.controller.rollout_log import read_rollouts
+    from forgelab.run import Run
+
+    tmp = tmp_path_factory.mktemp("inflight")
+    cfg = RunConfig.from_dict({
+        "name": "inflight",
+        "model": {"max_model_len": 128},
+        "rollout": {"task": "addition", "group_size": 4, "prompts_per_rollout": 2, "concurrency": 3, "max_tokens": 64},
+        "generator": {"update_mode": "inflight", "sampling": {"min_tokens": 48}},
+        "train": {"steps": 12, "batch_size": 8, "warmup_steps": 1, "max_policy_age": 2,
+                  "loss_kwargs": {"kl_coef": 0.0}},
+        "placement": {"reference": False},
+        "eval": {"every": 0, "n": 8},
+        "tracking": {"wandb": False, "out_dir": str(tmp / "runs")},
+    })
+    run = Run(cfg)
+
+    def mixed_trained(r) -> bool:
+        return r.state != "running" or any(
+            "token_versions" in ep.info and r.buffer.status(ep.id) == "trained" for ep in list(r.rollout.recent))
+
+    async def go():
+        await run.start()
+        await run.until(predicate=mixed_trained, timeout=600)
+        await run.stop()  # after the current step and its weight push
+        return (await run.parts.generators.fanout("stats"))[0]
+
+    try:
+        stats = loop.run_until_complete(go())
+        loop.run_until_complete(run.shutdown())  # the rollout log's last part is written when the run stops
+        yield run, stats, read_rollouts(run.out_dir)
+    finally:
+        loop.run_until_complete(run.shutdown())
+
+
+def test_inflight_trains_episodes_whose_tokens_come_from_two_versions(inflight_run):
+    import json
+
+    run, stats, df = inflight_run
+    assert run.state in ("running", "finished", "stopped"), run.message
+    # every push was loaded in flight (none drained), and some requests ran across one
+    assert stats["inflight_updates"] == stats["weight_updates"] == run.version, stats
+    assert stats["requests_spanning_versions"] >= 1, stats
+    trained = df[df["status"] == "trained"]
+    assert len(trained) == 8 * run.step
+    mixed = []
+    for _, r in trained.iterrows():
+        runs = json.loads(r["info"]).get("token_versions") if isinstance(r["info"], str) else r["info"].get("token_versions")
+        if runs:
+            mixed.append((r, runs))
+    assert mixed, "no trained episode has tokens of two versions: every push landed between rollouts"
+    for r, runs in mixed:
+        versions = [v for v, _ in runs]
+        starts = [s for _, s in runs]
+        # run-length pairs: the first from token 0 at the episode's version (the oldest: what staleness counts),
+        # later ones strictly newer, starting inside the completion
+        assert starts[0] == 0 and versions[0] == r["policy_version"], runs
+        assert versions == sorted(set(versions)) and len(versions) >= 2, runs
+        assert starts == sorted(set(starts)) and starts[-1] < len(r["completion_ids"]), runs
+        # the staleness bound held on the oldest token: trained at most max_policy_age versions after it
+        assert r["trained_step"] - 1 - r["policy_version"] <= 2
+        # every token still has its behaviour logprob, as the loss's importance weights use
+        assert len(r["generator_logprobs"]) == len(r["completion_ids"])

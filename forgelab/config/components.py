@@ -18,6 +18,8 @@ __all__ = ["LOGPROBS_MODES", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSP
            "ReferenceConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+UPDATE_MODES = ("drain", "inflight")
+"""How a generator loads a weight push (`GeneratorConfig.update_mode`, forgelab.weights.receiver)."""
 
 
 # --- LoRA (shared by the trainer and the generator) -----------------------------
@@ -114,6 +116,11 @@ class SamplingConfig:
     """Most tokens generated per completion."""
     stop_token_ids: list[int] | None = None
     """Extra token ids that end a completion (the model's eos always does)."""
+    min_tokens: int = 0
+    """Fewest tokens generated before eos or a stop token may end a completion (vLLM ``min_tokens``)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling (vLLM ``logit_bias``), e.g. a negative one on eos
+    for longer completions. Recorded logprobs stay the model's own (``raw_logprobs``)."""
 
     def validate(self, where: str = "SamplingConfig") -> None:
         if not self.temperature >= 0:
@@ -126,6 +133,12 @@ class SamplingConfig:
             raise ValueError(f"{where}.max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
             raise ValueError(f"{where}.stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"{where}.min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.logit_bias is not None and not (isinstance(self.logit_bias, dict) and all(
+                isinstance(k, int) and isinstance(v, (int, float)) and math.isfinite(v) for k, v in self.logit_bias.items())):
+            raise ValueError(f"{where}.logit_bias must map token ids (ints) to finite numbers, got {self.logit_bias!r}")
 
     def to_vllm(self, seed: int | None = None):
         """One-sample `vllm.SamplingParams` returning the sampled token's logprob.
@@ -143,6 +156,8 @@ class SamplingConfig:
             top_k=self.top_k,
             max_tokens=self.max_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
+            min_tokens=self.min_tokens,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             logprobs=0,  # 0 extra top tokens: the sampled token's logprob only
             output_kind=RequestOutputKind.FINAL_ONLY,
             seed=seed,
@@ -188,6 +203,13 @@ class GeneratorConfig:
     """With ``lora.enabled``: vLLM serves LoRA adapters (a weight push sends the adapter only)."""
     max_loras: int = 1
     """With LoRA: most adapters in one engine batch (vLLM ``max_loras``)."""
+    update_mode: str = "drain"
+    """How a weight push is loaded (forgelab.weights.receiver). "drain": stop taking requests, let the running
+    ones finish on the old weights, load, reset the prefix cache. "inflight": load between two engine steps
+    while requests keep generating; a completion's later tokens come from the new weights (its
+    `token_versions` say where) and the prefix cache is reset when the engine is next idle (until then new
+    requests may reuse blocks computed by older weights: their logprobs are still the ones sampled with).
+    Full weights only: LoRA adapter pushes always drain."""
 
     def validate(self) -> None:
         if not self.model_dir or not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -219,6 +241,13 @@ class GeneratorConfig:
         self.lora.validate("GeneratorConfig.lora")
         if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
             raise ValueError(f"GeneratorConfig.max_loras must be a positive integer, got {self.max_loras!r}")
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"GeneratorConfig.update_mode (generator.update_mode) must be one of {UPDATE_MODES}, "
+                             f"got {self.update_mode!r}")
+        if self.update_mode == "inflight" and self.lora.enabled:
+            raise ValueError("generator.update_mode 'inflight' loads full weights between engine steps; with LoRA "
+                             "each request is bound to the adapter it started with (vLLM), so adapter pushes "
+                             "cannot apply in flight: set generator.update_mode to 'drain' or turn lora off")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

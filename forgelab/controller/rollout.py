@@ -151,7 +151,10 @@ class SingleTurn:
                                              **kwargs)
         return [[Episode(id=0, group_id=0, prompt_ids=list(c.prompt_ids), completion_ids=list(c.completion_ids),
                          generator_logprobs=list(c.logprobs), policy_version=c.policy_version, prompt=p.prompt,
-                         completion=c.text, finish_reason=c.finish_reason) for c in comps]
+                         completion=c.text, finish_reason=c.finish_reason,
+                         # tokens of several versions (generator.update_mode inflight): where each took over
+                         info={"token_versions": [list(r) for r in c.token_versions]} if len(c.token_versions) > 1
+                         else {}) for c in comps]
                 for p, comps in zip(problems, groups)]
 
 

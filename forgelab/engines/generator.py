@@ -22,7 +22,10 @@ temperature=1, top_k=0, top_p=1 (set `logprobs_mode="processed_logprobs"` to get
 the log-probability under the temperature/top-k/top-p-processed distribution).
 
 Weight updates (`update_weights`; `update_weights_shared` for a same-host shm handle) are checked and loaded
-in place between batches by `forgelab.weights.receiver`; `Completion.policy_version` names the weights.
+in place by `forgelab.weights.receiver`: `update_mode="drain"` (default) stops intake and lets the running
+requests finish on the old weights first; `"inflight"` loads them between two engine steps while requests run
+on. `Completion.policy_version` is the version its first token came from (the oldest);
+`Completion.token_versions` says where later versions took over (run-length ``(version, first token)`` pairs).
 """
 from __future__ import annotations
 
@@ -110,11 +113,24 @@ class VLLMEngine:
         self._last_add = 0.0
         self._idle_since: float | None = None  # when the engine loop last ran out of requests
         self.logprob_shift: tuple[int, float] | None = None  # (token index, delta): Generator.corrupt_next_logprob
+        self._token_versions: dict[str, list[tuple[int, int]]] = {}  # inflight mode: request id -> version runs
+        self.prefix_reset_pending = False  # inflight mode: reset the prefix cache when the engine is next idle
         self.counters = dict(
             busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
-            sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0,
+            sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0, inflight_updates=0,
+            requests_spanning_versions=0, prefix_cache_resets=0, prefix_cache_resets_deferred=0,
+            kv_cache_usage_sum=0.0, kv_cache_usage_max=0.0, kv_cache_usage=0.0, preemptions=0,
         )
+        self._scheduler = _scheduler_of(self.engine)
+        if self._scheduler is not None:  # count vLLM's preemptions (KV cache full: a request's blocks freed)
+            preempt = self._scheduler._preempt_request
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.counters["preemptions"] += 1
+                return preempt(*args, **kwargs)
+
+            self._scheduler._preempt_request = counted
 
     # -- requests -------------------------------------------------------------
     def _prompt_ids(self, prompt: Any) -> list[int]:
@@ -183,25 +199,30 @@ class VLLMEngine:
                     self.engine.add_request(rid, rendered, params if seeds is None else sampling.to_vllm(int(seeds[p][g])),
                                             lora_request=lora_request)  # vLLM copies prompt and params
                     added.append(rid)
+                    if self.config.update_mode == "inflight":
+                        self._token_versions[rid] = [(version, 0)]
                     row.append(self._pending.setdefault(rid, loop.create_future()))
                 futures_P_G.append(row)
         except Exception:  # e.g. a token id outside the vocabulary: drop this call's requests
             self.engine.abort_request(added)
             for rid in added:
                 self._pending.pop(rid, None)
+                self._token_versions.pop(rid, None)
             raise
         self._last_add = time.perf_counter()
         self.counters["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
         self._ensure_loop()
         outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
         return [
-            [self._completion(o, ids, text, version) for o in outs]
+            [self._completion(o, ids, text, version, self._token_versions.pop(o.request_id, None)) for o in outs]
             for outs, ids, text in zip(outs_P_G, ids_P, texts)
         ]
 
-    def _completion(self, out: Any, prompt_ids: list[int], text: str, version: int) -> Completion:
+    def _completion(self, out: Any, prompt_ids: list[int], text: str, version: int,
+                    runs: list[tuple[int, int]] | None = None) -> Completion:
         c = out.outputs[0]
         ids = list(c.token_ids)
+        runs = [(v, start) for v, start in (runs or [(version, 0)]) if start < max(1, len(ids))]
         logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)] if c.logprobs is not None else []
         if self.logprob_shift is not None and len(logprobs) > self.logprob_shift[0]:  # a test hook, used once
             (i, delta), self.logprob_shift = self.logprob_shift, None
@@ -217,7 +238,26 @@ class VLLMEngine:
             policy_version=version,
             prompt=text,
             num_cached_tokens=int(out.num_cached_tokens or 0),
+            token_versions=runs,
         )
+
+    def mark_new_version(self, version: int) -> None:
+        """Inflight mode, called between two engine steps right after `version` was loaded: every running
+        request's next token comes from `version` (its tokens so far came from the older ones)."""
+        if not self._token_versions:
+            return
+        produced = {st.external_req_id: st.detokenizer.num_output_tokens()
+                    for st in self.engine.output_processor.request_states.values()}
+        for rid, runs in self._token_versions.items():
+            if rid not in self._pending:
+                continue  # finished in the last step: all its tokens are older
+            start = produced.get(rid, 0)
+            if start == runs[-1][1]:
+                runs[-1] = (version, start)  # no token came from the previous version
+            else:
+                if len(runs) == 1:
+                    self.counters["requests_spanning_versions"] += 1
+                runs.append((version, start))
 
     # -- engine loop ----------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -230,6 +270,9 @@ class VLLMEngine:
         s = self.counters
         while True:
             if not self.engine.has_unfinished_requests():
+                if self.prefix_reset_pending and self.llm.reset_prefix_cache():  # no block in use now
+                    self.prefix_reset_pending = False
+                    s["prefix_cache_resets"] += 1
                 self.idle_event.set()
                 self._wake.clear()
                 self._idle_since = time.perf_counter()
@@ -249,6 +292,11 @@ class VLLMEngine:
                 continue
             s["busy_time_s"] += time.perf_counter() - t0
             s["steps"] += 1
+            if self._scheduler is not None:
+                usage = float(self._scheduler.kv_cache_manager.usage)
+                s["kv_cache_usage"] = usage
+                s["kv_cache_usage_sum"] += usage
+                s["kv_cache_usage_max"] = max(s["kv_cache_usage_max"], usage)
             s["max_concurrent_requests"] = max(s["max_concurrent_requests"], concurrent)
             s["sum_concurrent_requests"] += concurrent
             for out in outputs:
@@ -288,6 +336,7 @@ class VLLMEngine:
         except Exception:
             pass
         for rid in ids:
+            self._token_versions.pop(rid, None)
             fut = self._pending.pop(rid)
             if not fut.done():
                 fut.set_exception(RuntimeError(f"vLLM engine step failed: {error!r}"))
@@ -301,11 +350,19 @@ class VLLMEngine:
         s["cpu_time_s"] = time.process_time()  # this process, all threads
         s.update(gc_stats())
         s["prefix_cache_hit_rate"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
+        s["kv_cache_usage_mean"] = s["kv_cache_usage_sum"] / max(1, s["steps"])
         return s
 
     def status(self) -> dict[str, Any]:
-        return {"version": self.version, "in_flight_requests": len(self._pending),
+        return {"version": self.version, "in_flight_requests": len(self._pending), "update_mode": self.config.update_mode,
                 "admitting": self.admitting.is_set(), "device": self.device, "stats": self.stats()}
+
+
+def _scheduler_of(llm_engine: Any) -> Any:
+    """The vLLM v1 scheduler of an in-process engine (KV-cache usage, preemptions), or None elsewhere."""
+    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    return sched if hasattr(sched, "kv_cache_manager") and hasattr(sched, "_preempt_request") else None
 
 
 _replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones

@@ -25,7 +25,9 @@ everything after it, `generator_logprobs` (0.0 on environment tokens),
 `loss_mask` (1 exactly on generated tokens), `reward` = the sum of step rewards
 and `info` with `turns` = [(start, end, role)] over `completion_ids`
 (end exclusive; role "assistant" for generated turns, else the speaker of the
-environment message), `outcome`, `turn_versions`, `cached_tokens` (prompt
+environment message), `outcome`, `turn_versions` (and `token_versions`,
+run-length [version, first token] pairs over `completion_ids`, once a weight
+update landed inside a turn: generator.update_mode inflight), `cached_tokens` (prompt
 tokens each turn served from the prefix cache), `observations` and
 `env_metrics` (the steps' `info["metrics"]` counters summed per name, e.g. tool
 calls; `env_metric_means` averages them over episodes, as a `Run`'s `env/*` metrics).
@@ -247,6 +249,10 @@ async def run_episode(
         ids += c.completion_ids
         info["turns"].append((start, len(completion_ids), "assistant"))
         info["turn_versions"].append(c.policy_version)
+        runs = getattr(c, "token_versions", None) or [(c.policy_version, 0)]
+        if len(runs) > 1 or "token_versions" in info:  # a weight update landed inside a turn (inflight mode)
+            info.setdefault("token_versions", [[v, s] for v, s in _turn_runs(info)])
+            info["token_versions"] += [[v, start + s] for v, s in runs]
         info["cached_tokens"].append(c.num_cached_tokens)
         text += c.text
         try:
@@ -282,6 +288,12 @@ async def run_episode(
         info["turns"].append((start, len(completion_ids), role))
         text += f"\n[{role}] {obs}\n"
     return finish("max_turns")
+
+
+def _turn_runs(info: dict) -> list[tuple[int, int]]:
+    """(version, first completion token) of each earlier assistant turn (each of one version)."""
+    turns = [t for t in info["turns"] if t[2] == "assistant"][:-1]  # the current turn is already in `turns`
+    return [(v, t[0]) for v, t in zip(info["turn_versions"], turns)]
 
 
 def final_answer(ep: Episode, tokenizer: Any) -> str:

@@ -7,7 +7,10 @@
 update is refused and the old weights keep serving), stops admitting requests,
 lets the in-flight ones finish on the old weights, reloads in place through the
 vLLM worker extension `WeightUpdateExtension` (`reload_weights`), resets the
-prefix cache and bumps the version. A shared-memory handle
+prefix cache and bumps the version. With ``update_mode="inflight"`` it loads
+without draining (`_load_inflight`): the engine is between two steps whenever
+this coroutine runs, so the running requests' next tokens come from the new
+weights and the engine records where (`VLLMEngine.mark_new_version`). A shared-memory handle
 (`forgelab.weights.shm.SharedWeights`) is mapped and read in place; one whose
 file cannot be reached from here makes `receive_shared` answer why (a str), and
 the trainer then sends the tensors (`forgelab.weights.sender`).
@@ -131,6 +134,8 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
                 + f". Nothing was loaded: the generator keeps serving version {engine.version} "
                 "with its old weights."
             )
+        if engine.config.update_mode == "inflight":
+            return _load_inflight(engine, version, weights)
         engine.admitting.clear()
         try:
             await engine.idle_event.wait()  # in-flight requests finish on the old weights
@@ -143,6 +148,29 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
         finally:
             engine.admitting.set()
         return engine.version
+
+
+def _load_inflight(engine: Any, version: int, weights: Any) -> int:
+    """Load `weights` between two engine steps, requests running on (no await: no step runs meanwhile).
+
+    vLLM refuses to reset its prefix cache while any request holds blocks; then the reset waits for the
+    engine's next idle moment (`VLLMEngine.prefix_reset_pending`) and, until it, a new request may reuse
+    blocks computed by older weights, as the running requests use their own older KV. Each token's recorded
+    logprob is still the one it was sampled with, so the losses' importance weights stay exact."""
+    t0 = time.perf_counter()
+    engine.llm.collective_rpc("forgelab_reload_weights", args=(list(weights.items()),))
+    engine.version = version
+    engine.mark_new_version(version)
+    if engine.engine.has_unfinished_requests():
+        engine.prefix_reset_pending = True
+        engine.counters["prefix_cache_resets_deferred"] += 1
+    elif engine.llm.reset_prefix_cache():
+        engine.prefix_reset_pending = False
+        engine.counters["prefix_cache_resets"] += 1
+    engine.counters["weight_updates"] += 1
+    engine.counters["inflight_updates"] += 1
+    engine.counters["last_update_ms"] = (time.perf_counter() - t0) * 1e3
+    return engine.version
 
 
 async def _receive_adapter(engine: Any, version: int, tensors: Any) -> int:
