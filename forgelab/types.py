@@ -26,6 +26,10 @@ class Completion:
     policy_version: int
     prompt: str = ""
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    token_versions: list[tuple[int, int]] = field(default_factory=list)
+    """The policy version of each token, run-length: ``(version, first token index)`` pairs in order, the
+    first at index 0 with `policy_version` (the oldest). One pair unless a weight update landed while this
+    completion was generated (``generator.update_mode: inflight``); empty means all `policy_version`."""
 
 
 @dataclass
