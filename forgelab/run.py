@@ -102,6 +102,7 @@ class Run(experiments.Experiments):
         self.training_in_flight = False
         self.consecutive_failures = 0
         self.reward_revisions = controls.RewardRevisions()  # reward changes made / in effect (see rewards_for)
+        self.distill_coef = float(cfg.teacher.coef)  # the distillation term's weight now (run.set_distill_coef)
         self.replayer = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
         self._listeners: list[Callable[[dict], None]] = []
         self._tasks: list[asyncio.Task] = []
@@ -111,6 +112,7 @@ class Run(experiments.Experiments):
     generators = property(lambda self: self.parts.generators if self.parts else None)
     trainer = property(lambda self: self.parts.trainer if self.parts else None)
     reference = property(lambda self: self.parts.reference if self.parts else None)
+    teacher = property(lambda self: getattr(self.parts, "teacher", None) if self.parts else None)
     envs = property(lambda self: self.parts.envs if self.parts else None)
     reward_failures = property(lambda self: self.reward_runner.failures)
     main_task = property(lambda self: self._main, doc="The training task (None before `start`).")
@@ -202,7 +204,8 @@ class Run(experiments.Experiments):
                                                         detail=str(getattr(ev, "detail", ev))))
         source = EnvEpisodes(parts.envs, parts.generators, cfg) if cfg.rollout.env is not None else SingleTurn(parts.generators, self.tokenizer)
         self.rollout = Rollouts(cfg, source, self.buffer, self.reward_runner, parts.reference, self.stream, self.gate,
-                                self.emit, self.pause, self.pad_id, rewards_for=self._rewards_for)
+                                self.emit, self.pause, self.pad_id, rewards_for=self._rewards_for,
+                                teacher=getattr(parts, "teacher", None), distill_coef=lambda: self.distill_coef)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed_here = self.resume_from is not None and self.out_dir.resolve() in self.resume_from.resolve().parents
         self.events.attach(self.out_dir, append=resumed_here)
@@ -286,6 +289,11 @@ class Run(experiments.Experiments):
         """Remove a reward; applies from the next scored rollout. Unknown names raise KeyError."""
         self.rewards.remove(name)
         self.reward_changed("reward_removed", name=name)
+
+    def set_distill_coef(self, coef: float) -> None:
+        """Change the distillation term's weight (a ``teacher`` run); applies from the next scored rollout, like a
+        reward weight, and is on the timeline (``distill_coef`` event, then ``reward_effective``)."""
+        controls.set_distill_coef(self, coef)
 
     def reward_changed(self, kind: str, **fields: Any) -> None:
         """Record a change to the reward set (the event carries its revision number)."""

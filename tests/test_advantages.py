@@ -13,6 +13,7 @@ from forgelab.algos.advantages import (
     group_zscore,
     group_zscore_unbiased,
     leave_one_out,
+    no_reward_advantage,
 )
 from numerics import check, fp32_tol
 
@@ -115,7 +116,7 @@ def test_bad_inputs_are_explained(name):
 
 def test_registry_names():
     assert ADVANTAGES == {"grpo": group_zscore, "grpo_unbiased": group_zscore_unbiased, "dr_grpo": group_mean_centered,
-                          "rloo": leave_one_out}
+                          "rloo": leave_one_out, "none": no_reward_advantage}
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGES))

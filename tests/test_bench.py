@@ -29,6 +29,8 @@ EXTRA_KEYS = {
             "forgelab_over_trl", "forgelab_time_to_target_s", "trl_time_to_target_s"},
     "async": {"async_over_sync_by_age", "censored", "time_to_target_s", "ci95", "s_per_step"},
     "dashboard": {"lab_cpu_ms_per_step", "step_s_on", "ci95", "pair_ratios"},
+    "variants": {"one_s", "four_s", "separate_s", "trainer_s_per_step_one", "trainer_s_per_step_four"},
+    "distill": {"censored", "curves", "target", "teacher_accuracy", "s_per_step"},
 }
 
 

@@ -16,8 +16,18 @@ siblings. No value network is involved. All functions take ``rewards_P_G``
 - ``rloo`` (``leave_one_out``): ``r_i - mean_{j != i} r_j``
   (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
 
+- ``none`` (``no_reward_advantage``): 0 everywhere: the rewards are recorded but teach
+  nothing; on-policy distillation alone (a ``teacher``: the per-token signal below) uses it.
+
 A group whose rewards are all equal gets advantage 0 everywhere under all
 three: it teaches nothing, and the controller may drop it before training.
+
+On-policy distillation (``distill_advantages``) adds a per-token term to the
+sequence's advantage: ``a_t = advantage + coef * (teacher_logp_t - student_logp_t)``,
+the negative per-token reverse KL to the teacher on the student's own samples
+(Agarwal et al. 2024, GKD, arXiv:2306.13649; Thinking Machines, "On-Policy
+Distillation", 2025). The student's logprob is the generator's logprob of the
+sampled token.
 
     >>> import torch
     >>> ADVANTAGES["dr_grpo"](torch.tensor([[1.0, 0.0, 0.0, 1.0]])).tolist()
@@ -30,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["group_zscore", "group_zscore_unbiased", "group_mean_centered", "leave_one_out", "ADVANTAGES", "AdvantageFn"]
+__all__ = ["no_reward_advantage", "distill_advantages", "group_zscore", "group_zscore_unbiased", "group_mean_centered", "leave_one_out", "ADVANTAGES", "AdvantageFn"]
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 """``fn(rewards_P_G) -> advantages_P_G``: an advantage estimator (a value of `ADVANTAGES`)."""
@@ -137,7 +147,35 @@ def leave_one_out(rewards_P_G: torch.Tensor) -> torch.Tensor:
     return (rewards_P_G - others_mean_P_G).float()
 
 
+def no_reward_advantage(rewards_P_G: torch.Tensor) -> torch.Tensor:
+    """Zero advantages ``[P, G]``: rewards teach nothing (on-policy distillation alone).
+
+    >>> no_reward_advantage(torch.tensor([[1.0, 0.0]])).tolist()
+    [[0.0, 0.0]]
+    """
+    return torch.zeros_like(_as_rewards_P_G(rewards_P_G, "no_reward_advantage")).float()
+
+
+def distill_advantages(advantage: float, teacher_logprobs_C: list[float], student_logprobs_C: list[float],
+                       coef: float, loss_mask_C: list[int] | None = None) -> list[float]:
+    """One episode's per-token advantages: ``advantage + coef * (teacher_logp - student_logp)`` per completion
+    token (``C`` of them); ``advantage`` alone where `loss_mask_C` is 0 (tokens an environment inserted, never
+    trained). Computed in float64, returned as floats.
+
+    >>> distill_advantages(0.5, [-1.0, -0.25], [-2.0, -0.25], 2.0)
+    [2.5, 0.5]
+    """
+    C = len(student_logprobs_C)
+    if len(teacher_logprobs_C) != C:
+        raise ValueError(f"distill_advantages: {len(teacher_logprobs_C)} teacher logprobs for {C} completion tokens; "
+                         "they must be aligned one-to-one")
+    mask = loss_mask_C if loss_mask_C is not None else [1] * C
+    return [float(advantage) + (float(coef) * (float(t) - float(s)) if m else 0.0)
+            for t, s, m in zip(teacher_logprobs_C, student_logprobs_C, mask)]
+
+
 ADVANTAGES: dict[str, AdvantageFn] = {
+    "none": no_reward_advantage,
     "grpo": group_zscore,
     "grpo_unbiased": group_zscore_unbiased,
     "dr_grpo": group_mean_centered,

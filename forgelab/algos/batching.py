@@ -8,6 +8,12 @@ tensors live on target positions (``T = L - 1``; position ``t`` predicts
 for multi-turn episodes (0 on environment-inserted tokens), and 0 on prompt
 and padding positions; logprob tensors are 0 wherever the mask is 0.
 
+``advantages_B`` is one advantage per sequence, ``[B]``, unless an episode of the
+batch carries per-token advantages (``Episode.token_advantages``: on-policy
+distillation); then it is ``[B, T]`` on target positions (0 off the mask), a
+row without them holding its sequence advantage on every trained token. The
+losses take either shape.
+
     >>> from forgelab.types import Episode
     >>> ep = Episode(id=0, group_id=0, prompt_ids=[1, 2], completion_ids=[3, 4],
     ...              generator_logprobs=[-0.5, -0.25], policy_version=0, advantage=1.0)
@@ -34,7 +40,7 @@ def _check(ep: Episode) -> None:
             f"episode {ep.id}: empty prompt_ids; the first completion token needs at least one prompt token "
             "(e.g. BOS) to be predicted from"
         )
-    for field in ("generator_logprobs", "ref_logprobs", "loss_mask"):
+    for field in ("generator_logprobs", "ref_logprobs", "loss_mask", "teacher_logprobs", "token_advantages"):
         value = getattr(ep, field)
         if value is not None and len(value) != n:
             raise ValueError(
@@ -54,7 +60,8 @@ def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = No
 
     Returns:
         ``tokens_B_L`` (int64), ``mask_B_T``, ``generator_logprobs_B_T``,
-        ``ref_logprobs_B_T`` (fp32, or None), ``advantages_B`` (fp32),
+        ``ref_logprobs_B_T`` (fp32, or None), ``advantages_B`` (fp32, ``[B]``, or ``[B, T]`` when an episode
+        has ``token_advantages``),
         ``policy_version_B`` and ``episode_id_B`` (int64); ``T = L - 1``.
     """
     if len(episodes) == 0:
@@ -75,6 +82,8 @@ def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = No
     mask_B_T = torch.zeros(B, T)
     generator_logprobs_B_T = torch.zeros(B, T)
     ref_logprobs_B_T = torch.zeros(B, T) if all(with_ref) else None
+    per_token = any(ep.token_advantages is not None for ep in episodes)
+    advantages_B_T = torch.zeros(B, T) if per_token else None
     for b, ep in enumerate(episodes):
         P, C = len(ep.prompt_ids), len(ep.completion_ids)
         tokens_B_L[b, : P + C] = torch.tensor(ep.prompt_ids + ep.completion_ids, dtype=torch.long)
@@ -87,12 +96,17 @@ def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = No
         generator_logprobs_B_T[b, span] = torch.where(on_C, torch.tensor(ep.generator_logprobs, dtype=torch.float32), 0.0)
         if ref_logprobs_B_T is not None:
             ref_logprobs_B_T[b, span] = torch.where(on_C, torch.tensor(ep.ref_logprobs, dtype=torch.float32), 0.0)
+        if advantages_B_T is not None:
+            adv_C = (torch.tensor(ep.token_advantages, dtype=torch.float32) if ep.token_advantages is not None
+                     else torch.full((C,), float(ep.advantage)))
+            advantages_B_T[b, span] = torch.where(on_C, adv_C, 0.0)
     return {
         "tokens_B_L": tokens_B_L,
         "mask_B_T": mask_B_T,
         "generator_logprobs_B_T": generator_logprobs_B_T,
         "ref_logprobs_B_T": ref_logprobs_B_T,
-        "advantages_B": torch.tensor([float(ep.advantage) for ep in episodes], dtype=torch.float32),
+        "advantages_B": advantages_B_T if advantages_B_T is not None
+        else torch.tensor([float(ep.advantage) for ep in episodes], dtype=torch.float32),
         "policy_version_B": torch.tensor([int(ep.policy_version) for ep in episodes], dtype=torch.long),
         "episode_id_B": torch.tensor([int(ep.id) for ep in episodes], dtype=torch.long),
     }

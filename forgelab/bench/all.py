@@ -52,8 +52,12 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
     "envs": {"generator_busy_fraction": at_least(0.9)},
     "startup": {"warm_over_cold": at_most(0.15), "cold_s": info(), "warm_s": info()},
     "realmodel": {"plan_error": at_most(0.25), "s_per_step": info(), "loop_s_per_step": info()},
+    "distill": {"distill_over_grpo_steps": at_most(1 / 3), "distill_step_cost_over_grpo": info(),
+                "distill_steps_to_target": info(), "grpo_steps_to_target": info()},
     "lora": {"lora_push_over_full": at_most(0.05), "lora_trainer_peak_over_full": at_most(0.55),
              "lora_loop_peak_total_gib": at_most(24), "plan_error": at_most(0.2), "lora_loop_fits_24gib": info()},
+    "variants": {"four_over_one": at_most(1.6), "four_over_separate": at_most(0.4), "fork_s": at_most(2),
+                 "generator_busy_four": at_least(0.9)},
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported: the envs section derives from it
 
 __all__ = ["LOGPROBS_MODES", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSPORTS", "TrainerConfig",
-           "ReferenceConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
+           "ReferenceConfig", "TeacherConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 UPDATE_MODES = ("drain", "inflight")
@@ -417,6 +417,61 @@ class ReferenceConfig:
             raise ValueError(f"ReferenceConfig.share_prompts={self.share_prompts!r}: must be one of {SHARE_PROMPTS}")
         if not isinstance(self.max_pack_len, int) or self.max_pack_len < 2:
             raise ValueError(f"ReferenceConfig.max_pack_len={self.max_pack_len!r}: must be an int >= 2 (tokens)")
+
+
+@dataclass(kw_only=True)
+class TeacherConfig:
+    """On-policy distillation's teacher (`teacher:` in YAML): a frozen model that scores every token the
+    student samples. Each token's advantage gains ``coef * (teacher logprob - student logprob)`` (the negative
+    per-token reverse KL; `forgelab.algos.advantages.distill_advantages`), added to the reward advantage;
+    ``rollout.advantage: none`` distils alone. `run.set_distill_coef` changes ``coef`` live.
+
+    The teacher runs in a logprob service like the reference's (the same actor); when `model_dir` is the
+    run's own model and a reference process runs, the reference's process serves it (no second process).
+    The teacher and the student must share a tokenizer (checked at start)."""
+
+    model_dir: str | None = None
+    """HF model directory of the teacher; None: no teacher (no distillation)."""
+    coef: float = 1.0
+    """Weight of the per-token distillation term (the reward advantage's weight is 1); live via run.set_distill_coef."""
+    replicas: int = 1
+    """Teacher service replicas (a process each)."""
+    device: str = "auto"
+    """``"auto"``, ``"cpu"`` or ``"cuda"``."""
+    micro_batch_size: int | None = None
+    """Rows per forward pass; None: the whole request at once."""
+    share_prompts: str = "auto"
+    """As `ReferenceConfig.share_prompts`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.model_dir is not None
+
+    def reference_config(self, dtype: str) -> ReferenceConfig:
+        """The config of the logprob service that serves this teacher."""
+        return ReferenceConfig(model_dir=str(self.model_dir), dtype=dtype, device=self.device,
+                               micro_batch_size=self.micro_batch_size, share_prompts=self.share_prompts)
+
+    def validate(self, student_dir: str) -> None:
+        """Raise ValueError naming the field; with a teacher, its directory and tokenizer are checked against
+        the student's (`student_dir`)."""
+        if not self.enabled:
+            return
+        if not isinstance(self.model_dir, str) or not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            raise ValueError(f"teacher.model_dir={self.model_dir!r}: not an HF model directory (no config.json); "
+                             "point it at a checkpoint, e.g. one `forgelab.recipes.distill_teacher()` made")
+        if not (isinstance(self.coef, (int, float)) and math.isfinite(self.coef)):
+            raise ValueError(f"teacher.coef={self.coef!r}: must be a finite number")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"teacher.replicas={self.replicas!r}: must be an int >= 1")
+        self.reference_config("float32").validate()
+        from forgelab.data.tokenizer import tokenizer_mismatch
+
+        why = tokenizer_mismatch(student_dir, self.model_dir)
+        if why is not None:
+            raise ValueError(f"teacher.model_dir={self.model_dir!r} does not share the student's tokenizer "
+                             f"({student_dir!r}): {why}. The teacher scores the student's token ids, so both must "
+                             "use one tokenizer: pick a teacher trained from the same base or tokenizer")
 
 
 # --- environment actors ---------------------------------------------------------

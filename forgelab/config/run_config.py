@@ -28,7 +28,7 @@ SHIPPED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-ll
 
 # The component sections (generator, trainer, reference, envs) are derived from the actors' own config
 # dataclasses: see forgelab/config/sections.py. Importing them loads torch and monarch (~2 s).
-from forgelab.config.components import LoraConfig  # noqa: E402
+from forgelab.config.components import LoraConfig, TeacherConfig  # noqa: E402
 from forgelab.config.sections import (  # noqa: E402
     EnvsSection,
     GeneratorSection,
@@ -236,6 +236,8 @@ class RunConfig:
     hosts: HostsConfig = field(default_factory=HostsConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (shared by trainer and generator); off by default."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation's teacher (off by default): a per-token advantage toward its logprobs."""
 
     # -- loading ---------------------------------------------------------
     @classmethod
@@ -434,6 +436,10 @@ class RunConfig:
         non_negative("tracking.checkpoint_every", self.tracking.checkpoint_every)
         try:
             self.lora.validate("lora")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        try:
+            self.teacher.validate(m.path)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self._validate_hosts()

@@ -15,7 +15,7 @@ from forgelab.rewards.library import RewardComposer, validate
 log = logging.getLogger("forgelab.controller.controls")
 
 __all__ = ["Command", "LossSwapRefused", "RewardChangeRefused", "RewardRevisions", "prepare_loss", "swap_loss", "add_reward",
-           "rewards_for", "until"]
+           "set_distill_coef", "rewards_for", "until"]
 
 
 class Command:
@@ -150,6 +150,21 @@ def add_reward(run: Any, name: str, fn: Callable[..., float], weight: float, rep
     run.reward_changed("reward_added", name=name, weight=weight, replace=replace, code=reward_record(fn))
 
 
+def set_distill_coef(run: Any, coef: float) -> None:
+    """`Run.set_distill_coef`: a reward-like change (its revision takes effect at the next scored rollout,
+    recorded as ``reward_effective`` with the coefficient in it)."""
+    import math
+
+    if not run.config.teacher.enabled:
+        raise RewardChangeRefused("run.set_distill_coef: this run has no teacher; set teacher.model_dir in the "
+                                  "config to distil (on-policy distillation needs a teacher from the start)")
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+        raise RewardChangeRefused(f"run.set_distill_coef: {coef!r} is not a finite number; the old coefficient "
+                                  f"({run.distill_coef}) stays")
+    old, run.distill_coef = run.distill_coef, float(coef)
+    run.reward_changed("distill_coef", old=old, new=float(coef))
+
+
 def rewards_for(run: Any, flat: list) -> RewardComposer:
     """The reward set one rollout is scored with (a change lands between rollouts); the first rollout scored
     after a change records where it took effect (``reward_effective``: its first episode id)."""
@@ -157,8 +172,9 @@ def rewards_for(run: Any, flat: list) -> RewardComposer:
         run.replayer.before_scoring(run, min(ep.id for ep in flat))
     snapshot = run.rewards.snapshot()
     if flat and run.reward_revisions.unscored():
+        distill = {"distill_coef": run.distill_coef} if run.config.teacher.enabled else {}
         run.emit("reward_effective", rev=run.reward_revisions.mark_scored(), first_episode=min(ep.id for ep in flat),
-                 rewards=snapshot.weights)
+                 rewards=snapshot.weights, **distill)
     return snapshot
 
 

@@ -14,6 +14,8 @@ from there one path scores, normalises and buffers them:
                                                               the environment's own reward)
                       -> drop failed, ADVANTAGES per group    (forgelab.algos.advantages)
                       -> reference logprobs                   (the reference service, if any)
+                      -> teacher logprobs, per-token advantages (a `teacher`: on-policy distillation,
+                                                              forgelab.algos.advantages.distill_advantages)
                       -> buffer.add                           (forgelab.controller.buffer)
 
 Accounting: an episode is *generated* once it reached the controller (an
@@ -193,14 +195,19 @@ class Rollouts:
         rewards_for: ``rewards_for(episodes) -> RewardComposer``: the reward set one rollout is scored with
             (fixed for all its episodes); None scores with the runner's composer.
         pad_id: token id padding reference inputs.
+        teacher: the teacher's logprob service (on-policy distillation; may be `reference` itself) or None.
+        distill_coef: ``() -> float``, the distillation coefficient now (read once per rollout, when its
+            reward set is taken: a live change lands between rollouts like a reward weight's).
     """
 
     def __init__(self, config: Any, source: Any, buffer: ReplayBuffer, rewards: RewardRunner, reference: Any,
                  stream: Any, gate: Gate, emit: Callable[..., None], pause: Callable[[str], None], pad_id: int = 0,
-                 rewards_for: Callable[[list[Episode]], Any] | None = None):
+                 rewards_for: Callable[[list[Episode]], Any] | None = None, teacher: Any = None,
+                 distill_coef: Callable[[], float] | None = None):
         self.config, self.source, self.buffer, self.rewards = config, source, buffer, rewards
         self.reference, self.stream, self.gate, self.emit, self.pad_id = reference, stream, gate, emit, pad_id
         self.pause, self.rewards_for = pause, rewards_for
+        self.teacher, self.distill_coef = teacher, distill_coef
         self.recent: deque[Episode] = deque(maxlen=RECENT)  # a view: buffered, trained or dropped, newest last
         self.recent_total = 0  # episodes ever put in `recent` (the older ones are in the rollout log)
         self.next_group_id = 0
@@ -277,11 +284,12 @@ class Rollouts:
         failed = self._env_failures(groups)
         scored = [ep for ep in flat if ep.id not in failed]
         composer = self.rewards_for(scored) if self.rewards_for is not None else None
+        coef = self.distill_coef() if self.teacher is not None and self.distill_coef is not None else 1.0
         failed.update(await self.rewards.score(scored, composer))
         hung = self.rewards.hung_message()
         if hung is not None:
             self.pause(hung)  # logs it
-        await self._advantages_and_buffer(groups, failed)
+        await self._advantages_and_buffer(groups, failed, coef)
 
     def _env_failures(self, groups: list[list[Episode]]) -> dict[int, str]:
         from forgelab.envs import DROP_OUTCOMES
@@ -295,8 +303,9 @@ class Rollouts:
             self.emit("env_dropped", reasons=reasons, error=str(first.info.get("error", ""))[:300])
         return failed
 
-    async def _advantages_and_buffer(self, groups: list[list[Episode]], failed: dict[int, str]) -> None:
-        """Drop failed episodes, compute group advantages, add reference logprobs, buffer the rest."""
+    async def _advantages_and_buffer(self, groups: list[list[Episode]], failed: dict[int, str],
+                                     distill_coef: float = 1.0) -> None:
+        """Drop failed episodes, compute group advantages, add reference (and teacher) logprobs, buffer the rest."""
         r = self.config.rollout
         keep: list[Episode] = []
         for g in groups:
@@ -317,7 +326,10 @@ class Rollouts:
         if not keep:
             return
         if self.reference is not None:
-            await self._add_ref_logprobs(keep)
+            for ep, lps in zip(keep, await self._service_logprobs(self.reference, keep, "reference")):
+                ep.ref_logprobs = lps
+        if self.teacher is not None:
+            await self._distill(keep, distill_coef)
         async with self.gate.changed:
             self.buffer.add(keep)
             self._remember(keep)
@@ -332,7 +344,20 @@ class Rollouts:
         self.recent.extend(eps)
         self.recent_total += len(eps)
 
-    async def _add_ref_logprobs(self, eps: list[Episode]) -> None:
+    async def _distill(self, eps: list[Episode], coef: float) -> None:
+        """The teacher's logprob of every sampled token, and each token's advantage moved toward it."""
+        from forgelab.algos.advantages import distill_advantages
+
+        shared = self.teacher is self.reference  # the teacher is the run's model in the reference's process
+        lps_E = ([ep.ref_logprobs for ep in eps] if shared
+                 else await self._service_logprobs(self.teacher, eps, "teacher"))
+        for ep, lps in zip(eps, lps_E):
+            ep.teacher_logprobs = list(lps)
+            ep.token_advantages = distill_advantages(ep.advantage, ep.teacher_logprobs, ep.generator_logprobs, coef,
+                                                     ep.loss_mask)
+
+    async def _service_logprobs(self, service: Any, eps: list[Episode], what: str) -> list[list[float]]:
+        """Each episode's completion-token logprobs under `service` (the reference or the teacher)."""
         from forgelab.runtime.service import NoHealthyReplicaError, ReplicaFailedError
 
         rows = [ep.prompt_ids + ep.completion_ids for ep in eps]
@@ -343,16 +368,15 @@ class Rollouts:
         spans_B_2 = torch.tensor([[len(ep.prompt_ids), len(x)] if ep.completion_ids else [0, 0]
                                   for ep, x in zip(eps, rows)], dtype=torch.long)
         try:
-            lp = await self.reference.route("logprobs", tokens_B_L, spans_B_2)
+            lp = await service.route("logprobs", tokens_B_L, spans_B_2)
         except (NoHealthyReplicaError, ReplicaFailedError) as e:
-            # the reference died and is being respawned: wait for it rather than lose these episodes
-            self.emit("reference_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
-            await self.reference.wait_healthy(count=1, timeout=600)
-            lp = await self.reference.route("logprobs", tokens_B_L, spans_B_2)
+            # the service died and is being respawned: wait for it rather than lose these episodes
+            self.emit(f"{what}_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
+            await service.wait_healthy(count=1, timeout=600)
+            lp = await service.route("logprobs", tokens_B_L, spans_B_2)
         lp_B_L = torch.as_tensor(lp)
-        for i, ep in enumerate(eps):
-            p, c = len(ep.prompt_ids), len(ep.completion_ids)
-            ep.ref_logprobs = lp_B_L[i, p - 1 : p - 1 + c].tolist()
+        return [lp_B_L[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.completion_ids)].tolist()
+                for i, ep in enumerate(eps)]
 
     # -- views --------------------------------------------------------------------------------------------
     def dataframe(self):
@@ -371,6 +395,7 @@ class Rollouts:
                 "policy_version": ep.policy_version, "finish_reason": ep.finish_reason, "status": status,
                 "prompt_ids": ep.prompt_ids, "completion_ids": ep.completion_ids,
                 "generator_logprobs": ep.generator_logprobs, "ref_logprobs": ep.ref_logprobs,
+                "teacher_logprobs": ep.teacher_logprobs, "token_advantages": ep.token_advantages,
                 "loss_mask": ep.loss_mask, "turns": ep.info.get("turns"),
                 **{k: (ep.train_values or {}).get(k) for k in ("trainer_logprobs", "entropy", "is_weight", "clipped")},
                 "mismatch_max": mismatch_max(ep),

@@ -9,7 +9,8 @@
 replay buffer closes it (trained, evicted or dropped: `RolloutRecorder`, a close
 listener of the buffer), as parquet parts written every `FLUSH_EVERY` trained
 steps, whenever `MAX_PENDING` rows wait, and when the run stops: id, group id,
-prompt, completion, target, token ids, generator and reference logprobs, loss mask, reward and its parts,
+prompt, completion, target, token ids, generator, reference and teacher logprobs, per-token advantages
+(distillation), loss mask, reward and its parts,
 advantage, policy version, status, drop reason, finish reason and the problem's
 info (JSON). Nothing is capped: an episode still buffered when the run stops is
 not closed, and is not in the log (a resume may train it).
@@ -105,6 +106,9 @@ def _row(ep: Any, status: str, reason: str = "") -> dict:
         # the reference's per-token logprobs (None without a reference) and which tokens train (None: all)
         "ref_logprobs": None if ep.ref_logprobs is None else [float(x) for x in ep.ref_logprobs],
         "loss_mask": None if ep.loss_mask is None else [int(x) for x in ep.loss_mask],
+        # on-policy distillation: the teacher's per-token logprobs and the per-token advantages they gave
+        **{k: (None if getattr(ep, k) is None else [float(x) for x in getattr(ep, k)])
+           for k in ("teacher_logprobs", "token_advantages")},
         # the trainer's view of each token when it trained the episode (None if it never trained)
         **{k: (None if not ep.train_values or ep.train_values.get(k) is None else list(ep.train_values[k]))
            for k in ("trainer_logprobs", "entropy", "is_weight", "clipped")},

@@ -17,7 +17,7 @@ from forgelab.controller.reward_runner import reward_weights
 #: event kinds shown on a timeline (others, e.g. per-episode reward errors, are counted, not listed)
 SHOWN = {
     "loss_swapped": "loss", "loss_refused": "loss", "reward_weights": "reward", "reward_added": "reward",
-    "reward_removed": "reward", "reward_effective": "reward", "paused": "control", "resumed": "control",
+    "reward_removed": "reward", "reward_effective": "reward", "distill_coef": "reward", "paused": "control", "resumed": "control",
     "stopped": "control", "finished": "control", "failed": "control", "checkpoint": "checkpoint",
     "resumed_from_checkpoint": "checkpoint", "forked": "fork", "forked_from": "fork",
     "replica_failed": "fault", "replica_restarted": "fault", "replica_respawned": "fault", "spawned": "control",
@@ -77,8 +77,11 @@ def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
         elif kind == "reward_weights":
             changed = {k: v for k, v in (e.get("new") or {}).items() if (e.get("old") or {}).get(k) != v}
             text = f"reward weights {changed}"
+        elif kind == "distill_coef":
+            text = f"distillation coefficient {e.get('old')} -> {e.get('new')}"
         elif kind == "reward_effective":
-            text = f"reward changes in effect from episode {e['first_episode']}: {e.get('rewards')}"
+            distill = f", distillation coefficient {e['distill_coef']}" if "distill_coef" in e else ""
+            text = f"reward changes in effect from episode {e['first_episode']}: {e.get('rewards')}{distill}"
         elif kind == "checkpoint":
             text = f"checkpoint {e.get('path')}"
         elif kind == "resumed_from_checkpoint":

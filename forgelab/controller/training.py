@@ -23,7 +23,7 @@ from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
 
-__all__ = ["train_loop", "train_on", "metrics_row", "TokenRate", "attach_token_values"]
+__all__ = ["train_loop", "train_on", "metrics_row", "TokenRate", "attach_token_values", "distill_metrics"]
 
 
 async def train_loop(run: Any) -> None:
@@ -143,6 +143,7 @@ def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: 
     row["policy_age_mean"] = sum(ages) / len(ages)
     row["policy_age_max"] = max(ages)
     row["completion_len"] = sum(len(ep.completion_ids) for ep in eps) / len(eps)
+    row.update(distill_metrics(eps))
     for k, v in m.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             row[k if k not in row else f"train/{k}"] = float(v)
@@ -155,3 +156,13 @@ def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: 
     for k in ("generated", "trained", "evicted", "dropped", "buffered"):
         row[f"episodes_{k}"] = counts[k]
     return row
+
+
+def distill_metrics(eps: list[Episode]) -> dict[str, float]:
+    """With a teacher: ``distill/reverse_kl``, the mean over the batch's trained tokens of student logprob minus
+    teacher logprob on the student's own samples (a k1 estimate of KL(student || teacher), the quantity on-policy
+    distillation lowers). Empty without a teacher."""
+    diffs = [g - t for ep in eps if ep.teacher_logprobs is not None
+             for g, t, m in zip(ep.generator_logprobs, ep.teacher_logprobs, ep.loss_mask or [1] * len(ep.teacher_logprobs))
+             if m]
+    return {"distill/reverse_kl": sum(diffs) / len(diffs)} if diffs else {}

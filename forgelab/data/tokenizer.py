@@ -84,3 +84,25 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def tokenizer_mismatch(student_dir: str, teacher_dir: str) -> str | None:
+    """Why two HF model directories do not share a tokenizer (None: they do): the same vocabulary (token ->
+    id), the same special tokens and the same chat template. A teacher scoring a student's token ids is only
+    meaningful when an id means the same text to both (on-policy distillation)."""
+    from transformers import AutoTokenizer
+
+    a, b = AutoTokenizer.from_pretrained(student_dir), AutoTokenizer.from_pretrained(teacher_dir)
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        only_a = sorted(set(va) - set(vb))[:5]
+        only_b = sorted(set(vb) - set(va))[:5]
+        moved = sorted(k for k in set(va) & set(vb) if va[k] != vb[k])[:5]
+        return (f"vocabularies differ ({len(va)} vs {len(vb)} tokens; only the student's: {only_a}, only the "
+                f"teacher's: {only_b}, other ids: {moved})")
+    sa, sb = a.special_tokens_map, b.special_tokens_map
+    if sa != sb:
+        return f"special tokens differ ({sa} vs {sb})"
+    if getattr(a, "chat_template", None) != getattr(b, "chat_template", None):
+        return "chat templates differ (the prompts the teacher scores would not be the ones it was trained on)"
+    return None

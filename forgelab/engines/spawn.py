@@ -1,7 +1,7 @@
 """Spawning a run's parts: the generator service, the trainer, the reference service and the env service.
 
     parts = await spawn_parts(cfg)        # all started in parallel; a failure stops the others
-    parts.generators, parts.trainer, parts.reference, parts.envs
+    parts.generators, parts.trainer, parts.reference, parts.envs, parts.teacher
     await parts.shutdown()
 
 The component configs each actor receives are built by `component_configs(cfg)`
@@ -23,12 +23,14 @@ log = logging.getLogger("forgelab.engines.spawn")
 
 @dataclass
 class Parts:
-    """The processes of one run. `reference` / `envs` are None when the config asks for none."""
+    """The processes of one run. `reference` / `envs` / `teacher` are None when the config asks for none;
+    `teacher` is the reference's service itself when both are the run's model (`teacher_service`)."""
 
     generators: Any
     trainer: Any
     reference: Any = None
     envs: Any = None
+    teacher: Any = None
     job: Any = None
     """The `monarch.job` job the parts run on (None: this host); `shutdown` kills it."""
     seconds: float = 0.0
@@ -42,7 +44,8 @@ class Parts:
         tiny model): one after the other, the waits added up (7.1 s for generator, reference and trainer
         vs 3.7 s together)."""
         try:
-            names = [n for n in ("generators", "reference", "envs", "trainer") if getattr(self, n) is not None]
+            names = [n for n in ("generators", "reference", "envs", "trainer", "teacher") if getattr(self, n) is not None
+                     and not (n == "teacher" and self.teacher is self.reference)]
             results = await asyncio.gather(*(getattr(self, n).shutdown() for n in names), return_exceptions=True)
             for name, err in zip(names, results):  # the other parts and the job still stopped
                 if isinstance(err, Exception):
@@ -57,7 +60,7 @@ class Parts:
                     self.job.kill()
                 except Exception as err:  # noqa: BLE001
                     log.warning("forgelab: killing the hosts job failed: %s: %s", type(err).__name__, err)
-            self.generators = self.trainer = self.reference = self.envs = self.job = None
+            self.generators = self.trainer = self.reference = self.envs = self.teacher = self.job = None
 
 
 async def _shutdown_job_hosts(job: Any, timeout: float = 30.0) -> None:
@@ -103,6 +106,15 @@ def reference_process(cfg: RunConfig) -> bool:
     return cfg.placement.reference and not (cfg.lora.enabled and cfg.lora.reference == "base")
 
 
+def teacher_shares_reference(cfg: RunConfig) -> bool:
+    """Whether the teacher is the run's own model served by its reference process (no teacher process)."""
+    import os
+
+    t = cfg.teacher
+    return (t.enabled and reference_process(cfg)
+            and os.path.realpath(str(t.model_dir)) == os.path.realpath(cfg.model.path))
+
+
 def _where(job: Any, mesh: str | None) -> dict[str, Any]:
     """Placement keywords putting a part on host mesh `mesh` of `job` (this host when either is None)."""
     return {"job": job, "mesh": mesh} if job is not None and mesh is not None else {}
@@ -130,6 +142,10 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
     if with_reference:
         jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common,
                                            **_where(job, h.reference)).as_service(cc["reference"]))
+    with_teacher = cfg.teacher.enabled and not teacher_shares_reference(cfg)
+    if with_teacher:  # on-policy distillation: the teacher is a logprob service like the reference
+        jobs.append(ReferenceModel.options(num_replicas=cfg.teacher.replicas, **common, **_where(job, h.reference))
+                    .as_service(cfg.teacher.reference_config(cfg.model.dtype)))
     if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
         from forgelab.envs.actor import EnvActor
 
@@ -145,9 +161,10 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
         if job is not None:
             job.kill()
         raise failed[0]
+    reference = results[2] if with_reference else None
+    teacher = results[2 + with_reference] if with_teacher else reference if cfg.teacher.enabled else None
     return Parts(
-        generators=results[0], trainer=results[1],
-        reference=results[2] if with_reference else None,
+        generators=results[0], trainer=results[1], reference=reference, teacher=teacher,
         envs=results[-1] if cfg.rollout.env is not None else None,
         job=job, seconds=time.time() - t0,
     )

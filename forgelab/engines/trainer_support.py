@@ -146,6 +146,8 @@ def check_batch(batch: Any) -> dict[str, Any]:
     want = {"mask_B_T": (B, L - 1), "generator_logprobs_B_T": (B, L - 1), "advantages_B": (B,)}
     if batch.get("ref_logprobs_B_T") is not None:
         want["ref_logprobs_B_T"] = (B, L - 1)
+    if batch["advantages_B"].dim() == 2:  # per token (on-policy distillation), aligned to targets
+        want["advantages_B"] = (B, L - 1)
     for key, shape in want.items():
         if tuple(batch[key].shape) != shape:
             raise ValueError(

@@ -2,11 +2,14 @@
 
     tiny_model       the shipped tiny model (HF format) and its model card
     tool_warmstart   its calculator-tool warm start
+    teacher          a distillation teacher: the shipped model after GRPO on addition (cached HF directory)
     real_shapes      random-weight checkpoints of real architectures (Qwen3-0.6B/1.7B, Llama-3.2-1B shapes)
 """
 from forgelab.lazy import lazy_exports
 
 _LAZY = {
+    "distill_teacher": "forgelab.recipes.teacher",
+    "teacher_cache_dir": "forgelab.recipes.teacher",
     "SHAPES": "forgelab.recipes.real_shapes",
     "real_shape_checkpoint": "forgelab.recipes.real_shapes",
     "real_shape_config": "forgelab.recipes.real_shapes",

@@ -234,10 +234,12 @@ class FakeTrainer:
 
 class FakeReference:
     """The reference service: `route("logprobs", tokens_B_L, spans_B_2)` -> zeros_B_L (spans checked as the real one
-    checks them)."""
+    checks them); with `scale`, the logprob of token y is ``-scale * (y % 5)`` instead (a teacher whose logprobs
+    vary by token)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 0.0) -> None:
         self.calls = 0
+        self.scale = scale
 
     async def route(self, endpoint: str, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None
                     ) -> torch.Tensor:
@@ -246,7 +248,10 @@ class FakeReference:
         check_spans(spans_B_2, tokens_B_L)
         self.calls += 1
         await asyncio.sleep(0)
-        return torch.zeros(tokens_B_L.shape, dtype=torch.float32)
+        if not self.scale:
+            return torch.zeros(tokens_B_L.shape, dtype=torch.float32)
+        # target-aligned like the real service: position t holds the logprob of token t + 1 (the last is unused)
+        return -self.scale * (torch.roll(tokens_B_L, -1, dims=1) % 5).float()
 
     async def wait_healthy(self, count: int | None = None, timeout: float | None = None) -> None:
         return None
@@ -309,6 +314,7 @@ class FakeParts:
     trainer: FakeTrainer = field(default_factory=FakeTrainer)
     reference: FakeReference | None = None
     envs: Any = None
+    teacher: FakeReference | None = None
     job: Any = None
     seconds: float = 0.0
 
@@ -342,4 +348,5 @@ async def fake_spawn(cfg: Any) -> FakeParts:
     envs = FakeEnvs(cfg.model.path) if cfg.rollout.env is not None else None
     return FakeParts(generators=gens, envs=envs,
                      trainer=FakeTrainer(component_configs(cfg)["trainer"].loss),  # the loss as the trainer gets it
-                     reference=FakeReference() if cfg.placement.reference else None)
+                     reference=FakeReference() if cfg.placement.reference else None,
+                     teacher=FakeReference(scale=0.1) if cfg.teacher.enabled else None)

@@ -1,0 +1,158 @@
+"""On-policy distillation (issue #28): per-token advantages through collate and the trainer, the teacher's
+per-token signal ``advantage + coef * (teacher - student)`` recorded and recomputable from the rollout log, the
+live coefficient on the timeline, a tokenizer mismatch refused at start, and a short distillation run on real
+processes lowering the reverse KL to its teacher.
+
+The real-process teacher is the shipped model with its output projection doubled: exactly the base at
+temperature 0.5 (a power-of-two scale is exact in float32), a teacher that differs from the student on every
+token and needs no training run to make.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+
+import pytest
+import torch
+
+from forgelab.algos.batching import collate
+from forgelab.config.run_config import SHIPPED_MODEL
+from forgelab.types import Episode
+
+from numerics import check, model_tol
+
+
+def _episodes(per_token: bool) -> list[Episode]:
+    g = torch.Generator().manual_seed(0)
+    eps = []
+    for i, (P, C) in enumerate([(3, 5), (2, 7), (4, 1), (3, 6)]):
+        adv = float(torch.randn(1, generator=g))
+        gen = (-torch.rand(C, generator=g) * 3).tolist()
+        eps.append(Episode(id=i, group_id=0, prompt_ids=[1] + [10 + j for j in range(P - 1)],
+                           completion_ids=[20 + (7 * i + j) % 60 for j in range(C)], generator_logprobs=gen,
+                           policy_version=0, advantage=adv, ref_logprobs=[x - 0.1 for x in gen],
+                           loss_mask=[1, 0] + [1] * (C - 2) if C > 2 else None,
+                           token_advantages=[adv] * C if per_token else None))
+    return eps
+
+
+def test_collate_gives_per_token_advantages_on_target_positions_and_zero_off_the_mask():
+    eps = _episodes(per_token=False)
+    eps[1].token_advantages = [float(j) for j in range(len(eps[1].completion_ids))]
+    batch = collate(eps, pad_id=0)
+    adv_B_T, mask_B_T = batch["advantages_B"], batch["mask_B_T"]
+    assert adv_B_T.shape == mask_B_T.shape
+    assert torch.equal(adv_B_T[mask_B_T == 0], torch.zeros(int((mask_B_T == 0).sum())))
+    P = len(eps[1].prompt_ids)
+    for j in range(len(eps[1].completion_ids)):  # completion token j sits at target position P - 1 + j
+        assert adv_B_T[1, P - 1 + j].item() == (float(j) if eps[1].loss_mask[j] else 0.0)
+    on_0 = mask_B_T[0] != 0  # a row without per-token advantages: its sequence advantage on every trained token
+    assert torch.equal(adv_B_T[0][on_0], torch.full((int(on_0.sum()),), eps[0].advantage))
+    bad = _episodes(per_token=True)
+    bad[2].token_advantages = [0.0, 0.0]
+    with pytest.raises(ValueError, match=r"episode 2: token_advantages has 2 entries but completion_ids has 1"):
+        collate(bad, pad_id=0)
+
+
+@pytest.mark.numerics
+def test_the_trainer_gives_exactly_the_per_sequence_result_for_a_row_constant_per_token_advantage():
+    """Every built-in loss, through collate and the trainer's own step (its dry run: forward, loss, backward,
+    nothing applied): a [B, T] advantage constant along each row gives the [B] step's loss and metrics bit for
+    bit (the same forward twice in one process, then the loss's own [B, T] == [B] exactness, test_losses)."""
+    import torch.distributed as dist
+
+    from forgelab.algos.losses import BUILTIN_LOSSES
+    from forgelab.config.components import TrainerConfig
+    from forgelab.engines.trainer_core import TrainerState
+
+    per_seq, per_tok = collate(_episodes(False), pad_id=0), collate(_episodes(True), pad_id=0)
+    assert per_seq["advantages_B"].dim() == 1 and per_tok["advantages_B"].dim() == 2
+    created = not dist.is_initialized()
+    try:
+        state = TrainerState.create(TrainerConfig(model_dir=SHIPPED_MODEL, device="cpu"), 0, 1)
+        for name in sorted(BUILTIN_LOSSES):
+            kwargs = {"kl_coef": 0.05} if name in ("grpo", "dapo") else {}
+            a = state.dry_run_loss(name, per_seq, kwargs)
+            b = state.dry_run_loss(name, per_tok, kwargs)
+            assert a["ok"] and b["ok"], (name, a["reason"], b["reason"])
+            assert a["loss"] == b["loss"] and a["metrics"] == b["metrics"], name
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _tokenizer_changed_copy(tmp_path) -> str:
+    from transformers import AutoTokenizer
+
+    d = str(tmp_path / "other-tokenizer")
+    shutil.copytree(SHIPPED_MODEL, d)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.add_tokens(["<|think|>"])
+    tok.save_pretrained(d)
+    return d
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
+    from forgelab.config import ConfigError, RunConfig
+
+    other = _tokenizer_changed_copy(tmp_path)
+    with pytest.raises(ConfigError, match=r"teacher\.model_dir=.*does not share the student's tokenizer.*"
+                                          r"only the teacher's: \['<\|think\|>'\]"):
+        RunConfig.from_dict({"teacher": {"model_dir": other}})
+    with pytest.raises(ConfigError, match=r"teacher\.model_dir=.*not an HF model directory"):
+        RunConfig.from_dict({"teacher": {"model_dir": str(tmp_path)}})
+    assert RunConfig.from_dict({"teacher": {"model_dir": SHIPPED_MODEL}}).teacher.enabled
+
+
+def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coefficient_change_is_on_the_timeline(
+        tmp_path):
+    """In-process fakes (the fake teacher's logprob of token y is -0.1 * (y % 5)): every recorded episode's
+    teacher logprobs are that, and its per-token advantages equal advantage + coef * (teacher - generator)
+    with the coefficient in effect for its rollout (the timeline's ``reward_effective`` says from which episode)."""
+    from forgelab.config import RunConfig
+    from forgelab.controller.rollout_log import read_rollouts
+    from forgelab.controller.timeline import timeline_entries
+    from forgelab.run import Run
+    from forgelab.controller.controls import RewardChangeRefused
+    from forgelab.testing.fakes import fake_spawn
+
+    cfg = RunConfig.from_dict({
+        "name": "distill-fake", "rollout": {"group_size": 4, "prompts_per_rollout": 2, "concurrency": 1},
+        "train": {"steps": 4, "batch_size": 8, "warmup_steps": 0, "max_policy_age": 0},
+        "eval": {"every": 0, "n": 4}, "teacher": {"model_dir": SHIPPED_MODEL, "coef": 0.5},
+        "tracking": {"wandb": False, "out_dir": str(tmp_path)}})
+
+    async def go():
+        run = Run(cfg, spawn=fake_spawn)
+        await run.start()
+        await run.until(step=2, timeout=120)
+        with pytest.raises(RewardChangeRefused, match="not a finite number"):
+            run.set_distill_coef(float("nan"))
+        run.set_distill_coef(-3.0)
+        await run.wait()
+        await run.shutdown()
+        return run
+
+    run = asyncio.new_event_loop().run_until_complete(go())
+    assert run.state == "finished"
+    events = list(run.events)
+    change = [e for e in events if e["kind"] == "distill_coef"]
+    assert [(e["old"], e["new"]) for e in change] == [(0.5, -3.0)]
+    effective = [e for e in events if e["kind"] == "reward_effective" and e["rev"] == change[0]["rev"]]
+    assert len(effective) == 1 and effective[0]["distill_coef"] == -3.0
+    first_new = effective[0]["first_episode"]
+    kinds = [en["kind"] for en in timeline_entries(run.out_dir)]
+    assert "distill_coef" in kinds and "reward_effective" in kinds
+    df = read_rollouts(run.out_dir)
+    trained = df[df["status"] == "trained"]
+    assert (trained["id"] >= first_new).any() and (trained["id"] < first_new).any()
+    for r in trained.to_dict("records"):
+        coef = -3.0 if r["id"] >= first_new else 0.5
+        teacher = [-0.1 * (y % 5) for y in r["completion_ids"]]
+        assert list(r["teacher_logprobs"]) == pytest.approx(teacher, abs=1e-7)  # float32 from the fake service
+        want = [r["advantage"] + coef * (t - g) for t, g in zip(r["teacher_logprobs"], r["generator_logprobs"])]
+        # both sides are the same float64 arithmetic on the same recorded values
+        assert list(r["token_advantages"]) == want
+    # the step's reverse-KL metric is the batch mean of generator - teacher over trained tokens
+    assert "distill/reverse_kl" in run.metrics.columns
