@@ -1,0 +1,157 @@
+"""LoRA variants on shared engines vs one variant, vs the same variants as separate runs, side by side.
+
+    python -m forgelab.bench variants [--quick]
+
+Shipped model, LoRA rank 8 on every projection, the demo's batch shape (8 prompts x 8 samples, batch 64,
+8 tokens, staleness bound 1), held-out eval of 8 problems at the start and the end of each run.
+
+1. **One variant**: `forgelab.Engines` (5 slots) are spawned (``engines_spawn_s``, not counted below), one
+   LoRA run trains ``STEPS`` steps on them: ``one_s``, from ``start()`` to the end of its training task.
+2. **Four variants at once**: that run is forked into 4 slots (`Engines.sweep`: lr x0.5 / x2, dapo, the
+   format reward off), each training ``STEPS`` more steps, all four at once on the same processes:
+   ``four_s``, from the sweep's call to the last variant's end (forks included). ``fork_s``: the sweep's
+   time over 4 (one fork into a slot: checkpoint of adapter + optimizer, new run directory, restore, push).
+   ``generator_busy_four``: the generator's busy fraction (time in vLLM engine steps over wall time) while
+   the four train, weight pushes included (they do not pause the generator).
+3. **Four separate runs**: the same four configurations as four `Run`s with their own processes, one after
+   the other (as without shared engines), each from ``Run(cfg)`` (process start included) to its end:
+   ``separate_s``, summed. (``--quick`` runs one of them and counts it four times.)
+
+``four_over_one`` = four_s / one_s (goal <= 1.6), ``four_over_separate`` = four_s / separate_s (goal <= 0.4),
+``fork_s`` (goal <= 2 s), ``generator_busy_four`` (goal >= 0.9). The trainer steps the variants' batches one
+after another (no shared base pass): ``trainer_s_per_step_four`` / ``trainer_s_per_step_one`` say what that
+costs. ``--quick``: 3 steps per phase; its numbers prove the code path only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+
+from forgelab.bench.common import emit_json, print_machine, print_table
+
+VARIANTS = {"lr_half": {"lr": 1e-3}, "lr_x2": {"lr": 4e-3}, "dapo": {"loss": "dapo"},
+            "no_format": {"reward_weights": {"answer_format": 0.0}}}
+
+
+def bench_config(name: str, steps: int, out_dir: str):
+    from forgelab.config.components import LoraConfig
+    from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+
+    return RunConfig(name=name, lora=LoraConfig(enabled=True, rank=8, alpha=16.0),
+                     rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=8, concurrency=2,
+                                           max_tokens=8),
+                     train=TrainConfig(steps=steps, batch_size=64, lr=2e-3, warmup_steps=2, max_policy_age=1),
+                     eval=EvalConfig(every=0, n=8), tracking=TrackingConfig(out_dir=out_dir, wandb=False)).validate()
+
+
+def _separate_config(name: str, steps: int, out_dir: str, overrides: dict):
+    cfg = bench_config(name, steps, out_dir)
+    if "lr" in overrides:
+        cfg.train.lr = overrides["lr"]
+    if "loss" in overrides:
+        cfg.train.loss = overrides["loss"]
+    if "reward_weights" in overrides:
+        cfg.rollout.rewards = {"exact_answer": 1.0, "answer_format": 0.1, **overrides["reward_weights"]}
+    return cfg.validate()
+
+
+async def _busy(engines) -> float:
+    stats = await engines.parts.generators.fanout("stats")
+    return sum(float(s["busy_time_s"]) for s in stats)
+
+
+def _trainer_s(run, after: int = 0) -> float:
+    df = run.metrics
+    df = df[df["step"] > after]
+    return float(statistics.median(df["step_time_s"])) if len(df) else float("nan")
+
+
+async def _run(steps: int, quick: bool, out_dir: str) -> dict:
+    from forgelab.experiments.variants import Engines
+    from forgelab.run import Run
+
+    engines = Engines(bench_config("one", steps, out_dir), slots=5)
+    t0 = time.perf_counter()
+    await engines.start()
+    spawn_s = time.perf_counter() - t0
+    one = Run(bench_config("one", steps, out_dir), spawn=engines)
+    try:
+        t0 = time.perf_counter()
+        await one.start()
+        await one.wait()
+        one_s = time.perf_counter() - t0
+        assert one.state == "finished", one.message
+
+        busy0, t0 = await _busy(engines), time.perf_counter()
+        kids = await engines.sweep(one, {n: {**o, "steps": 2 * steps} for n, o in VARIANTS.items()})
+        sweep_s = time.perf_counter() - t0
+        await asyncio.gather(*(k.wait() for k in kids.values()))
+        four_s = time.perf_counter() - t0
+        busy_four = (await _busy(engines) - busy0) / four_s
+        for n, k in kids.items():
+            assert k.state == "finished", (n, k.message)
+        stats = await engines.slot_stats()
+        trainer_four = statistics.median(_trainer_s(k, steps) for k in kids.values())
+        trainer_one = _trainer_s(one)
+        for k in kids.values():
+            await k.shutdown()
+    finally:
+        await one.shutdown()
+        await engines.shutdown()
+
+    separate, runs_sep = [], list(VARIANTS.items())[: 1 if quick else 4]
+    for n, o in runs_sep:
+        t0 = time.perf_counter()
+        run = Run(_separate_config(f"sep_{n}", steps, out_dir, o))
+        try:
+            await run.start()
+            await run.wait()
+            separate.append(time.perf_counter() - t0)
+            assert run.state == "finished", run.message
+        finally:
+            await run.shutdown()
+    separate_s = sum(separate) * (4 / len(separate))
+    return {"steps": steps, "engines_spawn_s": spawn_s, "one_s": one_s, "four_s": four_s, "separate_s": separate_s,
+            "separate_runs_s": separate, "separate_runs_measured": len(separate), "sweep_s": sweep_s,
+            "fork_s": sweep_s / len(VARIANTS), "four_over_one": four_s / one_s, "four_over_separate": four_s / separate_s,
+            "generator_busy_four": busy_four, "trainer_s_per_step_one": trainer_one,
+            "trainer_s_per_step_four": trainer_four, "trainer_slot_swaps": stats["trainer"]["swaps"],
+            "trainer_slot_swap_s": stats["trainer"]["swap_s"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m forgelab.bench variants", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 steps per phase, one separate run (counted 4 times)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per phase (default 20; --quick 3)")
+    args = ap.parse_args(argv or [])
+    steps = args.steps or (3 if args.quick else 20)
+    start = print_machine("start")
+    with tempfile.TemporaryDirectory(prefix="forgelab-variants-") as d:
+        r = asyncio.run(_run(steps, args.quick, d))
+    end = print_machine("end")
+    print(f"variants bench: shipped model, LoRA rank 8, batch 64 (8 x 8), {steps} steps per variant")
+    print_table([
+        {"what": "engines spawn (not counted)", "seconds": r["engines_spawn_s"], "ratio": ""},
+        {"what": f"1 variant, {steps} steps", "seconds": r["one_s"], "ratio": 1.0},
+        {"what": f"4 variants at once on the same engines, {steps} steps each", "seconds": r["four_s"],
+         "ratio": r["four_over_one"]},
+        {"what": "4 separate runs, own processes, back to back", "seconds": r["separate_s"],
+         "ratio": r["separate_s"] / r["one_s"]},
+        {"what": "one fork into a slot", "seconds": r["fork_s"], "ratio": ""},
+        {"what": "generator busy fraction with 4 variants", "seconds": r["generator_busy_four"], "ratio": ""},
+        {"what": "trainer s/step, 1 variant | 4 variants", "seconds": r["trainer_s_per_step_one"],
+         "ratio": r["trainer_s_per_step_four"]},
+    ], ["what", "seconds", "ratio"])
+    result = {"suite": "variants", "quick": args.quick, **r,
+              "goals": {"four_over_one": "<= 1.6", "four_over_separate": "<= 0.4", "fork_s": "<= 2",
+                        "generator_busy_four": ">= 0.9"},
+              "machine": {**start, "loadavg_end": end["loadavg"]}}
+    emit_json(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
