@@ -221,7 +221,7 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
     # compute dtype: FSDP2 mixed precision gathers and computes in bf16 on CUDA, fp32 on CPU
     cb = _bytes(tr.dtype) if on_gpu else 4
     largest_unit = (V * D * cb * (1 if shape.tied else 2) if world > 1 else 0)
-    act = tokens * shape.act_bytes_per_token(cb, checkpointed=bool(getattr(tr, "activation_checkpointing", False)))
+    act = tokens * shape.act_bytes_per_token(cb, checkpointed=tr.checkpoints_activations())
     trained = A if lora else P  # LoRA: the base is frozen (no gradients, no optimizer state), the adapters train
     static = {"parameters": 4 * (P + A) / world, "optimizer (AdamW)": 8 * trained / world,
               "gathered FSDP unit": largest_unit, "runtime": RUNTIME_BYTES["trainer"]}

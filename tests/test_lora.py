@@ -126,6 +126,12 @@ def test_config_off_by_default_and_bad_targets_named():
         RunConfig.from_dict({"lora": {"rank": 0}})
     with pytest.raises(ConfigError, match=r"lora.reference must be one of"):
         RunConfig.from_dict({"lora": {"reference": "ref"}})
+    # trainer.activation_checkpointing "auto" (the default): on with LoRA only; true/false force it
+    assert not cfg.component("trainer").checkpoints_activations() and on.component("trainer").checkpoints_activations()
+    forced = RunConfig.from_dict({"lora": {"enabled": True}, "trainer": {"activation_checkpointing": False}})
+    assert not forced.component("trainer").checkpoints_activations()
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.*must be true, false or 'auto'"):
+        RunConfig.from_dict({"trainer": {"activation_checkpointing": "yes"}})
 
 
 def test_spawn_plan_takes_the_reference_from_the_base():
@@ -483,8 +489,10 @@ def test_lora_grpo_raises_heldout_addition_accuracy(loop, grpo_config, tmp_path)
 @pytest.mark.timeout(600)
 def test_lora_run_swaps_loss_compares_losses_and_resumes_exactly(loop, tmp_path):
     """A synchronous LoRA run (max_policy_age 0: its learning metrics are a function of the seed): a loss swap
-    asked after step 2 lands at step 3, `compare_losses` runs on the adapters, and a run resumed from the step-4 checkpoint
-    reproduces steps 5-6 exactly (`forgelab.experiments.replay.compare_metrics`: every learning column)."""
+    asked after step 2 lands at step 3, `compare_losses` runs on the adapters, a run resumed from the step-4
+    checkpoint and a fork of it (`Run.fork_from`, no overrides) reproduce steps 5-6 exactly
+    (`forgelab.experiments.replay.compare_metrics`: every learning column), and `Run.replay` of the run
+    reproduces all six steps with the swap at its recorded step."""
     import pandas as pd
 
     from forgelab.config.components import LoraConfig
@@ -530,3 +538,18 @@ def test_lora_run_swaps_loss_compares_losses_and_resumes_exactly(loop, tmp_path)
     again = pd.read_csv(resumed.out_dir / "metrics.csv")
     assert list(again["step"])[-2:] == [5, 6]
     assert compare_metrics(original[original["step"] > 4], again[again["step"] > 4]) == []
+    # a fork of the step-4 checkpoint with no overrides trains steps 5-6 as the parent did
+    child = loop.run_until_complete(Run.fork_from(run.out_dir / "checkpoints" / "step_000004", name="lora-fork"))
+    try:
+        assert child.config.lora.enabled and child.reference is None
+        loop.run_until_complete(child.wait())
+        assert child.state == "finished", child.message
+    finally:
+        loop.run_until_complete(child.shutdown())
+    forked = pd.read_csv(child.out_dir / "metrics.csv")
+    assert list(forked["step"])[-2:] == [5, 6]  # the child's metrics start with the parent's rows 1-4
+    assert compare_metrics(original[original["step"] > 4], forked[forked["step"] > 4]) == []
+    # the replay re-runs all 6 steps from the manifest, the loss swap at its recorded step included
+    report = loop.run_until_complete(Run.replay(run.out_dir, name="lora-replay"))
+    print(report)
+    assert report.ok and report.steps == 6, report

@@ -60,7 +60,7 @@ class TrainerState:
             from forgelab.engines.lora import add_adapters
 
             add_adapters(model, self.ckpt, self.lora, seed=config.seed)
-        if config.activation_checkpointing:
+        if config.checkpoints_activations():
             checkpoint_blocks(model)
         from forgelab.engines.precision import needs_mixed_precision
 
