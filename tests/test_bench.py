@@ -31,6 +31,8 @@ EXTRA_KEYS = {
     "dashboard": {"lab_cpu_ms_per_step", "step_s_on", "ci95", "pair_ratios"},
     "variants": {"one_s", "four_s", "separate_s", "trainer_s_per_step_one", "trainer_s_per_step_four"},
     "distill": {"censored", "curves", "target", "teacher_accuracy", "s_per_step"},
+    "inflight": {"heldout_accuracy_drain", "heldout_accuracy_inflight", "accuracy_spread", "learning_not_worse",
+                 "censored", "time_to_target_s"},
 }
 
 

@@ -11,7 +11,8 @@ _NOT_SUITES = {"common"}
 #: Suite name -> module name, where the module's name differs: a Python keyword (`async`), or a name that
 #: would repeat a module elsewhere in forgelab (`generator` is also `forgelab.engines.generator`).
 MODULES = {"async": "async_", "generator": "generator_bench", "envs": "envs_bench", "runtime": "runtime_bench",
-           "dashboard": "dashboard_bench", "lora": "lora_bench", "variants": "variants_bench", "distill": "distill_bench"}
+           "dashboard": "dashboard_bench", "lora": "lora_bench", "variants": "variants_bench", "distill": "distill_bench",
+           "inflight": "inflight_bench"}
 
 
 def suites() -> list[str]:

@@ -58,6 +58,8 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
              "lora_loop_peak_total_gib": at_most(24), "plan_error": at_most(0.2), "lora_loop_fits_24gib": info()},
     "variants": {"four_over_one": at_most(1.6), "four_over_separate": at_most(0.4), "fork_s": at_most(2),
                  "generator_busy_four": at_least(0.9)},
+    "inflight": {"inflight_over_drain_time_to_target": at_most(0.75), "generator_idle_drain": info(),
+                 "generator_idle_inflight": info()},
 }
 
 

@@ -346,6 +346,8 @@ class VLLMEngine:
     # -- introspection --------------------------------------------------------
     def stats(self) -> dict[str, float]:
         s = dict(self.counters)
+        if self._idle_since is not None:  # idle now: the period so far counts (deltas between reads add up)
+            s["idle_time_s"] += time.perf_counter() - self._idle_since
         s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
         s["cpu_time_s"] = time.process_time()  # this process, all threads
         s.update(gc_stats())
