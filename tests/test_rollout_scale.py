@@ -285,3 +285,16 @@ def test_inflight_trains_episodes_whose_tokens_come_from_two_versions(inflight_r
         assert r["trained_step"] - 1 - r["policy_version"] <= 2
         # every token still has its behaviour logprob, as the loss's importance weights use
         assert len(r["generator_logprobs"]) == len(r["completion_ids"])
+
+
+def test_step_metrics_carry_the_generators_kv_cache_usage_and_preemptions(inflight_run):
+    run, stats, _ = inflight_run
+    m = run.metrics
+    cols = ["generator/kv_cache_usage", "generator/kv_cache_usage_now", "generator/preemptions",
+            "generator/preemptions_per_request"]
+    assert set(cols) <= set(m.columns), sorted(c for c in m.columns if c.startswith("generator/"))
+    usage = m["generator/kv_cache_usage"]
+    # rollouts of 8 running 64-token requests hold blocks through every step: some usage, never above the cache
+    assert ((usage >= 0) & (usage <= 1)).all() and (usage > 0).any(), usage.tolist()
+    # the rows' preemptions add up to the engine's own count at the last row (1 GiB holds them all: 0 here)
+    assert m["generator/preemptions"].sum() <= stats["preemptions"]

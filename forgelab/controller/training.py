@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any
 
 from forgelab.algos.batching import collate
+from forgelab.controller.generator_meter import GeneratorMeter
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
@@ -28,6 +29,7 @@ __all__ = ["train_loop", "train_on", "metrics_row", "TokenRate", "attach_token_v
 
 async def train_loop(run: Any) -> None:
     gate, buffer = run.gate, run.buffer
+    meter = GeneratorMeter()  # the generators' KV-cache usage and preemptions per step
     while run.step < run.config.train.steps and await gate.running():
         async with gate.changed:
             await gate.changed.wait_for(lambda: gate.stopping or not gate.unpaused.is_set() or buffer.ready(run.version))
@@ -38,12 +40,13 @@ async def train_loop(run: Any) -> None:
             batch_eps = buffer.sample(run.version)
             gate.changed.notify_all()
         if batch_eps is not None:
-            await train_on(run, batch_eps)
+            await train_on(run, batch_eps, meter)
     await gate.notify()
 
 
-async def train_on(run: Any, batch_eps: list[Episode]) -> None:
-    """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint."""
+async def train_on(run: Any, batch_eps: list[Episode], meter: GeneratorMeter | None = None) -> None:
+    """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint;
+    `meter` adds the generators' engine counters (``generator/*``) to the row."""
     cfg, gate = run.config, run.gate
     t0 = time.time()
     if run.replayer is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
@@ -78,6 +81,8 @@ async def train_on(run: Any, batch_eps: list[Episode]) -> None:
     t_train = time.time() - t0
     report = await run.push_weights()
     row = metrics_row(run, batch_eps, m, t_train, report.sync_ms, time.time() - t0)
+    if meter is not None:
+        row.update(await meter.row(run.generators))
     if cfg.eval.every and run.step % cfg.eval.every == 0:
         row["heldout_accuracy"] = await run.evaluate()
     if cfg.tracking.checkpoint_every and run.step % cfg.tracking.checkpoint_every == 0:

@@ -36,6 +36,7 @@ DEFAULT_PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy age (versions)", ("policy_age_mean",)),
     ("tokens / s", ("tokens_per_s",)),
     ("step time (s)", ("step_time_s",)),
+    ("generator KV cache: used, preemptions / request", ("generator/kv_cache_usage", "generator/preemptions_per_request")),
 )
 
 #: Events drawn as vertical lines, with their colour.
