@@ -29,6 +29,7 @@ _LAZY = {
     "EvalConfig": "forgelab.config",
     "TrackingConfig": "forgelab.config",
     "LoraConfig": "forgelab.config",
+    "TeacherConfig": "forgelab.config",
     "ConfigError": "forgelab.config",
     "ProcessPool": "forgelab.engines",
     "Engines": "forgelab.experiments.variants",

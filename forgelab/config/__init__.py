@@ -8,10 +8,10 @@
 component's config, `value_types` the type checks an unknown or wrong value meets.
 """
 from forgelab.config.components import (EnvActorConfig, GeneratorConfig, LoraConfig, ReferenceConfig,
-                                        SamplingConfig, TrainerConfig)
+                                        SamplingConfig, TeacherConfig, TrainerConfig)
 from forgelab.config.run_config import (SHIPPED_MODEL, ConfigError, EvalConfig, HostsConfig, ModelConfig, PlacementConfig,
                                         RolloutConfig, RunConfig, TrackingConfig, TrainConfig)
 
 __all__ = ["SHIPPED_MODEL", "ConfigError", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "LoraConfig", "ModelConfig",
-           "PlacementConfig", "ReferenceConfig", "RolloutConfig", "RunConfig", "SamplingConfig", "TrackingConfig",
-           "TrainConfig", "TrainerConfig"]
+           "PlacementConfig", "ReferenceConfig", "RolloutConfig", "RunConfig", "SamplingConfig", "TeacherConfig",
+           "TrackingConfig", "TrainConfig", "TrainerConfig"]
