@@ -225,10 +225,17 @@ class Engines:
             self.watch(parent)
         children: dict[str, Any] = {}
         try:
-            for name, overrides in variants.items():  # the parent stays paused: every child starts at its step
-                children[name] = child = await fork(parent, name=name, pause_parent=True, start=start, pool=self,
+            # the parent stays paused: every child starts at its step; the children start together at the end
+            # (a fork's trainer calls would otherwise wait behind the steps of the children started before it)
+            for name, overrides in variants.items():
+                children[name] = child = await fork(parent, name=name, pause_parent=True, start=False, pool=self,
                                                     **dict(overrides))
                 self.watch(child)
+            if start:
+                await asyncio.gather(*(c.start() for c in children.values()))
+        except BaseException:  # no half sweep: the children made so far free their slots
+            await asyncio.gather(*(c.shutdown() for c in children.values()), return_exceptions=True)
+            raise
         finally:
             if was_running:
                 parent.resume()
