@@ -198,7 +198,8 @@ class Run(experiments.Experiments):
         self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
         self.weights = WeightSync(parts.trainer, parts.generators, self.emit, lambda: self.version)
         parts.generators.on_respawn = self.weights.catch_up
-        for svc in (parts.generators, parts.reference):
+        teacher = getattr(parts, "teacher", None)
+        for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher):
             if svc is not None and hasattr(svc, "add_listener"):
                 svc.add_listener(lambda ev: self.emit(str(getattr(ev, "kind", "service")), replica=getattr(ev, "replica", None),
                                                         detail=str(getattr(ev, "detail", ev))))

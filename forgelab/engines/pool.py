@@ -54,6 +54,7 @@ def engine_key(cfg: Any) -> dict[str, str]:
         "trainer": repr((t.model_dir, getattr(t, "dtype", None), t.device, t.weight_transport, t.shm_dir)),
         "reference": _fields(cc["reference"]) if reference_process(cfg) else "none",
         "envs": _fields(cc["envs"]) if cfg.rollout.env is not None else "none",
+        "teacher": _fields(cfg.teacher, drop=("coef",)) if cfg.teacher.enabled else "none",  # coef: per run
         "placement": _fields(cfg.placement),
     }
 
@@ -146,7 +147,7 @@ class ProcessPool:
 
     async def release(self, parts: PooledParts) -> None:
         """A run is done with `parts`: keep them idle (healthy) or stop them (a process failed)."""
-        for svc in (parts.generators, parts.reference, parts.envs):
+        for svc in (parts.generators, parts.reference, parts.envs, parts.teacher):
             if svc is not None:  # the finished run's listeners must not hear the next run's events
                 getattr(svc, "_listeners", []).clear()
                 if hasattr(svc, "on_respawn"):
@@ -168,7 +169,7 @@ class ProcessPool:
             await asyncio.wait_for(parts.trainer.call("info"), timeout=60)
         except Exception:
             return False
-        for svc in (parts.generators, parts.reference, parts.envs):
+        for svc in (parts.generators, parts.reference, parts.envs, parts.teacher):
             if svc is not None and any(s.state != "healthy" for s in svc.status()):
                 return False
         return True
