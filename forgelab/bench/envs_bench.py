@@ -39,10 +39,25 @@ the shipped tiny model. The env actor calls the generator directly (see
   (32 tokens on CPU), so `prefix_hit_bound` (whole blocks of the previous
   turn's prompt + completion, over the prompt) is the best it can be.
 
+- **10,000 episodes over environment replicas**: the steady state at C = 10,000 (`--big`) with the
+  episodes spread over 2 and then 4 `EnvActor` replicas (`run_groups` calls routed round-robin by the
+  service, each replica allowed C / replicas + one call's episodes at once), the same generator. The
+  window opens once the first call has returned (a call's round trip at this load is tens of seconds) and
+  lasts `--big-s` seconds. Episodes in flight are sampled every 0.5 s from the replicas' own counters (the
+  sum of their `running` episodes at one moment); turn latency percentiles come from the episodes returned
+  in the window (`info["turn_latency_s"]`: a turn's generation, queueing included, and its environment step).
+  Memory: each replica's resident set before the level and its peak (`ru_maxrss`) after it;
+  `env_mib_per_1k_episodes` is the summed growth (peak - before) over the most episodes in flight, in
+  thousands: what the episodes themselves cost, the processes' fixed ~300 MiB each (interpreter, torch,
+  Monarch, tokenizer) reported beside it as `env_rss_peak_mib`.
+
 Last line: one JSON object with `episodes_per_s_at_1000` (steady state),
 `generator_busy_fraction` (steady state at C = 1000, engine steps + intake; the
 goal is >= 0.9), `generator_step_fraction`, `generator_idle_fraction`, the
-wave's `generator_busy_fraction_wave` (steps only) and `prefix_hit_rate`.
+wave's `generator_busy_fraction_wave` (steps only), `prefix_hit_rate`, and for the 10,000 level
+`episodes_in_flight_max` (goal >= 10,000), `generator_busy_at_10k` (goal >= 0.95), `turn_latency_p99_ms_at_10k`
+and `env_mib_per_1k_episodes` (goal <= 100), each the worse of the 2- and 4-replica runs (per replica
+count under `big`).
 """
 from __future__ import annotations
 
@@ -71,17 +86,20 @@ async def _wave(gen, envs, meshes, tasks, sampling, env_kwargs, max_turns) -> tu
     return [ep for g in groups for ep in g], wall, s0, s1
 
 
-async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds) -> dict:
-    """Keep about `c` episodes in flight with overlapping `run_groups` calls for `seconds`; see the docstring."""
+async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds, after_fill=False) -> dict:
+    """Keep about `c` episodes in flight with overlapping `run_groups` calls for `seconds` (from the start, or
+    with `after_fill` from the window's start); see the docstring."""
     n_calls = -(-c // PER_CALL)
     per_call = c // n_calls
     offset = iter(range(10**6, 10**9, per_call))
-    done: list[tuple[float, int, list]] = []  # (time returned, episodes, outcomes)
+    done: list[tuple[float, int, list, list]] = []  # (time returned, episodes, outcomes, turn latencies in s)
 
     async def one() -> None:
         groups = await envs.route("run_groups", "echo", _tasks(per_call, next(offset)), 1, meshes, sampling,
                                   env_kwargs=env_kwargs, max_turns=max_turns, max_total_tokens=512)
-        done.append((time.perf_counter(), per_call, [ep.info["outcome"] for g in groups for ep in g]))
+        eps = [ep for g in groups for ep in g]
+        done.append((time.perf_counter(), per_call, [ep.info["outcome"] for ep in eps],
+                     [t for ep in eps for t in ep.info.get("turn_latency_s", ())]))
 
     t_end = time.perf_counter() + seconds
     running = {asyncio.ensure_future(one()) for _ in range(n_calls)}
@@ -92,30 +110,77 @@ async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds
             f.result()
         if window_start is None:  # the pipeline is full once the first call came back
             window_start, s_start = time.perf_counter(), (await gen.fanout("stats"))[0]
-            e_start = (await envs.fanout("stats"))[0]
+            e_start = _sum_env_stats(await envs.fanout("stats"))
+            if after_fill:
+                t_end = window_start + seconds
         if time.perf_counter() >= t_end:
             break
         running |= {asyncio.ensure_future(one()) for _ in finished}
     window_end, s_end = time.perf_counter(), (await gen.fanout("stats"))[0]
-    e_end = (await envs.fanout("stats"))[0]
+    e_end = _sum_env_stats(await envs.fanout("stats"))
     await asyncio.gather(*running)  # drain (not measured)
     in_window = [d for d in done if window_start < d[0] <= window_end]
-    bad = sum(o != "done" for _, _, outs in done for o in outs)
+    bad = sum(o != "done" for _, _, outs, _ in done for o in outs)
     if bad:
         raise RuntimeError(f"{bad} steady-state episodes at concurrency {c} did not finish cleanly")
     wall = window_end - window_start
-    return {"window_s": wall, "episodes": sum(n for _, n, _ in in_window),
-            "episodes_per_s": sum(n for _, n, _ in in_window) / wall,
-            "busy": (s_end["busy_time_s"] - s_start["busy_time_s"]) / wall,
-            "intake": (s_end["intake_time_s"] - s_start["intake_time_s"]) / wall,
-            "idle": (s_end["idle_time_s"] - s_start["idle_time_s"]) / wall,
+    # the generator's fractions over its own clock: its stats answer can wait behind queued generate calls
+    gen_wall = s_end["clock_s"] - s_start["clock_s"] if "clock_s" in s_start else wall
+    lat = sorted(t for *_, ts in in_window for t in ts)
+    return {"window_s": wall, "episodes": sum(n for _, n, *_ in in_window),
+            "episodes_per_s": sum(n for _, n, *_ in in_window) / wall,
+            "turn_latency_ms": {f"p{q}": 1e3 * _nearest_rank(lat, q / 100) for q in (50, 95, 99)} if lat else {},
+            "busy": (s_end["busy_time_s"] - s_start["busy_time_s"]) / gen_wall,
+            "intake": (s_end["intake_time_s"] - s_start["intake_time_s"]) / gen_wall,
+            "idle": (s_end["idle_time_s"] - s_start["idle_time_s"]) / gen_wall,
             "idle_periods": s_end["idle_periods"] - s_start["idle_periods"],
-            "gen_cpu": (s_end["cpu_time_s"] - s_start["cpu_time_s"]) / wall,
+            "gen_cpu": (s_end["cpu_time_s"] - s_start["cpu_time_s"]) / gen_wall,
             "env_cpu": (e_end["cpu_time_s"] - e_start["cpu_time_s"]) / wall,
             "env_gc": (e_end["gc_pause_s"] - e_start["gc_pause_s"]) / wall,
-            "gen_gc": (s_end["gc_pause_s"] - s_start["gc_pause_s"]) / wall,
+            "gen_gc": (s_end["gc_pause_s"] - s_start["gc_pause_s"]) / gen_wall,
             "env_gc_max_ms": 1e3 * e_end["gc_max_pause_s"],
             "calls": n_calls}
+
+
+def _sum_env_stats(stats: list[dict]) -> dict:
+    """The replicas' counters added up (CPU and GC time; the largest single GC pause)."""
+    return {"cpu_time_s": sum(s["cpu_time_s"] for s in stats), "gc_pause_s": sum(s["gc_pause_s"] for s in stats),
+            "gc_max_pause_s": max(s["gc_max_pause_s"] for s in stats)}
+
+
+async def _big(gen, meshes, model: str, replicas: int, c: int, sampling, env_kwargs, max_turns, seconds) -> dict:
+    """The steady state at `c` episodes over `replicas` environment actors, with episodes in flight (sampled)
+    and the replicas' memory; see the docstring."""
+    from forgelab.envs.actor import EnvActor, EnvActorConfig
+
+    envs = await EnvActor.options(num_replicas=replicas).as_service(
+        EnvActorConfig(model_dir=model, max_concurrent=-(-c // replicas) + PER_CALL))
+    try:
+        before = await envs.fanout("stats")
+        in_flight = [0]
+
+        async def sample() -> None:
+            while True:
+                in_flight.append(sum(s["running"] for s in await envs.fanout("stats")))
+                await asyncio.sleep(0.5)
+
+        poller = asyncio.ensure_future(sample())
+        try:
+            r = await _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds, after_fill=True)
+        finally:
+            poller.cancel()
+        after = await envs.fanout("stats")
+    finally:
+        await envs.shutdown()
+    growth = sum(a["peak_rss_mib"] - b["rss_mib"] for a, b in zip(after, before))
+    r.update(replicas=replicas, in_flight_max=max(in_flight), env_growth_mib=growth,
+             env_rss_peak_mib=sum(a["peak_rss_mib"] for a in after),
+             env_mib_per_1k=growth / max(1e-9, max(in_flight) / 1000))
+    return r
+
+
+def _nearest_rank(sorted_xs: list[float], q: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, max(0, int(-(-q * len(sorted_xs) // 1)) - 1))]
 
 
 def _prefix_reuse(episodes) -> tuple[float, float]:
@@ -193,8 +258,26 @@ async def _main(args) -> dict:
         engine_hit = (s1["cached_prompt_tokens"] - s0["cached_prompt_tokens"]) / max(1, s1["prompt_tokens"] - s0["prompt_tokens"])
         print(f"\nprefix reuse, {n_prefix} 4-turn episodes: turns 2-4 served {hit:.1%} of their prompt tokens from "
               f"the prefix cache (bound at 32-token blocks {bound:.1%}); all turns {engine_hit:.1%}")
+        big = []
+        for k in args.big_replicas:
+            r = await _big(gen, meshes, args.model, k, args.big, sampling, kw, args.turns, args.big_s)
+            big.append({"replicas": k, "in flight max": r["in_flight_max"], "window_s": r["window_s"],
+                        "episodes_per_s": r["episodes_per_s"], "busy": r["busy"] + r["intake"], "idle": r["idle"],
+                        **{f"turn {q} ms": r["turn_latency_ms"].get(q, float("nan")) for q in ("p50", "p95", "p99")},
+                        "env_cpu": r["env_cpu"], "env_gc_max_ms": r["env_gc_max_ms"], "env growth MiB": r["env_growth_mib"],
+                        "env peak MiB": r["env_rss_peak_mib"], "MiB / 1k episodes": r["env_mib_per_1k"]})
+        print(f"\n{args.big} episodes in flight over environment replicas ({args.big_s:g} s after the pipeline filled):")
+        print_table(big, ["replicas", "in flight max", "window_s", "episodes_per_s", "busy", "idle", "turn p50 ms",
+                          "turn p95 ms", "turn p99 ms", "env_cpu", "env_gc_max_ms", "env growth MiB", "env peak MiB",
+                          "MiB / 1k episodes"])
         top, st = rows[-1], steady[-1]
         return {
+            "episodes_in_flight_max": min(b["in flight max"] for b in big),
+            "generator_busy_at_10k": round(min(b["busy"] for b in big), 3),
+            "turn_latency_p99_ms_at_10k": round(max(b["turn p99 ms"] for b in big), 1),
+            "env_mib_per_1k_episodes": round(max(b["MiB / 1k episodes"] for b in big), 1),
+            "big": {str(b["replicas"]): {k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()}
+                    for b in big},
             "episodes_per_s_at_1000": round(st["episodes_per_s"], 2),
             "generator_busy_fraction": round(st["busy"], 3),
             "generator_step_fraction": round(st["steps"], 3),
@@ -227,9 +310,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the generator process")
     ap.add_argument("--steady-s", type=float, default=None,
                     help="seconds of steady-state load per level (default 20, --quick 5)")
+    ap.add_argument("--big", type=int, default=None,
+                    help="episodes in flight at the replicas level (default 10000, --quick 1000)")
+    ap.add_argument("--big-replicas", default=None, help="environment replica counts, comma-separated (default 2,4; "
+                    "--quick 2)")
+    ap.add_argument("--big-s", type=float, default=None, help="seconds measured at that level once the pipeline "
+                    "filled (default 30, --quick 3)")
     args = ap.parse_args(argv)
     if args.steady_s is None:
         args.steady_s = 5.0 if args.quick else 20.0
+    args.big = args.big or (1000 if args.quick else 10000)
+    args.big_replicas = [int(x) for x in (args.big_replicas or ("2" if args.quick else "2,4")).split(",")]
+    args.big_s = args.big_s or (3.0 if args.quick else 30.0)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     start = print_machine("start")
     result = asyncio.run(_main(args))

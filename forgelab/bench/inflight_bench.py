@@ -67,8 +67,9 @@ async def _one(pool, cfg, target: float, time_cap_s: float) -> dict:
     wall = time.perf_counter() - t0
     s1 = await _gen_stats(pool, cfg)
     r = summarize_forgelab(res, target)
-    r["generator_idle"] = round((s1["idle_time_s"] - s0["idle_time_s"]) / wall, 3)
-    r["generator_busy"] = round((s1["busy_time_s"] - s0["busy_time_s"]) / wall, 3)
+    gen_wall = s1["clock_s"] - s0["clock_s"]  # the generator's own clock between the two reads
+    r["generator_idle"] = round((s1["idle_time_s"] - s0["idle_time_s"]) / gen_wall, 3)
+    r["generator_busy"] = round((s1["busy_time_s"] - s0["busy_time_s"]) / gen_wall, 3)
     r["tokens_per_request"] = round((s1["tokens_generated"] - s0["tokens_generated"])
                                     / max(1, s1["requests"] - s0["requests"]), 2)
     r["requests_spanning_versions"] = s1["requests_spanning_versions"] - s0["requests_spanning_versions"]

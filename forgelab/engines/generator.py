@@ -350,6 +350,7 @@ class VLLMEngine:
             s["idle_time_s"] += time.perf_counter() - self._idle_since
         s["mean_concurrent_requests"] = s["sum_concurrent_requests"] / max(1, s["steps"])
         s["cpu_time_s"] = time.process_time()  # this process, all threads
+        s["clock_s"] = time.perf_counter()  # when these counters were read (fractions over the engine's own clock)
         s.update(gc_stats())
         s["prefix_cache_hit_rate"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
         s["kv_cache_usage_mean"] = s["kv_cache_usage_sum"] / max(1, s["steps"])

@@ -246,6 +246,15 @@ class EnvActor(Component):
 
     @endpoint
     async def stats(self) -> dict[str, Any]:
-        """Episodes finished, running now, most running at once, and outcome counts."""
+        """Episodes finished, running now, most running at once, outcome counts, CPU time and this process's
+        resident memory now and at its peak (MiB)."""
+        import resource
+
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        try:
+            with open("/proc/self/statm") as f:  # resident pages are the second field
+                rss_mib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except OSError:  # not Linux
+            rss_mib = peak_mib
         return {**self._stats, "outcomes": dict(self._outcomes), "max_concurrent": self.config.max_concurrent,
-                "cpu_time_s": time.process_time(), **gc_stats()}
+                "cpu_time_s": time.process_time(), "rss_mib": rss_mib, "peak_rss_mib": peak_mib, **gc_stats()}
