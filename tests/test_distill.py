@@ -109,7 +109,8 @@ def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coeffic
         tmp_path):
     """In-process fakes (the fake teacher's logprob of token y is -0.1 * (y % 5)): every recorded episode's
     teacher logprobs are that, and its per-token advantages equal advantage + coef * (teacher - generator)
-    with the coefficient in effect for its rollout (the timeline's ``reward_effective`` says from which episode)."""
+    with the coefficient in effect for its rollout (the timeline's ``reward_effective`` says from which episode);
+    a checkpoint restores the live coefficient."""
     from forgelab.config import RunConfig
     from forgelab.controller.rollout_log import read_rollouts
     from forgelab.controller.timeline import timeline_entries
@@ -131,11 +132,16 @@ def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coeffic
             run.set_distill_coef(float("nan"))
         run.set_distill_coef(-3.0)
         await run.wait()
+        ckpt = await run.save_checkpoint()
         await run.shutdown()
-        return run
+        resumed = Run(cfg, resume_from=ckpt, spawn=fake_spawn)
+        await resumed.spawn()  # restores without training
+        await resumed.shutdown()
+        return run, resumed
 
-    run = asyncio.new_event_loop().run_until_complete(go())
+    run, resumed = asyncio.new_event_loop().run_until_complete(go())
     assert run.state == "finished"
+    assert resumed.distill_coef == -3.0  # a checkpoint keeps the live coefficient, not the config's 0.5
     events = list(run.events)
     change = [e for e in events if e["kind"] == "distill_coef"]
     assert [(e["old"], e["new"]) for e in change] == [(0.5, -3.0)]

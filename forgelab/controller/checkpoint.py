@@ -76,6 +76,7 @@ async def save(run, path: str | Path | None = None) -> Path:
         "step": run.step, "version": run.version, "stream": run.stream.state_dict(),
         "buffer": run.buffer.state_dict(), "reward_weights": run.rewards.weights,
         "rewards": reward_state(run.rewards),
+        "distill_coef": getattr(run, "distill_coef", None),  # on-policy distillation's live coefficient
         # the trainer keeps the loss itself (custom ones serialised); this copy is for people and diffs
         "loss": run.loss_name if isinstance(run.loss_name, str) else None,
         "loss_kwargs": (info or {}).get("loss_kwargs"),
@@ -108,6 +109,8 @@ async def restore(run, path: str | Path) -> None:
     else:  # a checkpoint from before reward code was saved: weights of the rewards this run knows
         run.rewards.set_weights({k: v for k, v in state["reward_weights"].items() if k in run.rewards.weights})
     run.rollout.next_episode_id, run.rollout.next_group_id = state["next_episode_id"], state["next_group_id"]
+    if state.get("distill_coef") is not None:  # the coefficient as the run had changed it, not the config's
+        run.distill_coef = float(state["distill_coef"])
     run.accuracy_history = [tuple(x) for x in state.get("accuracy_history", [])]
     # the trainer restored its own loss (name, function, kwargs); the controller only mirrors the name
     if isinstance(info, dict) and info.get("loss"):
