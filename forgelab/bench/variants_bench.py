@@ -20,7 +20,8 @@ Shipped model, LoRA rank 8 on every projection, the demo's batch shape (8 prompt
 ``four_over_one`` = four_s / one_s (goal <= 1.6), ``four_over_separate`` = four_s / separate_s (goal <= 0.4),
 ``fork_s`` (goal <= 2 s), ``generator_busy_four`` (goal >= 0.9). The trainer steps the variants' batches one
 after another (no shared base pass): ``trainer_s_per_step_four`` / ``trainer_s_per_step_one`` say what that
-costs. ``--quick``: 3 steps per phase; its numbers prove the code path only.
+costs; ``shared_pass_over_sequential`` (`shared_pass_bound`) what sharing the base pass could save at best.
+``--quick``: 3 steps per phase; its numbers prove the code path only.
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
         for n, k in kids.items():
             assert k.state == "finished", (n, k.message)
         stats = await engines.slot_stats()
+        last_batch = next(iter(kids.values())).last_batch
         trainer_four = statistics.median(_trainer_s(k, steps) for k in kids.values())
         trainer_one = _trainer_s(one)
         for k in kids.values():
@@ -119,7 +121,40 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
             "fork_s": sweep_s / len(VARIANTS), "four_over_one": four_s / one_s, "four_over_separate": four_s / separate_s,
             "generator_busy_four": busy_four, "trainer_s_per_step_one": trainer_one,
             "trainer_s_per_step_four": trainer_four, "trainer_slot_swaps": stats["trainer"]["swaps"],
-            "trainer_slot_swap_s": stats["trainer"]["swap_s"]}
+            "trainer_slot_swap_s": stats["trainer"]["swap_s"], "last_batch": last_batch}
+
+
+def shared_pass_bound(batch: dict, copies: int = 4, repeats: int = 3) -> dict:
+    """What one shared base pass could save at best: a LoRA `TrainerState` (this process, 1 thread) steps
+    ``batch`` alone and ``copies`` copies of it concatenated (the rows of ``copies`` variants in one forward and
+    backward, no per-row adapter cost counted); ``shared_pass_over_sequential`` = t(copies x B) / (copies x t(B)).
+    Below 1 a shared pass would pay off; about 1 means the base's forward and backward already cost what their
+    rows do (compute bound), and stepping the variants one after another loses nothing."""
+    import torch
+    import torch.distributed as dist
+
+    from forgelab.config.components import LoraConfig
+    from forgelab.config.run_config import RunConfig
+    from forgelab.engines.trainer import TrainerConfig
+    from forgelab.engines.trainer_core import TrainerState
+
+    torch.set_num_threads(1)
+    big = {k: (torch.cat([v] * copies) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    st = TrainerState.create(TrainerConfig(model_dir=RunConfig().model.path, lr=1e-4, device="cpu",
+                                           lora=LoraConfig(enabled=True, rank=8, alpha=16.0)), 0, 1)
+    times: dict[str, list[float]] = {"one": [], "shared": []}
+    try:
+        for _ in range(repeats + 1):  # the first of each is a warm-up
+            for name, b in (("one", batch), ("shared", big)):
+                t0 = time.perf_counter()
+                st.train_step(b)
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    one, shared = statistics.median(times["one"][1:]), statistics.median(times["shared"][1:])
+    return {"trainer_step_s_b": one, "trainer_step_s_shared": shared,
+            "shared_pass_over_sequential": shared / (copies * one)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = print_machine("start")
     with tempfile.TemporaryDirectory(prefix="forgelab-variants-") as d:
         r = asyncio.run(_run(steps, args.quick, d))
+    r.update(shared_pass_bound(r.pop("last_batch"), repeats=1 if args.quick else 3))
     end = print_machine("end")
     print(f"variants bench: shipped model, LoRA rank 8, batch 64 (8 x 8), {steps} steps per variant")
     print_table([
@@ -144,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         {"what": "generator busy fraction with 4 variants", "seconds": r["generator_busy_four"], "ratio": ""},
         {"what": "trainer s/step, 1 variant | 4 variants", "seconds": r["trainer_s_per_step_one"],
          "ratio": r["trainer_s_per_step_four"]},
+        {"what": "trainer alone: 1 batch | 4 batches in one pass", "seconds": r["trainer_step_s_b"],
+         "ratio": r["shared_pass_over_sequential"]},
     ], ["what", "seconds", "ratio"])
     result = {"suite": "variants", "quick": args.quick, **r,
               "goals": {"four_over_one": "<= 1.6", "four_over_separate": "<= 0.4", "fork_s": "<= 2",
