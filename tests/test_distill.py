@@ -170,7 +170,8 @@ def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coeffic
 # Adam moves every weight by about lr per step whatever the gradient's size, so its noise adds KL quadratically
 # in lr while the distillation signal removes it linearly: a small lr over more steps. Measured here (loaded
 # 2-core machine): lr 1e-4 x 10 steps raised the exact KL by 8 %; lr 3e-5 x 16 steps lowered it by 17 % with
-# 32 episodes a step, by 2 % with 16 (the signal is a mean over the batch; Adam's noise is not).
+# 32 episodes a step (by 12 % with train.seed 1), by 2 % with 16 (the signal is a mean over the batch; Adam's
+# noise is not).
 STEPS, LR = 16, 3e-5
 
 
