@@ -446,7 +446,7 @@ class TeacherConfig:
     coef: float = 1.0
     """Weight of the per-token distillation term (the reward advantage's weight is 1); live via run.set_distill_coef."""
     replicas: int = 1
-    """Teacher service replicas (a process each)."""
+    """Teacher service replicas (a process each), placed like the reference's (`hosts.reference`'s mesh)."""
     device: str = "auto"
     """``"auto"``, ``"cpu"`` or ``"cuda"``."""
     micro_batch_size: int | None = None
