@@ -14,7 +14,7 @@ the shipped tiny model. The env actor calls the generator directly (see
   another. A wave's wall time includes its ramp-up and its tail.
 - **steady state**: the way a `Run` drives rollouts: at concurrency C, the
   controller keeps ceil(C / 64) overlapping `run_groups` calls in flight
-  (C / calls episodes each, at most 64: a `Run`'s rollout of 8 prompts x a
+  (C / calls episodes each rounded up, at most 64: a `Run`'s rollout of 8 prompts x a
   group of 8) and starts a new call as soon as one returns, for `--steady-s`
   seconds, measured over a window that opens when the first call has returned
   (the pipeline is full) and closes when the last call is launched (before the
@@ -90,7 +90,7 @@ async def _steady(gen, envs, meshes, c, sampling, env_kwargs, max_turns, seconds
     """Keep about `c` episodes in flight with overlapping `run_groups` calls for `seconds` (from the start, or
     with `after_fill` from the window's start); see the docstring."""
     n_calls = -(-c // PER_CALL)
-    per_call = c // n_calls
+    per_call = -(-c // n_calls)  # n_calls * per_call >= c: at least c episodes in flight
     offset = iter(range(10**6, 10**9, per_call))
     done: list[tuple[float, int, list, list]] = []  # (time returned, episodes, outcomes, turn latencies in s)
 

@@ -17,7 +17,11 @@ run, then re-initialised per run). Time is warm wall time from the end of the st
 the end of the first evaluation (every `--every` steps, `--eval-n` test problems, greedy) at or above the
 target; a run that misses (step or time cap) stays in, censored at the time it stopped (`censored` counts
 them). `generator_idle_*` is the generator's idle time (no request in its engine) over the run's wall time
-(median over pairs), from its own counters.
+(median over pairs), from its own counters and clock; idle also counts the waits for admission (the
+staleness bound holds rollouts back while the trainer is behind), which both modes have. `drain_wait_s` is
+what draining itself costs: the time weight pushes waited for the running requests to finish (0 in flight).
+`resets_deferred` counts pushes whose prefix-cache reset waited for an idle engine, `stale_cached` the prompt
+tokens served from the prefix cache to requests added meanwhile (blocks that may come from older weights).
 
 Last line: `inflight_over_drain_time_to_target` (median over pairs of inflight / drain; goal <= 0.75),
 `generator_idle_drain`, `generator_idle_inflight`, `heldout_accuracy_drain` / `_inflight` (final evaluation,
@@ -72,7 +76,9 @@ async def _one(pool, cfg, target: float, time_cap_s: float) -> dict:
     r["generator_busy"] = round((s1["busy_time_s"] - s0["busy_time_s"]) / gen_wall, 3)
     r["tokens_per_request"] = round((s1["tokens_generated"] - s0["tokens_generated"])
                                     / max(1, s1["requests"] - s0["requests"]), 2)
-    r["requests_spanning_versions"] = s1["requests_spanning_versions"] - s0["requests_spanning_versions"]
+    for k in ("requests_spanning_versions", "prefix_cache_resets", "prefix_cache_resets_deferred",
+              "cached_tokens_possibly_stale", "preemptions", "drain_wait_s"):
+        r[k] = round(s1[k] - s0[k], 3)
     r["prefix_hit_rate"] = round((s1["cached_prompt_tokens"] - s0["cached_prompt_tokens"])
                                  / max(1, s1["prompt_tokens"] - s0["prompt_tokens"]), 3)
     r["wall_s"] = round(wall, 1)
@@ -138,10 +144,11 @@ def main(argv: list[str] | None = None) -> dict:
              "steps": r["steps_to_target"] if r["reached"] else f">{r['final_step']}", "s/step": r["s_per_step"],
              "final_acc": r["final_accuracy"], "generator_idle": r["generator_idle"],
              "tokens/request": r["tokens_per_request"], "spanning": r["requests_spanning_versions"],
-             "prefix_hit": r["prefix_hit_rate"]}
+             "drain_wait_s": r["drain_wait_s"], "prefix_hit": r["prefix_hit_rate"],
+             "resets_deferred": r["prefix_cache_resets_deferred"], "stale_cached": r["cached_tokens_possibly_stale"]}
             for m in MODES for r in runs[m]]
     print_table(rows, ["mode", "pair", "time_to_target_s", "steps", "s/step", "final_acc", "generator_idle",
-                       "tokens/request", "spanning", "prefix_hit"])
+                       "tokens/request", "spanning", "drain_wait_s", "prefix_hit", "resets_deferred", "stale_cached"])
     times = {m: [censored_time(r) for r in runs[m]] for m in MODES}
     per_pair = [i / d for i, d in zip(times["inflight"], times["drain"]) if d > 0]
     ratio = round(statistics.median(per_pair), 3) if per_pair else None
@@ -167,6 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_request": {m: [r["tokens_per_request"] for r in runs[m]] for m in MODES},
         "prefix_hit_rate": {m: [r["prefix_hit_rate"] for r in runs[m]] for m in MODES},
         "requests_spanning_versions": {m: [r["requests_spanning_versions"] for r in runs[m]] for m in MODES},
+        "prefix_cache_resets_deferred": {m: [r["prefix_cache_resets_deferred"] for r in runs[m]] for m in MODES},
+        "cached_tokens_possibly_stale": {m: [r["cached_tokens_possibly_stale"] for r in runs[m]] for m in MODES},
+        "preemptions": {m: [r["preemptions"] for r in runs[m]] for m in MODES},
+        "drain_wait_s": {m: [r["drain_wait_s"] for r in runs[m]] for m in MODES},
         "clock": "wall time from the end of the step-0 evaluation, evaluations included; misses censored",
         "goal": "inflight_over_drain_time_to_target <= 0.75",
         "goal_met": None if ratio is None else ratio <= 0.75,

@@ -115,11 +115,13 @@ class VLLMEngine:
         self.logprob_shift: tuple[int, float] | None = None  # (token index, delta): Generator.corrupt_next_logprob
         self._token_versions: dict[str, list[tuple[int, int]]] = {}  # inflight mode: request id -> version runs
         self.prefix_reset_pending = False  # inflight mode: reset the prefix cache when the engine is next idle
+        self._stale_rids: set[str] = set()  # inflight mode: requests added while that reset was pending
         self.counters = dict(
             busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
             sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0, inflight_updates=0,
             requests_spanning_versions=0, prefix_cache_resets=0, prefix_cache_resets_deferred=0,
+            cached_tokens_possibly_stale=0, drain_wait_s=0.0,
             kv_cache_usage_sum=0.0, kv_cache_usage_max=0.0, kv_cache_usage=0.0, preemptions=0,
         )
         self._scheduler = _scheduler_of(self.engine)
@@ -201,6 +203,8 @@ class VLLMEngine:
                     added.append(rid)
                     if self.config.update_mode == "inflight":
                         self._token_versions[rid] = [(version, 0)]
+                        if self.prefix_reset_pending:  # its prefix hits may be blocks of older weights
+                            self._stale_rids.add(rid)
                     row.append(self._pending.setdefault(rid, loop.create_future()))
                 futures_P_G.append(row)
         except Exception:  # e.g. a token id outside the vocabulary: drop this call's requests
@@ -306,6 +310,9 @@ class VLLMEngine:
                 s["tokens_generated"] += len(out.outputs[0].token_ids)
                 s["prompt_tokens"] += len(out.prompt_token_ids or ())
                 s["cached_prompt_tokens"] += int(out.num_cached_tokens or 0)
+                if self._stale_rids and out.request_id in self._stale_rids:
+                    self._stale_rids.discard(out.request_id)
+                    s["cached_tokens_possibly_stale"] += int(out.num_cached_tokens or 0)
                 fut = self._pending.pop(out.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(out)
@@ -335,6 +342,7 @@ class VLLMEngine:
             self.engine.abort_request(ids)
         except Exception:
             pass
+        self._stale_rids.clear()
         for rid in ids:
             self._token_versions.pop(rid, None)
             fut = self._pending.pop(rid)

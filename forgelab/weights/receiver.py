@@ -138,8 +138,10 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
             return _load_inflight(engine, version, weights)
         engine.admitting.clear()
         try:
+            t_drain = time.perf_counter()
             await engine.idle_event.wait()  # in-flight requests finish on the old weights
             t0 = time.perf_counter()
+            engine.counters["drain_wait_s"] = engine.counters.get("drain_wait_s", 0.0) + t0 - t_drain
             engine.llm.collective_rpc("forgelab_reload_weights", args=(list(weights.items()),))
             engine.llm.reset_prefix_cache()  # cached KV was computed by the old weights
             engine.version = version
