@@ -180,7 +180,9 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
 
     cc = component_configs(cfg)
     gen, tr, ref = cc["generator"], cc["trainer"], cc["reference"]
-    shape = ModelShape.from_hf(hf_config or read_hf_config(cfg.model.path))
+    hf = hf_config or read_hf_config(cfg.model.path)
+    shape = ModelShape.from_hf(hf)
+    ckpt_bytes = _bytes(hf.get("torch_dtype") or hf.get("dtype") or "float32")  # the checkpoint files' dtype
     pl = cfg.placement
     on_gpu = gpus is not None or bool(pl.with_gpus)
     P, V, D = shape.params, shape.vocab, shape.dim
@@ -240,6 +242,11 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
         # LoRA pushes the adapter alone
         "weight push": {"weight export": 4 * (A if lora else P) if world > 1 else 0.0},
     }
+    if not on_gpu:
+        # building the model: every rank reads the whole HF checkpoint (host memory) and copies it into its
+        # parameters: the largest phase of a LoRA trainer with small batches (the base twice, nothing trained
+        # yet; the AdamW state counted in `static` does not exist yet: 8 bytes per trained parameter too many)
+        phases["model load"] = {"checkpoint tensors (load)": ckpt_bytes * P}
     if lora and tr.lora.reference == "base":
         # the reference from the base: one no-grad forward per micro-batch before the step's own (transient)
         phases["reference forward (adapters off)"] = {
