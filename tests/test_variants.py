@@ -55,6 +55,7 @@ def test_interleaved_slots_step_exactly_as_separate_trainers(tmp_path):
     b = random_batches(105, 4, B=4, seed=1, with_ref=False)
     try:
         shared = TrainerState.create(cx, 0, 1)
+        fresh = shared.fingerprint()  # the adapters every slot starts from (seed 0 for all three configs)
         table = SlotTable(shared)
         table.new("x", cx), table.new("y", cy), table.new("n", cn)
         got = {}
@@ -73,7 +74,6 @@ def test_interleaved_slots_step_exactly_as_separate_trainers(tmp_path):
             for i in seq:
                 st.train_step(b[i])
             alone[name] = st.fingerprint()
-        fresh = TrainerState.create(cn, 0, 1).fingerprint()
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
@@ -158,6 +158,12 @@ def test_four_variants_train_on_shared_engines_as_their_overrides_say(swept, eng
         df = df[(df["status"] == "trained") & (df["policy_version"] >= fs)]
         expect = df["reward/exact_answer"] + w_fmt * df["reward/answer_format"]
         assert len(df) and (df["reward"] - expect).abs().max() < 1e-12, name
+    # the services panel: which run sits in which slot, and each run's own served version
+    from forgelab.lab.summary import services_lines
+
+    text = "\n".join(services_lines(runs["lr2"]))
+    assert f"shared engines {engines.name}: this run in {runs['lr2'].parts.slot}; 4/4 slots used" in text, text
+    assert f"version {STEPS}" in text, text
     # every run's completions carry its own version; all four trained on one trainer process
     for name, r in runs.items():
         versions = set(r.rollouts["policy_version"])  # a fork trains first on the parent's buffered episodes

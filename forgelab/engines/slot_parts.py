@@ -60,6 +60,11 @@ class SlotGenerators:
         if "version" in fields:
             self.versions[index] = int(fields["version"])
 
+    def status(self) -> list[Any]:
+        """The shared replicas' status, each with this run's served version and its slot in ``info``."""
+        return [dataclasses.replace(st, info={**st.info, "version": self.versions.get(st.index, 0), "slot": self.slot})
+                for st in self.service.status()]
+
     def add_listener(self, fn: Callable) -> None:
         self.listeners.append(fn)
         self.service.add_listener(fn)
