@@ -164,6 +164,46 @@ def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coeffic
     assert "distill/reverse_kl" in run.metrics.columns
 
 
+def test_a_replay_re_applies_a_live_distillation_coefficient_change_and_reproduces_the_learning_metrics(tmp_path):
+    """In-process fakes, synchronous mode: a coefficient changed live at step 2 is re-applied by the replay at the
+    same rollout (its ``reward_effective`` first episode), so every learning metric of the replay equals the
+    original's (the fake trainer's loss is the batch's mean |per-token advantage|, which the coefficient moves)."""
+    from forgelab.config import RunConfig
+    from forgelab.experiments.replay import replay
+    from forgelab.run import Run
+    from forgelab.testing.fakes import fake_spawn
+
+    cfg = RunConfig.from_dict({
+        "name": "distill-replay", "rollout": {"group_size": 4, "prompts_per_rollout": 2, "concurrency": 1},
+        "train": {"steps": 4, "batch_size": 8, "warmup_steps": 0, "max_policy_age": 0},
+        "eval": {"every": 0, "n": 4}, "teacher": {"model_dir": SHIPPED_MODEL, "coef": 0.5},
+        "tracking": {"wandb": False, "out_dir": str(tmp_path)}})
+
+    async def go():
+        run = Run(cfg, spawn=fake_spawn)
+        await run.start()
+        await run.until(step=2, timeout=120)
+        run.set_distill_coef(-3.0)
+        await run.wait()
+        await run.shutdown()
+        report = await replay(run.out_dir, spawn=fake_spawn, run_cls=Run, name="distill-replay-again")
+        return run, report
+
+    run, report = asyncio.new_event_loop().run_until_complete(go())
+    assert run.state == "finished"
+    assert [(e["kind"], e["new"]) for e in report.changes_applied] == [("distill_coef", -3.0)]
+    assert report.deterministic and report.steps == 4
+    assert report.ok, str(report)  # without the re-application: step 4's loss differs (-0.3218 vs -0.2967)
+    # the replay recorded the change again, effective from the same episode as the original's
+    def effective(events):
+        ch = next(e for e in events if e["kind"] == "distill_coef")
+        return next(e["first_episode"] for e in events if e["kind"] == "reward_effective" and e["rev"] >= ch["rev"])
+
+    from forgelab.controller.events import EventLog
+
+    assert effective(EventLog.read(report.replay_dir)) == effective(list(run.events))
+
+
 # --- real processes ---------------------------------------------------------------------------------------------
 
 

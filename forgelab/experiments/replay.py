@@ -13,8 +13,8 @@ original run's event log says where each change took effect: a loss swap at a
 step boundary (``applies_at_step``), a reward change at the first episode scored
 with it (``reward_effective.first_episode``). The replay applies the same change
 through the same public call (`Run.set_loss`, `Run.set_reward_weights`,
-`Run.add_reward`, `Run.remove_reward`) at that point, so its own event log
-records it again.
+`Run.add_reward`, `Run.remove_reward`, `Run.set_distill_coef`) at that point, so
+its own event log records it again.
 
 Compared: the per-step learning metrics (loss, rewards, KL, entropy, gradient
 norm, clip fractions, accuracy, lr, ...) for exact equality, as written to
@@ -57,7 +57,9 @@ class ReplayRefused(RuntimeError):
     """The recorded run would run on other package versions or other built-in code here, and the caller did not
     allow it (``allow_mismatch=True``)."""
 
-REWARD_CHANGES = ("reward_weights", "reward_added", "reward_removed")
+#: changes that land at the first episode scored with them (``reward_effective``); on-policy distillation's live
+#: coefficient is one (`Run.set_distill_coef` records it as a reward revision)
+REWARD_CHANGES = ("reward_weights", "reward_added", "reward_removed", "distill_coef")
 
 #: Columns that measure time, throughput or in-flight work, not learning: never compared.
 NOT_LEARNING = ("time", "tokens_per_s", "step_time_s", "train_time_s", "weight_sync_ms", "loss_name")
@@ -202,6 +204,8 @@ class Replayer:
                 run.add_reward(e["name"], self.functions[id(e)], e["weight"], replace=e.get("replace", False))
             elif e["kind"] == "reward_removed":
                 run.remove_reward(e["name"])
+            elif e["kind"] == "distill_coef":
+                run.set_distill_coef(e["new"])
             self.applied.append(e)
 
 
