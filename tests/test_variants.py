@@ -213,6 +213,11 @@ def test_each_variant_keeps_its_own_logs_manifest_and_accounting(loop, swept, en
         kinds = [e["kind"] for e in (json.loads(x) for x in (r.out_dir / "events.jsonl").read_text().splitlines())]
         assert "spawned" in kinds and kinds[-1] == "finished", (name, kinds[-3:])
         assert ("forked_from" in kinds) == (name != "base")
+        if name != "base":  # the fork copied the trainer's slot in memory: the fork checkpoint has no trainer/
+            origin = json.loads((r.out_dir / "origin.json").read_text())
+            assert origin["trainer_state"].startswith("copied in memory"), origin
+            assert (Path(origin["checkpoint"]) / "controller.json").is_file()
+            assert not (Path(origin["checkpoint"]) / "trainer").exists()
         man = json.loads((r.out_dir / "manifest.json").read_text())
         assert man["shared_engines"]["engines"] == engines.name and man["shared_engines"]["slot"] == r.parts.slot
         assert "replay the whole sweep" in man["shared_engines"]["replay"]

@@ -66,11 +66,15 @@ def rewards_from_state(saved: list[dict[str, Any]]):
     return RewardComposer(terms)
 
 
-async def save(run, path: str | Path | None = None) -> Path:
-    """Trainer state (DCP) + controller state (step, version, data position, counters, rewards, loss)."""
+async def save(run, path: str | Path | None = None, *, trainer: bool = True) -> Path:
+    """Trainer state (DCP) + controller state (step, version, data position, counters, rewards, loss).
+
+    ``trainer=False``: the controller state only (a fork into a slot of shared engines copies the trainer's
+    state in memory); `restore` then requires the trainer to hold exactly the saved state (fingerprints)."""
     path = Path(path) if path else run.out_dir / "checkpoints" / f"step_{run.step:06d}"
     path.mkdir(parents=True, exist_ok=True)
-    await run.trainer.call("save", str(path / "trainer"))
+    if trainer:
+        await run.trainer.call("save", str(path / "trainer"))
     info = (await run.trainer.call("info"))[0] if hasattr(run.trainer, "call") else {}
     state = {
         "step": run.step, "version": run.version, "stream": run.stream.state_dict(),
@@ -99,7 +103,8 @@ async def restore(run, path: str | Path) -> None:
     state = json.loads((path / "controller.json").read_text())
     # rebuild the rewards first: a reward that cannot be restored fails before the trainer is touched
     rewards = rewards_from_state(state["rewards"]) if "rewards" in state else None
-    loaded = await run.trainer.call("load", str(path / "trainer"))
+    on_disk = (path / "trainer").is_dir()
+    loaded = await (run.trainer.call("load", str(path / "trainer")) if on_disk else run.trainer.call("info"))
     info = loaded[0] if isinstance(loaded, (list, tuple)) and loaded else (loaded or {})
     run.step, run.version = state["step"], state["version"]
     run.stream.load_state_dict(state["stream"])
@@ -120,6 +125,10 @@ async def restore(run, path: str | Path) -> None:
     saved_fp, fp = state.get("trainer_fingerprint"), await run.trainer.call("fingerprint")
     # world size may differ on resume (shards differ then): compare only like with like
     match = fp == saved_fp if saved_fp is not None and len(saved_fp) == len(fp) else None
+    if not on_disk and not match:
+        raise ValueError(f"{path} holds no trainer state (a fork into a shared-engines slot copies it in memory), "
+                         "and this trainer's state is not the saved one; restore from a checkpoint with a trainer/ "
+                         "directory (run.save_checkpoint)")
     if match is False:
         log.warning("forgelab: trainer state after restore differs from the one saved in %s", path)
     restore_metrics(run, path.parent.parent / "metrics.csv")

@@ -145,24 +145,37 @@ async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, override
 
 
 async def fork(run: Any, *, name: str | None = None, pause_parent: bool = False, start: bool = True,
-               pool: Any = None, **overrides: Any):
-    """`Run.fork`: the child `Run` (started unless ``start=False``) forked from `run` at its next quiet step boundary."""
+               pool: Any = None, through_disk: bool = False, **overrides: Any):
+    """`Run.fork`: the child `Run` (started unless ``start=False``) forked from `run` at its next quiet step boundary.
+
+    A run on shared engines (`forgelab.experiments.variants.Engines`) forks into a free slot of them: the
+    trainer's state (adapter, optimizer, schedule, loss) is copied in memory, only the controller's goes
+    through the fork checkpoint (``through_disk=True``: the trainer's too, as for other runs)."""
     if run.parts is None or run.trainer is None:
         raise RuntimeError(f"fork: run {run.config.name} has no processes (never started, or shut down); "
                            "fork from one of its checkpoints with Run.fork_from(path, ...)")
     name = name or _child_name(run.out_dir.parent, run.config.name)
     cfg = child_config(run.config, name, overrides)  # a bad override fails before the parent pauses
     was_running = run.state == "running"
+    spawn = pool or getattr(run.parts, "pool", None)
+    in_memory = (not through_disk and hasattr(spawn, "copy_slot") and getattr(run.parts, "pool", None) is spawn)
     run.pause()
     try:
         await quiesce(run)
-        ckpt = await run.save_checkpoint(run.out_dir / "forks" / f"{name}_step_{run.step:06d}")
+        path = run.out_dir / "forks" / f"{name}_step_{run.step:06d}"
+        if in_memory:  # the slot copy is taken now, at the same quiet boundary as the controller state
+            from forgelab.controller.checkpoint import save
+
+            ckpt = await save(run, path, trainer=False)
+            spawn = await spawn.copy_slot(run.parts.slot)
+        else:
+            ckpt = await run.save_checkpoint(path)
     finally:
         if was_running and not pause_parent:
             run.resume()
     origin = {"parent": run.config.name, "parent_dir": str(run.out_dir), "step": run.step, "version": run.version,
-              "checkpoint": str(ckpt), "overrides": _describe(overrides)}
-    spawn = pool or getattr(run.parts, "pool", None)
+              "checkpoint": str(ckpt), "overrides": _describe(overrides),
+              "trainer_state": "copied in memory (shared-engines slot)" if in_memory else "checkpoint"}
     run.emit("forked", child=name, child_dir=str(Path(cfg.tracking.out_dir) / name), checkpoint=str(ckpt),
                overrides=origin["overrides"], parent_paused=bool(pause_parent and was_running))
     return await _start_child(type(run), cfg, ckpt, spawn, overrides, origin, run.last_batch, start)

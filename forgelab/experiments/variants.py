@@ -130,36 +130,65 @@ class Engines:
     async def __call__(self, cfg: Any) -> Any:
         return await self.attach(cfg)
 
-    async def attach(self, cfg: Any) -> Any:
-        """A run's parts on these engines (`SlotParts`): a free slot with fresh adapters and `cfg`'s trainer
-        settings (loss, lr, schedule). Refuses a config that cannot share them, naming why."""
-        from forgelab.engines.pool import engine_key
-        from forgelab.engines.slot_parts import SlotGenerators, SlotParts, SlotTrainerHandle
-        from forgelab.engines.spawn import component_configs
+    async def copy_slot(self, src: str) -> Any:
+        """Reserve a free slot holding an exact copy of slot ``src``'s trainer state (adapter, optimizer,
+        schedule, loss, step, version: in memory); returns the ``spawn`` a fork's child attaches with
+        (`forgelab.experiments.fork`)."""
+        import functools
 
-        self._check(cfg)
-        mine = self._shared_config(cfg)
-        await self.start()
-        key = engine_key(mine)
-        diff = sorted(k for k in key if key[k] != self.key.get(k))
-        if diff:
-            raise ValueError(f"run {cfg.name!r} cannot share {self.name}: it differs in {', '.join(diff)} (the model, "
-                             "engine, lora shape and placement are the engines'); give it its own processes")
-        t0 = time.time()
+        slot = await self._reserve()
+        try:
+            await self.parts.generators.fanout("drop_slot", slot)
+            await self.parts.trainer.call("slot_copy", src, slot)
+        except BaseException:
+            self.attached.pop(slot, None)
+            raise
+        return functools.partial(self.attach, reserved=slot)
+
+    async def _reserve(self) -> str:
         async with self._lock:
             free = self.free_slots()
             if not free:
                 raise RuntimeError(f"{self.name}: all {self.slots} slots are in use ("
                                    + ", ".join(f"{s}: {n}" for s, n in sorted(self.run_names.items()))
                                    + "); detach a run (await run.shutdown()) or make Engines(slots=...) larger")
-            slot = free[0]
-            self.attached[slot] = None  # reserved
+            self.attached[free[0]] = None  # reserved
+            return free[0]
+
+    async def attach(self, cfg: Any, reserved: str | None = None) -> Any:
+        """A run's parts on these engines (`SlotParts`): a free slot with fresh adapters and `cfg`'s trainer
+        settings (loss, lr, schedule), or the ``reserved`` slot `copy_slot` filled. Refuses a config that
+        cannot share the engines, naming why."""
+        from forgelab.engines.pool import engine_key
+        from forgelab.engines.slot_parts import SlotGenerators, SlotParts, SlotTrainerHandle
+        from forgelab.engines.spawn import component_configs
+
         try:
-            await self.parts.generators.fanout("drop_slot", slot)  # nothing left from a detached run
-            await self.parts.trainer.call("slot_new", slot, component_configs(cfg)["trainer"])
+            self._check(cfg)
+            await self.start()
+            key = engine_key(self._shared_config(cfg))
+            diff = sorted(k for k in key if key[k] != self.key.get(k))
+            if diff:
+                raise ValueError(f"run {cfg.name!r} cannot share {self.name}: it differs in {', '.join(diff)} (the "
+                                 "model, engine, lora shape and placement are the engines'); give it its own processes")
         except BaseException:
-            self.attached.pop(slot, None)
+            if reserved is not None and self.attached.get(reserved, 0) is None:  # a fork's copy: give it back
+                await self.parts.trainer.call("slot_free", reserved)
+                self.attached.pop(reserved, None)
             raise
+        t0 = time.time()
+        if reserved is not None:
+            if reserved not in self.attached or self.attached[reserved] is not None:
+                raise ValueError(f"{self.name}: slot {reserved!r} is not reserved (copy_slot reserves one)")
+            slot = reserved
+        else:
+            slot = await self._reserve()
+            try:
+                await self.parts.generators.fanout("drop_slot", slot)  # nothing left from a detached run
+                await self.parts.trainer.call("slot_new", slot, component_configs(cfg)["trainer"])
+            except BaseException:
+                self.attached.pop(slot, None)
+                raise
         parts = SlotParts(generators=SlotGenerators(self.parts.generators, slot),
                           trainer=SlotTrainerHandle(self.parts.trainer, slot), reference=self.parts.reference,
                           seconds=time.time() - t0, pool=self, slot=slot)
