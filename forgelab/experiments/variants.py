@@ -18,8 +18,10 @@ replaces its own adapter only and stops no one's generation. The trainer steps o
 (N runs: N trainer steps, the base forward/backward is not shared between runs).
 
 A fork of a run on shared engines (`run.fork`, `sweep`) goes into a free slot: no process starts; the
-parent's state travels as a fork checkpoint (adapter + optimizer, a few MB) as for any fork. What cannot
-share (a full-parameter run, an environment run, another model or engine setting) is refused with the reason.
+trainer's state (adapter, optimizer, schedule, loss) is copied in memory into the slot (`copy_slot`), only the
+controller's state (step, data position, buffer, counters, rewards) goes through the fork checkpoint
+(``run.fork(through_disk=True)``: the trainer's too). What cannot share (a full-parameter run, an environment
+run, another model or engine setting) is refused with the reason.
 """
 from __future__ import annotations
 
@@ -302,7 +304,8 @@ class Engines:
         return {"trainer": t, "generators": g}
 
     async def shutdown(self) -> None:
-        """Detach every run and stop the processes."""
+        """Detach every run and stop the processes. Stop or shut the runs down first: a run still training
+        when its processes stop fails (its slot is gone)."""
         for parts in list(self.attached.values()):
             if parts is not None:
                 await self.detach(parts)
