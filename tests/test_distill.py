@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -202,6 +203,55 @@ def test_a_replay_re_applies_a_live_distillation_coefficient_change_and_reproduc
     from forgelab.controller.events import EventLog
 
     assert effective(EventLog.read(report.replay_dir)) == effective(list(run.events))
+
+
+def test_a_zero_variance_group_is_kept_while_a_teacher_teaches_and_dropped_once_its_coefficient_is_0(tmp_path):
+    """``drop_zero_variance_groups`` with a teacher, on fakes that always answer right (every group's rewards are
+    equal): with coefficient 0.5 every group is kept and trained (its tokens still carry teacher - student) and
+    counted in ``episodes_zero_variance_kept``, none dropped; after ``set_distill_coef(0)`` such groups are
+    dropped as ``zero_variance_group`` (nothing teaches them), as without a teacher."""
+    from forgelab.config import RunConfig
+    from forgelab.engines.spawn import component_configs
+    from forgelab.run import Run
+    from forgelab.testing.fakes import FakeParts, FakeReference, FakeTrainer, fake_generators
+
+    cfg = RunConfig.from_dict({
+        "name": "distill-zero-var", "rollout": {"group_size": 4, "prompts_per_rollout": 2, "concurrency": 1,
+                                                "drop_zero_variance_groups": True},
+        "train": {"steps": 50, "batch_size": 8, "warmup_steps": 0, "max_policy_age": 0},
+        "eval": {"every": 0, "n": 4}, "teacher": {"model_dir": SHIPPED_MODEL, "coef": 0.5},
+        "tracking": {"wandb": False, "out_dir": str(tmp_path)}})
+    parts = FakeParts(generators=fake_generators(cfg, p_correct=1.0),
+                      trainer=FakeTrainer(component_configs(cfg)["trainer"].loss), teacher=FakeReference(scale=0.1))
+
+    def zero_var_drops(run) -> int:
+        return run.buffer.counts()["dropped_reasons"].get("zero_variance_group", 0)
+
+    async def go():
+        run = Run(cfg, spawn=parts.factory())
+        await run.start()
+        await run.until(step=2, timeout=120)
+        before = (zero_var_drops(run), dict(run.metrics.iloc[-1]))
+        run.set_distill_coef(0.0)
+        # one whole rollout dropped (drops notify no listener, so `run.until` would not re-check: poll)
+        deadline = time.monotonic() + 120
+        while zero_var_drops(run) < 8 and run.state == "running" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        kept = (run.rollout.zero_variance_kept, run.buffer.counts())
+        await run.shutdown()
+        return run, before, kept
+
+    run, (drops, row), kept = asyncio.new_event_loop().run_until_complete(go())
+    assert drops == 0
+    assert row["episodes_trained"] == 16 and row["episodes_dropped"] == 0
+    assert row["episodes_zero_variance_kept"] >= 16  # every kept episode's group had equal rewards
+    df = run.rollout.dataframe()
+    trained = df[df["status"] == "trained"]
+    assert len(trained) >= 16 and (trained["reward"] == trained["reward"].iloc[0]).all()
+    assert all(any(a != 0.0 for a in adv) for adv in trained["token_advantages"])  # the signal they were kept for
+    assert zero_var_drops(run) >= 8  # coefficient 0: dropped as without a teacher
+    kept, counts = kept
+    assert kept == counts["trained"] + counts["buffered"]  # every kept episode, no more
 
 
 # --- real processes ---------------------------------------------------------------------------------------------

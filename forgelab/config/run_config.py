@@ -89,7 +89,9 @@ class RolloutConfig:
     advantage: str = "grpo"
     """Advantage estimator: grpo (group z-score), dr_grpo (group mean) or rloo (leave-one-out)."""
     drop_zero_variance_groups: bool = False
-    """Drop groups whose rewards are all equal (they carry no gradient); counted as dropped."""
+    """Drop groups whose rewards are all equal (they carry no gradient); counted as dropped. With a teacher
+    (coefficient not 0) such a group is kept: its tokens still carry the distillation signal (metrics column
+    ``episodes_zero_variance_kept``)."""
     env: str | None = None
     """Multi-turn environment (a name in forgelab.envs.ENVS) or None for single-turn rollouts. With an env,
     each problem of `task` starts G episodes played by EnvActor replicas; the episode reward is the

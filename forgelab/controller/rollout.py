@@ -210,6 +210,8 @@ class Rollouts:
         self.teacher, self.distill_coef = teacher, distill_coef
         self.recent: deque[Episode] = deque(maxlen=RECENT)  # a view: buffered, trained or dropped, newest last
         self.recent_total = 0  # episodes ever put in `recent` (the older ones are in the rollout log)
+        #: episodes of zero-variance groups kept (not dropped) because they carry a distillation signal
+        self.zero_variance_kept = 0
         self.next_group_id = 0
         self.next_episode_id = 0
         self.ids_unused = 0  # ids admitted for episodes that were never generated (the rollout failed first)
@@ -307,6 +309,8 @@ class Rollouts:
                                      distill_coef: float = 1.0) -> None:
         """Drop failed episodes, compute group advantages, add reference (and teacher) logprobs, buffer the rest."""
         r = self.config.rollout
+        # with a teacher (coefficient not 0) a group whose rewards are all equal still teaches per token
+        distils = self.teacher is not None and distill_coef != 0.0
         keep: list[Episode] = []
         for g in groups:
             ok = [ep for ep in g if ep.id not in failed]
@@ -318,8 +322,10 @@ class Rollouts:
                 continue
             rewards_1_G = torch.tensor([[ep.reward for ep in ok]], dtype=torch.float64)
             if r.drop_zero_variance_groups and float(rewards_1_G.std()) == 0.0:
-                self._drop(ok, "zero_variance_group")
-                continue
+                if not distils:
+                    self._drop(ok, "zero_variance_group")
+                    continue
+                self.zero_variance_kept += len(ok)  # equal rewards, but each token still has a teacher's signal
             for ep, a in zip(ok, ADVANTAGES[r.advantage](rewards_1_G)[0].tolist()):
                 ep.advantage = float(a)
             keep += ok

@@ -160,6 +160,8 @@ def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: 
     row["weight_sync_ms"] = sync_ms
     for k in ("generated", "trained", "evicted", "dropped", "buffered"):
         row[f"episodes_{k}"] = counts[k]
+    if run.rollout.teacher is not None and run.config.rollout.drop_zero_variance_groups:
+        row["episodes_zero_variance_kept"] = run.rollout.zero_variance_kept  # not dropped: they distil
     return row
 
 
