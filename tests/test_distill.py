@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import shutil
 import time
 
@@ -165,6 +166,32 @@ def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coeffic
     assert "distill/reverse_kl" in run.metrics.columns
 
 
+def test_the_token_view_colours_by_the_teacher_gap_only_when_the_episodes_have_a_teacher():
+    """`forgelab.lab.tokens`: per trained token, teacher_gap = teacher logprob - generator logprob (NaN on an
+    environment token), the advantage is the token's own, the colour is green above 0 and red below; the
+    choices offer ``teacher_gap`` only for a frame with teacher logprobs."""
+    import pandas as pd
+
+    from forgelab.lab.tokens import COLOUR_BY, colour_choices, spans_html, table_html, token_rows
+
+    ep = {"completion_ids": [72, 105, 10, 62], "generator_logprobs": [-0.5, -1.25, 0.0, -2.0],
+          "teacher_logprobs": [-0.25, -2.0, -3.0, -2.0], "token_advantages": [0.125, -0.375, 0.0, 0.0],
+          "loss_mask": [1, 1, 0, 1], "advantage": 0.0}
+    rows = token_rows(ep)
+    # dyadic values: the float64 differences are exact
+    assert [r["teacher_gap"] for r in rows if r["trained"]] == [0.25, -0.75, 0.0]
+    assert math.isnan(rows[2]["teacher_gap"]) and [r["advantage"] for r in rows] == [0.125, -0.375, 0.0, 0.0]
+    html = spans_html(rows, "teacher_gap")
+    styles = re.findall(r'<span class="fl-tok" style="background:hsl\((\d+), [^"]*" title="([^"]*)"', html)
+    assert [h for h, _ in styles] == ["120", "0", "120"]  # green, red, neutral (0 is drawn on the green side)
+    assert "teacher_gap +0.2500" in styles[0][1] and "teacher -0.2500" in styles[0][1]
+    assert "<td>-0.7500</td><td></td></tr>" in table_html(rows)
+    with_teacher = pd.DataFrame([ep, {**ep, "teacher_logprobs": None}])
+    without = pd.DataFrame([{**ep, "teacher_logprobs": None}])
+    assert colour_choices(with_teacher) == COLOUR_BY and "teacher_gap" not in colour_choices(without)
+    assert "teacher_gap" not in colour_choices(None)
+
+
 def test_a_replay_re_applies_a_live_distillation_coefficient_change_and_reproduces_the_learning_metrics(tmp_path):
     """In-process fakes, synchronous mode: a coefficient changed live at step 2 is re-applied by the replay at the
     same rollout (its ``reward_effective`` first episode), so every learning metric of the replay equals the
@@ -192,6 +219,7 @@ def test_a_replay_re_applies_a_live_distillation_coefficient_change_and_reproduc
 
     run, report = asyncio.new_event_loop().run_until_complete(go())
     assert run.state == "finished"
+    _check_teacher_gap_views(run)
     assert [(e["kind"], e["new"]) for e in report.changes_applied] == [("distill_coef", -3.0)]
     assert report.deterministic and report.steps == 4
     assert report.ok, str(report)  # without the re-application: step 4's loss differs (-0.3218 vs -0.2967)
@@ -203,6 +231,25 @@ def test_a_replay_re_applies_a_live_distillation_coefficient_change_and_reproduc
     from forgelab.controller.events import EventLog
 
     assert effective(EventLog.read(report.replay_dir)) == effective(list(run.events))
+
+
+def _check_teacher_gap_views(run) -> None:
+    """The live inspector and `forgelab.lab.open` on the finished run offer teacher_gap and show, for a trained
+    episode, teacher - generator logprob per token from its recorded columns."""
+    import forgelab.lab
+    from forgelab.lab.inspector import RolloutInspector
+
+    for insp in (RolloutInspector(run), forgelab.lab.open(run.out_dir).inspector):
+        insp.widget  # builds headless, as in a notebook
+        insp.refresh()
+        assert "teacher_gap" in insp.colour_by.options
+        ep = insp.df[insp.df["status"] == "trained"].iloc[0].to_dict()
+        insp.show(int(ep["id"]))
+        insp.colour_by.value = "teacher_gap"
+        titles = re.findall(r'<span class="fl-tok" [^>]*title="([^"]*)"', insp.tokens.value)
+        assert len(titles) == len(ep["completion_ids"]) > 0
+        for t, tl, g in zip(titles, ep["teacher_logprobs"], ep["generator_logprobs"]):
+            assert f"teacher_gap {float(tl) - float(g):+.4f}" in t
 
 
 def test_a_zero_variance_group_is_kept_while_a_teacher_teaches_and_dropped_once_its_coefficient_is_0(tmp_path):

@@ -11,7 +11,8 @@ from typing import Any
 
 from forgelab.lab._base import Panel, esc
 from forgelab.lab.summary import state_line
-from forgelab.lab.tokens import COLOUR_BY, histogram_html, mismatch_histogram, spans_html, table_html, token_rows
+from forgelab.lab.tokens import (COLOUR_BY, colour_choices, histogram_html, mismatch_histogram, spans_html, table_html,
+                                 token_rows)
 
 SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length", "mismatch_max")
 CORRECTNESS = ("all", "only right", "only wrong")
@@ -40,7 +41,8 @@ class RolloutInspector(Panel):
     (buffer status; "dropped" matches every reason). When the run has ended, the table shows the trained
     episodes (the newest ones are then the last rollout, cancelled unscored) unless `status` was set by hand.
     Colour the tokens by `colour_by`: "logprob" (generator), "advantage", "kl" (k3 vs the reference), or the
-    trainer's view once trained: "mismatch" (trainer vs generator logprob), "entropy", "is_weight", "clipped".
+    trainer's view once trained: "mismatch" (trainer vs generator logprob), "entropy", "is_weight", "clipped";
+    with a teacher (its logprobs on the episodes), "teacher_gap" (teacher - student logprob per token).
     Sort by "mismatch_max" to find the episodes where the sampler and the trainer disagree most;
     `histogram` shows the per-token mismatch of the latest trained policy version.
     """
@@ -75,7 +77,7 @@ class RolloutInspector(Panel):
         self.table = W.HTML(layout=lay(width="100%", max_height="330px", overflow="auto"))
         self.select = W.Dropdown(options=[], description="episode", layout=lay(width="460px"),
                                  style={"description_width": "55px"})
-        self.colour_by = W.ToggleButtons(options=COLOUR_BY, value="logprob", style={"button_width": "78px"})
+        self.colour_by = W.ToggleButtons(options=colour_choices(None), value="logprob", style={"button_width": "78px"})
         self.histogram = W.HTML()
         self.header = W.HTML()
         self.tokens = W.HTML(layout=lay(width="62%"))
@@ -115,6 +117,10 @@ class RolloutInspector(Panel):
         self._seen = key
         self._syncing = True
         try:
+            if len(self.colour_by.options) < len(COLOUR_BY):  # until the episodes show a teacher
+                choices = colour_choices(df)
+                if tuple(self.colour_by.options) != choices:
+                    self.colour_by.options = choices
             if (ended and not self._status_set and self.status.value == "all statuses" and "status" in df.columns
                     and (df["status"] == "trained").any()):
                 self.status.value = "trained"

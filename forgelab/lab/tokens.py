@@ -7,7 +7,10 @@ Per token `i` of the completion:
 - `kl_k3`: the k3 estimate of KL(generator || reference) at this token,
   `exp(d) - d - 1` with `d = ref_logprob - logprob` (>= 0, unbiased; the same
   estimator the losses report as `kl_ref`, here against the sampling policy);
-- `advantage`: the episode's advantage on trained tokens, 0 on environment tokens;
+- `advantage`: the token's advantage on trained tokens (its per-token advantage under on-policy distillation,
+  else the episode's), 0 on environment tokens;
+- with a teacher (on-policy distillation): `teacher_logprob` and `teacher_gap` (`teacher_logprob - logprob`,
+  teacher minus student on the student's sample: the per-token signal, > 0 where the teacher would raise it);
 - once the episode trained, the trainer's view of the token (`forgelab.algos.token_truth`): `trainer_logprob`
   (under the weights it trained, before the update), `mismatch` (`trainer_logprob - logprob`: sampler vs
   trainer), `entropy`, `is_weight` (the importance weight the loss used) and `clipped` (1 if the loss clipped it).
@@ -26,7 +29,17 @@ from typing import Any, Sequence
 from forgelab.lab._base import esc
 
 #: Quantities the spans can be coloured by.
-COLOUR_BY = ("logprob", "advantage", "kl", "mismatch", "entropy", "is_weight", "clipped")
+COLOUR_BY = ("logprob", "advantage", "kl", "mismatch", "entropy", "is_weight", "clipped", "teacher_gap")
+#: Colourings that need a teacher's logprobs (offered only when the episodes carry them: `colour_choices`).
+TEACHER_ONLY = ("teacher_gap",)
+
+
+def colour_choices(df: Any) -> tuple[str, ...]:
+    """The `COLOUR_BY` entries that apply to a rollouts frame: ``teacher_gap`` only when an episode has teacher
+    logprobs (a run with a teacher)."""
+    teacher = df is not None and "teacher_logprobs" in getattr(df, "columns", ()) and bool(
+        df["teacher_logprobs"].notna().any())  # None or NaN without a teacher
+    return COLOUR_BY if teacher else tuple(c for c in COLOUR_BY if c not in TEACHER_ONLY)
 
 
 def k3(logprob: float, ref_logprob: float) -> float:
@@ -44,6 +57,8 @@ def token_rows(ep: dict, tokenizer: Any = None) -> list[dict]:
     mask = ep.get("loss_mask")
     mask = list(mask) if mask is not None and not _isnan(mask) else None
     adv = float(ep.get("advantage") or 0.0)
+    token_adv = _listed(ep.get("token_advantages"))
+    teacher = _listed(ep.get("teacher_logprobs"))
     train = {k: _listed(ep.get(k)) for k in ("trainer_logprobs", "entropy", "is_weight", "clipped")}
     turn_of: dict[int, tuple[int, str]] = {}
     turns = ep.get("turns")
@@ -62,12 +77,15 @@ def token_rows(ep: dict, tokenizer: Any = None) -> list[dict]:
             "turn": turn, "role": role,
             "logprob": lp, "ref_logprob": ref,
             "kl": k3(lp, ref) if not (math.isnan(lp) or math.isnan(ref)) else float("nan"),
-            "advantage": adv if trained else 0.0,
+            "advantage": (float(token_adv[i]) if token_adv is not None and i < len(token_adv) else adv)
+            if trained else 0.0,
+            "teacher_logprob": _at(teacher, i, trained),
             "trainer_logprob": _at(train["trainer_logprobs"], i, trained),
             "entropy": _at(train["entropy"], i, trained), "is_weight": _at(train["is_weight"], i, trained),
             "clipped": _at(train["clipped"], i, trained),
         })
         rows[-1]["mismatch"] = rows[-1]["trainer_logprob"] - lp if trained else float("nan")
+        rows[-1]["teacher_gap"] = rows[-1]["teacher_logprob"] - lp  # NaN without a teacher or off the mask
     return rows
 
 
@@ -112,6 +130,8 @@ def title(row: dict) -> str:
     if not math.isnan(row.get("trainer_logprob", float("nan"))):
         text += (f" | trainer {row['trainer_logprob']:.4f} | mismatch {row['mismatch']:+.4f} | "
                  f"entropy {row['entropy']:.4f} | is_weight {row['is_weight']:.4f} | clipped {row['clipped']:.0f}")
+    if not math.isnan(row.get("teacher_logprob", float("nan"))):
+        text += f" | teacher {row['teacher_logprob']:.4f} | teacher_gap {row['teacher_gap']:+.4f}"
     return text
 
 
@@ -123,7 +143,7 @@ def colour(value: float, by: str, scale: float) -> str:
     if by == "logprob":
         p = math.exp(min(0.0, value))
         return f"hsl({int(120 * p)}, 70%, {int(82 - 8 * p)}%)"
-    if by == "advantage":
+    if by in ("advantage", "teacher_gap"):
         a = max(-1.0, min(1.0, value / scale)) if scale > 0 else 0.0
         return f"hsl({120 if a >= 0 else 0}, 65%, {int(97 - 30 * abs(a))}%)"
     if by == "is_weight":  # 1 is neutral: red below, green above
@@ -164,7 +184,8 @@ def spans_html(rows: Sequence[dict], by: str = "logprob") -> str:
               "mismatch": f"|trainer - generator logprob|, white 0 → purple {scale:.3g}",
               "entropy": f"the trainer's entropy, white 0 → blue {scale:.3g}",
               "is_weight": "importance weight: red < 1 < green",
-              "clipped": "red: the loss clipped the token"}[by]
+              "clipped": "red: the loss clipped the token",
+              "teacher_gap": f"teacher - student logprob: red < 0 (the teacher pulls it down) < green, scale ±{scale:.3g}"}[by]
     return (f"{TOKEN_CSS}<div class='fl-tokens'>{''.join(out) or '<i>(empty completion)</i>'}</div>"
             f"<div class='fl-legend'>colour: {esc(by)} · {esc(legend)} · hover a token for its values</div>")
 
@@ -180,12 +201,12 @@ def table_html(rows: Sequence[dict], max_rows: int = 512) -> str:
         f"<td>{num(r['kl']) if r['trained'] else ''}</td><td>{num(r['advantage'])}</td>"
         f"<td>{num(r['trainer_logprob'])}</td><td>{num(r['mismatch'])}</td><td>{num(r['entropy'])}</td>"
         f"<td>{num(r['is_weight'])}</td><td>{'' if math.isnan(r['clipped']) else int(r['clipped'])}</td>"
-        f"<td>{'' if r['trained'] else 'env'}</td></tr>"
+        f"<td>{num(r.get('teacher_gap', math.nan))}</td><td>{'' if r['trained'] else 'env'}</td></tr>"
         for r in list(rows)[:max_rows]
     )
     return (f"{TOKEN_CSS}<div class='fl-side'><table class='fl-table fl-token-table'><thead><tr><th>#</th><th>token</th>"
             f"<th>logprob</th><th>ref</th><th>kl_k3</th><th>adv</th><th>trainer</th><th>mismatch</th><th>entropy</th>"
-            f"<th>is_w</th><th>clip</th><th></th></tr></thead><tbody>{body}</tbody></table></div>")
+            f"<th>is_w</th><th>clip</th><th>t_gap</th><th></th></tr></thead><tbody>{body}</tbody></table></div>")
 
 
 def mismatch_histogram(df: Any, bins: Sequence[float] = (0.0, 1e-6, 1e-4, 1e-3, 1e-2, 0.1, 1.0)) -> dict[str, Any]:
