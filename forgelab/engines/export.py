@@ -79,6 +79,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     else:
         state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(trainer_dir))  # in place; single process, no process group needed
+    if not lora:
+        # in place into the state dict's tensors, which are not all the model's: the fused QKV module's
+        # state dict splits its `wqkv` into new wq/wk/wv tensors (a save hook), so they reach the model only
+        # through load_state_dict (its merge hook), as the trainer's own load does; without it q/k/v stayed
+        # the base's in every full export
+        model.load_state_dict(state["model"])
     with torch.no_grad():
         if kind == "adapter":
             tensors = peft_tensors(model, ckpt)
