@@ -4,7 +4,8 @@ The in-process tests drive a `SlotTable` over one `TrainerState`: interleaved sl
 trainers (the same float32 operations on the same values: compared bit for bit). The integration tests share
 ONE engines (one SlotGenerator, one SlotTrainer) for the whole module: a synchronous LoRA parent forked at
 step 2 into three variants (no override, lr x2, dapo with the format reward off), all four training at once;
-then a variant is detached and two forks reuse slots, one with a reward that starts raising.
+then a variant is detached and a fork reuses its slot; two more forks train side by side, one with a reward
+that starts raising.
 """
 from __future__ import annotations
 
@@ -230,11 +231,43 @@ def test_each_variant_keeps_its_own_logs_manifest_and_accounting(loop, swept, en
         assert steps[-1] == STEPS and set(range(first, STEPS + 1)) <= set(steps), (name, steps)
 
 
+async def _close(*rs):
+    await asyncio.gather(*(r.shutdown() for r in rs))
+
+
 @integration
-def test_detach_frees_a_slot_a_fork_reuses_it_and_a_raising_reward_pauses_only_its_variant(loop, swept, engines):
-    """Detaching "dapo" frees its slot: the next fork takes it (no new process). Then "lr2" is detached too and
-    two forks train beside each other; one's reward starts raising: it is paused alone, the other finishes."""
+def test_detaching_a_variant_frees_its_slot_and_the_next_fork_reuses_it(loop, swept, engines):
+    """Detaching "dapo" frees its slot (the processes stay: same trainer pids); the next fork takes that slot
+    and trains there."""
     runs, pids, _ = swept
+
+    async def go():
+        freed = runs["dapo"].parts.slot
+        await engines.detach(runs["dapo"])
+        assert runs["dapo"].parts is None and engines.free_slots() == [freed]
+        again = await runs["base"].fork(name="again", steps=STEPS + 2)
+        try:
+            assert again.parts.slot == freed and engines.free_slots() == []  # the slot "dapo" left
+            await again.wait()
+        except BaseException:
+            await again.shutdown()
+            raise
+        return again
+
+    again = loop.run_until_complete(go())
+    try:
+        assert loop.run_until_complete(engines.parts.trainer.pids()) == pids  # no process started
+        assert again.state == "finished" and again.step == STEPS + 2, again.message
+    finally:
+        loop.run_until_complete(_close(again))
+    assert len(engines.free_slots()) == 1
+
+
+@integration
+def test_a_variant_whose_reward_raises_is_paused_alone(loop, swept, engines):
+    """Two forks train beside each other; one's reward starts raising on every episode: `Engines.watch` pauses
+    it alone (its message names the reward), the other trains to its end on the same processes."""
+    runs, _, _ = swept
     boom = {"on": False}
 
     def flaky(prompt: str, completion: str, target: str, **info) -> float:
@@ -243,33 +276,25 @@ def test_detach_frees_a_slot_a_fork_reuses_it_and_a_raising_reward_pauses_only_i
         return 0.0
 
     async def go():
-        freed = runs["dapo"].parts.slot
-        await engines.detach(runs["dapo"])
-        assert runs["dapo"].parts is None and engines.free_slots() == [freed]
-        again = await runs["base"].fork(name="again", steps=STEPS + 3)
-        assert again.parts.slot == freed and engines.free_slots() == []  # the slot "dapo" left
         await engines.detach(runs["lr2"])
+        good = await runs["base"].fork(name="good", steps=STEPS + 3)
         bad = await runs["base"].fork(name="bad", steps=STEPS + 3, rewards={"flaky": flaky})
         engines.watch(bad, rollouts=1)
         boom["on"] = True
         try:
             await bad.until(predicate=lambda r: r.state != "running", timeout=300)
-            await again.wait()
+            await good.wait()
         except BaseException:
-            await asyncio.gather(again.shutdown(), bad.shutdown())
+            await _close(good, bad)
             raise
-        return again, bad
+        return good, bad
 
-    async def close(*rs):
-        await asyncio.gather(*(r.shutdown() for r in rs))
-
-    again, bad = loop.run_until_complete(go())
+    good, bad = loop.run_until_complete(go())
     try:
-        assert loop.run_until_complete(engines.parts.trainer.pids()) == pids  # no process started
-        assert again.state == "finished" and again.step == STEPS + 3, again.message
+        assert good.state == "finished" and good.step == STEPS + 3, good.message
         assert bad.state == "paused" and "failed their reward" in bad.message and "flaky" in bad.message, bad.message
         assert bad.step < STEPS + 3 and runs["same"].state == "finished"
         assert any(e["kind"] == "reward_error" for e in bad.events)
     finally:
-        loop.run_until_complete(close(again, bad))
+        loop.run_until_complete(_close(good, bad))
     assert len(engines.free_slots()) == 2
