@@ -220,12 +220,24 @@ class FakeTrainer:
         return None  # the fake computes no logprobs: no per-token view
 
     async def _fingerprint(self) -> dict:
-        return {"steps": len(self.steps)}
+        return {"steps": getattr(self, "restored_steps", 0) + len(self.steps)}
 
     async def _save(self, path: str) -> str:
+        """Write the fake's state (its step count) as the real trainer writes its DCP directory."""
+        import json
+        import os
+
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "fake_trainer.json"), "w") as f:
+            json.dump({"steps": getattr(self, "restored_steps", 0) + len(self.steps)}, f)
         return path
 
     async def _load(self, path: str) -> dict:
+        import json
+        import os
+
+        with open(os.path.join(path, "fake_trainer.json")) as f:
+            self.restored_steps = int(json.load(f)["steps"]) - len(self.steps)
         return await self._info()
 
     async def shutdown(self) -> None:
