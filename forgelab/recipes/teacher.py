@@ -8,8 +8,9 @@ trained for `steps` steps from the shipped base (held-out greedy accuracy 0.25),
 a HF directory (`forgelab.engines.export.export_checkpoint`). The directory lives in a cache,
 ``<cache>/teacher-<key>``, where the key hashes the base checkpoint's bytes and this recipe's settings: a second
 call with the same base and settings reuses it (seconds), any change makes a new one. ``teacher.json`` in it
-records the held-out accuracy the run ended with (the demo's 200 held-out problems); a teacher below
-`min_accuracy` is an error (it would not be a teacher), and is not cached.
+records the held-out accuracy the run ended with (the demo's 200 held-out problems) and the exported
+directory's own (HF greedy, ``exported_heldout_accuracy``); a teacher below `min_accuracy` is an error (it
+would not be a teacher), and so is an export scoring below both (it lost trained weights); neither is cached.
 
 Cache: ``$FORGELAB_CACHE`` or ``~/.cache/forgelab``. Training is not bit-reproducible (asynchronous rollouts),
 so two caches may hold teachers a few points apart; each records its own accuracy.
@@ -60,7 +61,7 @@ def distill_teacher(steps: int = 250, *, cache: str | os.PathLike | None = None,
     meta = out / "teacher.json"
     if meta.is_file() and (out / "model.safetensors").is_file():
         return {**json.loads(meta.read_text()), "path": str(out), "cached": True}
-    info = _run_in_thread(_train, base, steps, seed, quiet)
+    info = _run_in_thread(_train, base, steps, seed, quiet, min_accuracy)
     if info["heldout_accuracy"] < min_accuracy:
         raise RuntimeError(f"distill_teacher: GRPO for {steps} steps reached held-out accuracy "
                            f"{info['heldout_accuracy']:.3f} < min_accuracy {min_accuracy}; train longer "
@@ -94,9 +95,10 @@ def _run_in_thread(fn, *args):
         return pool.submit(lambda: asyncio.run(fn(*args))).result()
 
 
-async def _train(base: str, steps: int, seed: int, quiet: bool) -> dict[str, Any]:
+async def _train(base: str, steps: int, seed: int, quiet: bool, min_accuracy: float) -> dict[str, Any]:
     import dataclasses
 
+    from forgelab.controller.evaluate import greedy_accuracy_hf
     from forgelab.demo import demo_config
     from forgelab.engines.export import export_checkpoint
     from forgelab.run import Run
@@ -117,10 +119,17 @@ async def _train(base: str, steps: int, seed: int, quiet: bool) -> dict[str, Any
             raise RuntimeError(f"distill_teacher: the GRPO run ended {run.state}: {run.message}")
         await run.save_checkpoint()
         before, after = run.accuracy_history[0][1], run.accuracy_history[-1][1]
+        heldout = list(run.heldout[: cfg.eval.n])
     finally:
         await run.shutdown()
     export = export_checkpoint(run.out_dir, out=Path(workdir) / "export")
-    info = {"heldout_accuracy": after, "base_accuracy": before, "steps": steps, "seed": seed, "base": base,
+    # the artifact itself, not only the run's last evaluation: an export that lost weights scores lower here
+    exported = greedy_accuracy_hf(export["out"], None, heldout, max_new_tokens=cfg.rollout.max_tokens)
+    if exported < min(after, min_accuracy):
+        raise RuntimeError(f"distill_teacher: the exported teacher {export['out']} scores {exported:.3f} held-out "
+                           f"(HF greedy) where its run's last evaluation scored {after:.3f}: the export does not hold "
+                           "the trained weights")
+    info = {"heldout_accuracy": after, "exported_heldout_accuracy": exported, "base_accuracy": before, "steps": steps, "seed": seed, "base": base,
             "task": "addition", "heldout_n": cfg.eval.n, "minutes": round((time.time() - t0) / 60, 2),
             "recipe_version": RECIPE_VERSION, "export": export["out"], "workdir": workdir}
     if not quiet:
