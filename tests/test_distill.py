@@ -383,8 +383,8 @@ def _reverse_kl(student_dir: str, teacher_dir: str, rows: list[dict]) -> float:
 @pytest.mark.integration
 def test_a_short_distillation_run_lowers_the_reverse_kl_to_its_teacher(loop, tmp_path_factory):
     """Distillation alone (``rollout.advantage: none``: the reward teaches nothing) toward the sharpened teacher:
-    the exact reverse KL to the teacher on the first step's sequences is lower from the trained student than
-    from the base; the recorded teacher logprobs equal a HF forward of the teacher on the recorded tokens
+    the exact reverse KL to the teacher on the run's trained sequences is lower (by > 2 %) from the trained
+    student than from the base; the recorded teacher logprobs equal a HF forward of the teacher on the recorded tokens
     (within the forward's float32 bound, tests/numerics.py)."""
     from transformers import AutoModelForCausalLM
 
@@ -415,10 +415,15 @@ def test_a_short_distillation_run_lowers_the_reverse_kl_to_its_teacher(loop, tmp
     assert run.state == "finished", run.message
     student = export_checkpoint(run.out_dir, out=tmp / "student")["out"]
     df = read_rollouts(run.out_dir)
-    first = df[(df["status"] == "trained") & (df["trained_step"] == 1)].to_dict("records")
-    before, after = _reverse_kl(SHIPPED_MODEL, teacher, first), _reverse_kl(student, teacher, first)
-    print(f"reverse KL to the teacher on step 1's sequences: base {before:.4f}, after {steps} steps {after:.4f}")
-    assert after < 0.95 * before, (before, after)
+    trained = df[df["status"] == "trained"].to_dict("records")
+    first = [r for r in trained if r["trained_step"] == 1]
+    # On every trained sequence (512): measured on step 1's 32 alone, the change is within noise of the
+    # estimator (-8.6 %, -6.5 %, -1.3 % for seeds 0, 2, 1; +1.3 % at lr 3e-5); on all of them -8.9 %,
+    # -5.4 %, -4.7 % (lr 3e-5: -8.8 %). A flipped sign raises it, a zero signal leaves it unchanged.
+    before, after = _reverse_kl(SHIPPED_MODEL, teacher, trained), _reverse_kl(student, teacher, trained)
+    print(f"reverse KL to the teacher on the {len(trained)} trained sequences: base {before:.4f}, "
+          f"after {steps} steps {after:.4f}")
+    assert after < 0.98 * before, (before, after)
 
     r = first[0]
     model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
