@@ -34,12 +34,12 @@ import itertools
 import operator
 import os
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 from monarch.actor import Port, endpoint
 
 from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, SamplingConfig, vllm_lora_rank  # noqa: F401 -- re-exported
-from forgelab.runtime.component import Component
+from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
 from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared, serve_base  # noqa: F401
@@ -376,26 +376,6 @@ def _scheduler_of(llm_engine: Any) -> Any:
     return sched if hasattr(sched, "kv_cache_manager") and hasattr(sched, "_preempt_request") else None
 
 
-_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
-
-
-def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
-    """Run `start()` in the background; answer `port` with its value or its error (every error goes to the
-    port: an explicit-port endpoint that raised would leave its caller waiting forever)."""
-
-    async def run() -> None:
-        try:
-            port.send(await start())
-        except Exception as e:
-            from monarch._src.actor.actor_mesh import ActorError
-
-            port.exception(ActorError(e, f"Generator.{what} failed."))
-
-    task = asyncio.get_running_loop().create_task(run())
-    _replies.add(task)
-    task.add_done_callback(_replies.discard)
-
-
 class Generator(Component):
     """vLLM rollout generator. Endpoints: generate, update_weights, version, status, stats."""
 
@@ -425,18 +405,18 @@ class Generator(Component):
         seeds: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """`list[list[Completion]]`: `n` completions per prompt (text or token ids), in order; `seeds` per sample."""
-        _reply(port, lambda: self._engine().generate(prompts, n, sampling, seeds), "generate")
+        answer_in_task(port, lambda: self._engine().generate(prompts, n, sampling, seeds), "Generator.generate")
 
     @endpoint(explicit_response_port=True)
     async def update_weights(self, port: Port, version: int, weights: dict) -> None:
         """Load HF-named `weights` as `version` (strictly increasing); answers the new version."""
-        _reply(port, lambda: receive(self._engine(), version, weights), "update_weights")
+        answer_in_task(port, lambda: receive(self._engine(), version, weights), "Generator.update_weights")
 
     @endpoint(explicit_response_port=True)
     async def update_weights_shared(self, port: Port, handle: Any) -> None:
         """Load the weights a trainer on this host wrote to shared memory: the new version (an int), or a str
         saying why the file cannot be reached from here (the trainer then sends the tensors)."""
-        _reply(port, lambda: receive_shared(self._engine(), handle), "update_weights_shared")
+        answer_in_task(port, lambda: receive_shared(self._engine(), handle), "Generator.update_weights_shared")
 
     @endpoint
     async def version(self) -> int:

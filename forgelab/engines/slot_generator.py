@@ -11,39 +11,19 @@ its own run's version. Slots and pushes: `forgelab.weights.adapter_slots.Adapter
 """
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import os
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Sequence
 
 from monarch.actor import Port, endpoint
 
 from forgelab.engines.generator import Generator, VLLMEngine
+from forgelab.runtime.component import answer_in_task
 from forgelab.weights.adapter_slots import AdapterSlots
 
 __all__ = ["SlotGenerator", "SlotVLLMEngine"]
 
 _PINNED: contextvars.ContextVar[tuple[int, Any] | None] = contextvars.ContextVar("forgelab_lora_slot", default=None)
-
-
-_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
-
-
-def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
-    """Run `start()` in its own task (its own context: the pinned slot stays with it); answer `port` with its
-    value or its error (as `forgelab.engines.generator` answers generate)."""
-
-    async def run() -> None:
-        try:
-            port.send(await start())
-        except Exception as e:
-            from monarch._src.actor.actor_mesh import ActorError
-
-            port.exception(ActorError(e, f"SlotGenerator.{what} failed."))
-
-    task = asyncio.get_running_loop().create_task(run())
-    _replies.add(task)
-    task.add_done_callback(_replies.discard)
 
 
 class SlotVLLMEngine(VLLMEngine):
@@ -88,12 +68,12 @@ class SlotGenerator(Generator):
     async def generate_slot(self, port: Port, slot: str, prompts: Sequence[Any], n: int = 1, sampling: Any = None,
                             seeds: Sequence[Sequence[int]] | None = None) -> None:
         """`generate` served with ``slot``'s adapter; completions carry the slot's version."""
-        _reply(port, lambda: self._engine().generate_in_slot(slot, prompts, n, sampling, seeds), "generate_slot")
+        answer_in_task(port, lambda: self._engine().generate_in_slot(slot, prompts, n, sampling, seeds), "SlotGenerator.generate_slot")
 
     @endpoint(explicit_response_port=True)
     async def update_adapter_slot(self, port: Port, slot: str, version: int, tensors: dict) -> None:
         """Serve the adapter ``tensors`` (PEFT names) as ``slot``'s ``version``; answers the version."""
-        _reply(port, lambda: self._engine().slots.receive(slot, version, tensors), "update_adapter_slot")
+        answer_in_task(port, lambda: self._engine().slots.receive(slot, version, tensors), "SlotGenerator.update_adapter_slot")
 
     @endpoint
     async def drop_slot(self, slot: str) -> bool:

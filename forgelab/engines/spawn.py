@@ -120,6 +120,19 @@ def _where(job: Any, mesh: str | None) -> dict[str, Any]:
     return {"job": job, "mesh": mesh} if job is not None and mesh is not None else {}
 
 
+async def start_all(jobs: list) -> list:
+    """Await every part's start together; if any fails, shut down the ones that started and raise the first
+    error (no process is left behind)."""
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for r in results:
+            if not isinstance(r, BaseException):
+                await r.shutdown()
+        raise failed[0]
+    return list(results)
+
+
 async def spawn_parts(cfg: RunConfig) -> Parts:
     """Start every part of `cfg` in parallel; if one fails, stop the others (and the job) and raise its error."""
     from forgelab.engines.generator import Generator
@@ -152,15 +165,12 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
         jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads,
                                      **_where(job, h.envs)).as_service(cc["envs"]))
     t0 = time.time()
-    results = await asyncio.gather(*jobs, return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        for r in results:
-            if not isinstance(r, BaseException):
-                await r.shutdown()
+    try:
+        results = await start_all(jobs)
+    except BaseException:
         if job is not None:
             job.kill()
-        raise failed[0]
+        raise
     reference = results[2] if with_reference else None
     teacher = results[2 + with_reference] if with_teacher else reference if cfg.teacher.enabled else None
     return Parts(

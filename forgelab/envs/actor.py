@@ -40,7 +40,7 @@ from monarch.actor import Port, endpoint
 from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported
 from forgelab.envs.base import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
-from forgelab.runtime.component import Component
+from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Episode
 
@@ -168,23 +168,6 @@ async def run_groups_local(
     return [list(flat[i * n:(i + 1) * n]) for i in range(len(tasks))]
 
 
-_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
-
-
-def _reply(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
-    async def run() -> None:
-        try:
-            port.send(await start())
-        except Exception as e:  # an explicit-port endpoint that raised would leave its caller waiting
-            from monarch._src.actor.actor_mesh import ActorError
-
-            port.exception(ActorError(e, f"EnvActor.{what} failed."))
-
-    task = asyncio.get_running_loop().create_task(run())
-    _replies.add(task)
-    task.add_done_callback(_replies.discard)
-
-
 class EnvActor(Component):
     """Runs episodes of any environment against the generator. Endpoints: run_groups, stats."""
 
@@ -241,8 +224,8 @@ class EnvActor(Component):
         max_total_tokens: int | None = None, step_timeout_s: float | None = None,
     ) -> None:
         """`list[list[Episode]]`: `n` episodes of `env` per task (ids 0: the caller numbers them)."""
-        _reply(port, lambda: self._run(env, tasks, n, generators, sampling, env_kwargs, max_turns,
-                                       max_total_tokens, step_timeout_s), "run_groups")
+        answer_in_task(port, lambda: self._run(env, tasks, n, generators, sampling, env_kwargs, max_turns,
+                                       max_total_tokens, step_timeout_s), "EnvActor.run_groups")
 
     @endpoint
     async def stats(self) -> dict[str, Any]:

@@ -93,7 +93,7 @@ class Engines:
     async def _spawn(self) -> None:
         from forgelab.engines.lora_slots import SlotTrainer
         from forgelab.engines.slot_generator import SlotGenerator
-        from forgelab.engines.spawn import Parts, component_configs, reference_process
+        from forgelab.engines.spawn import Parts, component_configs, reference_process, start_all
         from forgelab.engines.trainer import ReferenceModel
         from forgelab.engines.pool import engine_key
 
@@ -105,13 +105,7 @@ class Engines:
         if reference_process(cfg):
             jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(cc["reference"]))
         t0 = time.time()
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for r in results:
-                if not isinstance(r, BaseException):
-                    await r.shutdown()
-            raise failed[0]
+        results = await start_all(jobs)
         self.spawn_s = time.time() - t0
         self.parts = Parts(generators=results[0], trainer=results[1], reference=results[2] if len(results) > 2 else None,
                            seconds=self.spawn_s)

@@ -14,11 +14,12 @@ hosts a generator and a trainer with default threads starve each other.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, Port, endpoint
 
 from forgelab.runtime.mesh import (DEFAULT_PROCESS_ENV, ActorHandle, ComponentStartError, Placement,  # noqa: F401
                                    spawn)
@@ -80,3 +81,26 @@ class Component(Actor):
     async def received_config(self) -> Any:
         """The config object this actor was constructed with (`self.config`; None if it keeps none)."""
         return getattr(self, "config", None)
+
+
+_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+def answer_in_task(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
+    """Run `start()` in its own task (it copies the caller's context) and answer `port` with its value or its
+    error. For endpoints that answer through an explicit response port: Monarch delivers one call at a time per
+    actor, so an endpoint that awaited its work would block every other caller; every error goes to the port
+    (one that raised would leave its caller waiting forever). ``what`` names the endpoint in the error, e.g.
+    ``"Generator.generate"``."""
+
+    async def run() -> None:
+        try:
+            port.send(await start())
+        except Exception as e:
+            from monarch._src.actor.actor_mesh import ActorError
+
+            port.exception(ActorError(e, f"{what} failed."))
+
+    task = asyncio.get_running_loop().create_task(run())
+    _replies.add(task)
+    task.add_done_callback(_replies.discard)
