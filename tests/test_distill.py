@@ -107,24 +107,30 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
     assert RunConfig.from_dict({"teacher": {"model_dir": SHIPPED_MODEL}}).teacher.enabled
 
 
+def _fake_distill_config(name: str, tmp_path):
+    """A synchronous 4-step run with the shipped model as teacher (coef 0.5), for the in-process fakes."""
+    from forgelab.config import RunConfig
+
+    return RunConfig.from_dict({
+        "name": name, "rollout": {"group_size": 4, "prompts_per_rollout": 2, "concurrency": 1},
+        "train": {"steps": 4, "batch_size": 8, "warmup_steps": 0, "max_policy_age": 0},
+        "eval": {"every": 0, "n": 4}, "teacher": {"model_dir": SHIPPED_MODEL, "coef": 0.5},
+        "tracking": {"wandb": False, "out_dir": str(tmp_path)}})
+
+
 def test_the_per_token_advantage_is_recomputable_from_the_log_and_a_live_coefficient_change_is_on_the_timeline(
         tmp_path):
     """In-process fakes (the fake teacher's logprob of token y is -0.1 * (y % 5)): every recorded episode's
     teacher logprobs are that, and its per-token advantages equal advantage + coef * (teacher - generator)
     with the coefficient in effect for its rollout (the timeline's ``reward_effective`` says from which episode);
     a checkpoint restores the live coefficient."""
-    from forgelab.config import RunConfig
     from forgelab.controller.rollout_log import read_rollouts
     from forgelab.controller.timeline import timeline_entries
     from forgelab.run import Run
     from forgelab.controller.controls import RewardChangeRefused
     from forgelab.testing.fakes import fake_spawn
 
-    cfg = RunConfig.from_dict({
-        "name": "distill-fake", "rollout": {"group_size": 4, "prompts_per_rollout": 2, "concurrency": 1},
-        "train": {"steps": 4, "batch_size": 8, "warmup_steps": 0, "max_policy_age": 0},
-        "eval": {"every": 0, "n": 4}, "teacher": {"model_dir": SHIPPED_MODEL, "coef": 0.5},
-        "tracking": {"wandb": False, "out_dir": str(tmp_path)}})
+    cfg = _fake_distill_config("distill-fake", tmp_path)
 
     async def go():
         run = Run(cfg, spawn=fake_spawn)
@@ -196,16 +202,11 @@ def test_a_replay_re_applies_a_live_distillation_coefficient_change_and_reproduc
     """In-process fakes, synchronous mode: a coefficient changed live at step 2 is re-applied by the replay at the
     same rollout (its ``reward_effective`` first episode), so every learning metric of the replay equals the
     original's (the fake trainer's loss is the batch's mean |per-token advantage|, which the coefficient moves)."""
-    from forgelab.config import RunConfig
     from forgelab.experiments.replay import replay
     from forgelab.run import Run
     from forgelab.testing.fakes import fake_spawn
 
-    cfg = RunConfig.from_dict({
-        "name": "distill-replay", "rollout": {"group_size": 4, "prompts_per_rollout": 2, "concurrency": 1},
-        "train": {"steps": 4, "batch_size": 8, "warmup_steps": 0, "max_policy_age": 0},
-        "eval": {"every": 0, "n": 4}, "teacher": {"model_dir": SHIPPED_MODEL, "coef": 0.5},
-        "tracking": {"wandb": False, "out_dir": str(tmp_path)}})
+    cfg = _fake_distill_config("distill-replay", tmp_path)
 
     async def go():
         run = Run(cfg, spawn=fake_spawn)
