@@ -256,9 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: TRL probes of 3 steps at 1 and 2 threads, then 1 pair and the "
-                         "TRL + vLLM run, each 4 steps (warmup 1, batch 8, 10 held-out problems evaluated at steps "
-                         "0, 2, 4; a run that misses the target is censored as in the full mode)")
+                    help="proves the code path: a TRL probe of 3 steps at 2 threads, then 1 pair (its TRL run at 1 "
+                         "thread is the 1-thread probe: its steps after the first) and the TRL + vLLM run at the "
+                         "faster thread count, each 4 steps (warmup 1, batch 8, 10 held-out problems evaluated at "
+                         "steps 0, 2, 4; a run that misses the target is censored as in the full mode)")
     ap.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy to reach")
     ap.add_argument("--every", type=int, default=EVAL_EVERY, help="evaluate every this many steps")
     ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap (also the cosine schedule's length)")
@@ -270,9 +271,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json-out", default="", help="also write the full result (with curves) to this file")
     args = ap.parse_args(argv)
     prompts, eval_n, hf_check, warmup = 8, EVAL_N, True, 5
+    probe_threads = (1, 2)
     if args.quick:
         args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 4, 2, 1, 60.0, 3
         prompts, eval_n, hf_check, warmup = 1, 10, False, 1
+        probe_threads = (2,)  # the pair's TRL run (1 thread, below) is the 1-thread probe: one TRL start fewer
     model = args.model or SHIPPED_MODEL
     timeout_s = 2 * args.time_cap + 600
 
@@ -282,11 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
             "time_cap_s": args.time_cap}
     # the peer's best thread count, probed now on this machine (no evaluations, no target)
     by_threads = {}
-    for threads in (1, 2):
+    for threads in probe_threads:
         probe = run_trl({**base, "steps": args.probe_steps, "every": 0, "seed": 0, "threads": threads}, timeout_s)
         by_threads[str(threads)] = probe_s_per_step(probe)
         print(f"  TRL probe, {threads} thread(s): {by_threads[str(threads)]} s/step", flush=True)
-    trl_threads = int(min(by_threads, key=by_threads.get))
+    unprobed = [t for t in (1, 2) if str(t) not in by_threads]  # quick: the pair's TRL run probes it
+    trl_threads = unprobed[0] if unprobed else int(min(by_threads, key=by_threads.get))
     print(f"e2e: target {args.target} held-out greedy accuracy on {eval_n} test problems, eval every {args.every} "
           f"steps, cap {args.steps} steps / {args.time_cap:.0f} s; forgelab 1 thread x 3 processes, TRL "
           f"{trl_threads} thread(s) x 1 process; {args.pairs} pairs, seed = pair index", flush=True)
@@ -303,6 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
             else:
                 res = run_trl({**base, "seed": pair, "threads": trl_threads}, timeout_s)
                 r = summarize("trl", res, args.target, seed=pair, threads=trl_threads)
+                if str(trl_threads) not in by_threads:  # quick: this run is the 1-thread probe
+                    by_threads[str(trl_threads)] = probe_s_per_step(res)
+                    print(f"  TRL probe, {trl_threads} thread(s) (pair {pair}'s run): "
+                          f"{by_threads[str(trl_threads)]} s/step", flush=True)
+                    trl_threads = int(min(by_threads, key=by_threads.get))
             runs[which].append(r)
             rows.append(_row(r, pair))
             print(f"  {which} pair {pair}: {json.dumps({k: v for k, v in r.items() if k != 'curve'})}", flush=True)
