@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -72,10 +73,8 @@ class Run(experiments.Experiments):
     def __init__(self, config: RunConfig | dict | str | Path, *, resume_from: str | Path | None = None,
                  spawn: Callable[[RunConfig], Awaitable[Any]] | None = None):
         self.config = cfg = _as_config(config)  # raises ConfigError before anything spawns
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._tokenizer: Any = None  # loaded on first use; `spawn` loads it while the processes start
+        self._tokenizer_lock = threading.Lock()
         self.out_dir = Path(cfg.tracking.out_dir) / cfg.name
         self.rewards: RewardComposer = configured_rewards(cfg.rollout)
         self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self.emit)
@@ -107,6 +106,23 @@ class Run(experiments.Experiments):
         self._listeners: list[Callable[[dict], None]] = []
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (`transformers.AutoTokenizer` of ``model.path``), loaded on first use: importing
+        transformers costs the controller 1-2.5 s, which `spawn` spends while the processes start."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+            return self._tokenizer
+
+    @property
+    def pad_id(self) -> int:
+        """The token id padding batches: the tokenizer's pad token, else 0."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else 0
 
     # the parts' processes (None before start and after shutdown)
     generators = property(lambda self: self.parts.generators if self.parts else None)
@@ -195,7 +211,16 @@ class Run(experiments.Experiments):
         from forgelab.engines.spawn import spawn_parts
 
         cfg = self.config
-        self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
+        # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
+        tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
+        try:
+            self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
+        finally:
+            await asyncio.gather(tokenizer, return_exceptions=True)
+        if tokenizer.exception() is not None:
+            await self.parts.shutdown()
+            self.parts = None
+            raise tokenizer.exception()
         self.weights = WeightSync(parts.trainer, parts.generators, self.emit, lambda: self.version)
         parts.generators.on_respawn = self.weights.catch_up
         teacher = getattr(parts, "teacher", None)
@@ -270,8 +295,9 @@ class Run(experiments.Experiments):
         from forgelab.engines.generator import SamplingConfig
 
         greedy = SamplingConfig(temperature=0.0, max_tokens=self.config.rollout.max_tokens)
-        acc = await heldout_accuracy(self.rollout.source, self.heldout[: n or len(self.heldout)], self.tokenizer,
-                                     greedy, self._task_reward)
+        async with self.gate.hold():  # its requests first: new rollouts wait until it is scored
+            acc = await heldout_accuracy(self.rollout.source, self.heldout[: n or len(self.heldout)], self.tokenizer,
+                                         greedy, self._task_reward)
         self.accuracy_history.append((self.step, acc))
         return acc
 

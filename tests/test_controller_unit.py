@@ -1077,3 +1077,58 @@ def test_a_run_directory_opens_in_the_lab_with_every_trained_episode_and_its_tok
     assert set(view.inspector.filtered()["id"]) <= set(df["id"])
     with pytest.raises(RuntimeError, match="set_loss: .* is a recorded run .* Run.fork_from"):
         rec.set_loss("dapo")
+
+
+def test_an_evaluation_holds_new_rollouts_until_it_is_scored_and_loses_none(tmp_path):
+    """While `run.evaluate()` runs, no rollout is admitted (its requests have the generator to themselves); the
+    rollouts resume after it and the accounting still closes. The fake's greedy (evaluation) call yields the
+    event loop 50 times mid-call: enough for the two rollout workers to admit if they were not held."""
+    cfg = config(tmp_path, steps=6, max_policy_age=2)
+    cfg.eval.every = 2
+    held = {"evals": 0, "admitted_during": []}
+
+    async def spawn(c):
+        parts = await fake_spawn(c)
+        gen = parts.generators.replicas[0]
+        plain = gen.generate
+
+        async def generate(prompt_ids_P, n=1, sampling=None, seeds=None):
+            if sampling is not None and getattr(sampling, "temperature", 1.0) == 0.0:
+                before = run.rollout.next_episode_id
+                for _ in range(50):
+                    await asyncio.sleep(0)
+                held["evals"] += 1
+                held["admitted_during"].append(run.rollout.next_episode_id - before)
+            return await plain(prompt_ids_P, n, sampling, seeds)
+
+        gen.generate = generate
+        return parts
+
+    run = Run(cfg, spawn=spawn)
+    run_to_end(run)
+    assert run.state == "finished" and run.step == 6
+    assert held["evals"] == 4, held  # steps 0, 2, 4 and 6 (the last step's evaluation is the final one)
+    assert held["admitted_during"] == [0] * 4, held
+    assert run.gate.holds == 0
+    check_accounting(run)
+
+
+def test_single_turn_prompt_ids_are_rendered_once_and_equal_a_fresh_rendering():
+    from transformers import AutoTokenizer
+
+    from forgelab.config.run_config import SHIPPED_MODEL
+    from forgelab.controller.rollout import SingleTurn
+    from forgelab.data.prompts import format_prompt
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    encoded = []
+    src = SingleTurn(None, tok)
+    plain_encode = tok.encode
+    tok.encode = lambda text, **kw: encoded.append(text) or plain_encode(text, **kw)
+    chat = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "12+30="}]
+    for prompt in ("3+4=", chat):
+        fresh = plain_encode(format_prompt(tok, prompt), add_special_tokens=False)
+        first = src.prompt_ids(prompt)
+        first.append(-1)  # a caller mutating its list must not reach the cache
+        assert src.prompt_ids(prompt) == fresh
+    assert len(encoded) == 2  # each prompt rendered and encoded once

@@ -286,3 +286,22 @@ def test_service_fanout_updates_every_replica(gen, hf, prompts, new_weights, loo
         for g in groups:
             assert g[0].policy_version == 1
             assert g[0].completion_ids == hf_greedy_ids(model, tok, g[0].prompt_ids, GREEDY.max_tokens)
+
+
+def test_cpu_token_ranks_are_vllms_counts_without_its_compile():
+    """On CPU the generator computes the sampled token's rank eagerly (`_eager_token_ranks`, saving vLLM's
+    1.7-2.2 s torch.compile at the first request): the counts equal vLLM's compiled function exactly (integers),
+    ties included (rows holding their own value several times)."""
+    import vllm.v1.sample.ops.logprobs as vllm_ops
+
+    from forgelab.engines.generator import _count_at_least
+
+    g = torch.Generator().manual_seed(0)
+    logprobs_B_V = torch.randn(37, 105, generator=g).log_softmax(-1)
+    logprobs_B_V[:, 7] = logprobs_B_V[:, 3]  # ties with the chosen token
+    chosen_B_1 = logprobs_B_V.gather(-1, torch.randint(0, 105, (37, 1), generator=g))
+    chosen_B_1[0, 0] = logprobs_B_V[0, 3]
+    ours = _count_at_least(logprobs_B_V, chosen_B_1)
+    theirs = vllm_ops.batched_count_greater_than(logprobs_B_V, chosen_B_1)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    assert int(ours.min()) >= 1  # a token counts itself

@@ -123,9 +123,10 @@ def trl_child(spec: dict) -> None:
                           train_dataset=ds, processing_class=tok, callbacks=[Evaluate()])
     if spec.get("vllm"):
         reload_weights_adapter(trainer)
-    startup_s = time.time() - t_proc
+    ready_unix = time.time()  # ready to train (the step-0 evaluation is TRL's on_train_begin)
+    startup_s = ready_unix - t_proc
     trainer.train()
-    out = {"evals": evals, "step_end_s": step_end, "startup_s": startup_s}
+    out = {"evals": evals, "step_end_s": step_end, "startup_s": startup_s, "ready_unix": ready_unix}
     if spec.get("vllm"):
         out["vllm_check"] = vllm_greedy_check(trainer, tok, heldout, spec["max_tokens"])
     print(json.dumps(out), flush=True)

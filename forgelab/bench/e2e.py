@@ -94,6 +94,19 @@ def bench_config(*, steps: int, max_policy_age: int = 1, eval_every: int = EVAL_
     return cfg.validate()
 
 
+def startup_seconds(res: dict) -> float | None:
+    """Start-up of one side: from launching its process to being ready to train (before the step-0
+    evaluation; interpreter start, imports, model loads and process spawns included), when the run reports
+    ``ready_unix`` and ``popen_unix``; else its own ``startup_s`` (in-process runs: from its constructor).
+
+    >>> startup_seconds({"popen_unix": 100.0, "ready_unix": 112.34, "startup_s": 9.0}), startup_seconds({"startup_s": 9.04})
+    (12.3, 9.0)
+    """
+    if res.get("popen_unix") and res.get("ready_unix"):
+        return round(res["ready_unix"] - res["popen_unix"], 1)
+    return round(res["startup_s"], 1) if res.get("startup_s") is not None else None
+
+
 def summarize(label: str, res: dict, target: float, **extra: Any) -> dict:
     """One run's row from its evaluations (``wall_s`` since training started, evaluations included).
 
@@ -123,7 +136,10 @@ def summarize(label: str, res: dict, target: float, **extra: Any) -> dict:
             "end_s": round(last["wall_s"], 2), "cold_end_s": cold(last),
             "final_step": last["step"], "final_accuracy": last["accuracy"], "steps_run": len(ends),
             "s_per_step": s_per_step, "eval_s": round(sum(e["eval_s"] for e in evals if e["step"] > 0), 2),
-            "startup_s": round(res["startup_s"], 1) if res.get("startup_s") is not None else None,
+            "startup_s": startup_seconds(res),
+            "eval_each_s": round(statistics.median(each), 3) if (each := [e["eval_s"] for e in evals if e["step"] > 0])
+            else None,
+            "eval0_s": round(evals[0]["eval_s"], 3) if evals and evals[0]["step"] == 0 else None,
             "curve": [(e["step"], round(e["wall_s"], 2), e["accuracy"]) for e in evals], **extra}
 
 
@@ -166,7 +182,8 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
     run.evaluate = timed_evaluate
     run.add_listener(on_row)
     await run.start()
-    startup_s = time.time() - t_make
+    ready_unix = time.time()  # processes up, the step-0 evaluation starting
+    startup_s = ready_unix - t_make
     try:
         try:  # the time cap is checked at each evaluation; this only guards against a stuck run
             await asyncio.wait_for(asyncio.shield(run.wait()), timeout=2 * time_cap_s + 120)
@@ -183,7 +200,7 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
         df = run.metrics
     finally:
         await run.shutdown()
-    return {"evals": evals, "step_end_s": step_end, "startup_s": startup_s, "hf_check": check,
+    return {"evals": evals, "step_end_s": step_end, "startup_s": startup_s, "ready_unix": ready_unix, "hf_check": check,
             "policy_age_mean": round(float(df["policy_age_mean"].mean()), 3) if len(df) else None,
             "episodes": {k: counts[k] for k in ("generated", "trained", "evicted", "dropped")}}
 
@@ -233,7 +250,7 @@ def _row(r: dict, pair: int) -> dict:
             "steps": r["steps_to_target"] if r["reached"] else f">{r['final_step']}",
             "s/step": r["s_per_step"], "final_acc": r["final_accuracy"],
             "hf_check": r.get("hf_check") if r.get("hf_check") is not None else "",
-            "startup_s": r["startup_s"], "eval_s": r["eval_s"]}
+            "startup_s": r["startup_s"], "eval_s": r["eval_s"], "eval_each_s": r.get("eval_each_s")}
 
 
 def probe_s_per_step(res: dict, skip: int = 2) -> float:
@@ -264,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--every", type=int, default=EVAL_EVERY, help="evaluate every this many steps")
     ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap (also the cosine schedule's length)")
     ap.add_argument("--time-cap", type=float, default=TIME_CAP_S, help="warm wall-time cap per run (s)")
-    ap.add_argument("--pairs", type=int, default=3, help="forgelab/TRL pairs, each with its own training seed")
+    ap.add_argument("--pairs", type=int, default=5, help="forgelab/TRL pairs, each with its own training seed")
     ap.add_argument("--probe-steps", type=int, default=12, help="steps of each TRL thread probe")
     ap.add_argument("--no-trl-vllm", action="store_true", help="skip the TRL + vLLM colocate run")
     ap.add_argument("--model", default="", help="model directory (default: the shipped tiny model)")
@@ -334,13 +351,25 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  trl_vllm failed: {trl_vllm_error}", flush=True)
     end = print_machine("end")
     print_table(rows, ["framework", "pair", "reached", "warm_s", "cold_s", "steps", "s/step", "final_acc",
-                       "hf_check", "startup_s", "eval_s"])
+                       "hf_check", "startup_s", "eval_s", "eval_each_s"])
     fl, tr = runs["forgelab"], runs["trl"]
     warm, ci_warm = median_ratio([(censored_time(f), censored_time(t)) for f, t in zip(fl, tr)])
     cold, ci_cold = median_ratio([(censored_time(f, "cold_to_target_s", "cold_end_s"),
                                    censored_time(t, "cold_to_target_s", "cold_end_s")) for f, t in zip(fl, tr)])
     sps, ci_sps = median_ratio([(f["s_per_step"], t["s_per_step"]) for f, t in zip(fl, tr)
                                 if f["s_per_step"] and t["s_per_step"]])
+    med = lambda rs, k: None if not (v := [r[k] for r in rs if r.get(k) is not None]) else round(statistics.median(v), 3)  # noqa: E731
+    startup = {"forgelab_startup_s": med(fl, "startup_s"), "trl_startup_s": med(tr, "startup_s"),
+               "forgelab_eval_s": med(fl, "eval_each_s"), "trl_eval_s": med(tr, "eval_each_s"),
+               "forgelab_eval0_s": med(fl, "eval0_s"), "trl_eval0_s": med(tr, "eval0_s")}
+    ratio = lambda a, b: round(startup[a] / startup[b], 3) if startup[a] and startup[b] else None  # noqa: E731
+    startup["startup_ratio"] = ratio("forgelab_startup_s", "trl_startup_s")
+    startup["eval_ratio"] = ratio("forgelab_eval_s", "trl_eval_s")
+    goals = {"warm_median": None if warm is None else warm <= 0.4,
+             "warm_ci95_upper": None if not ci_warm else ci_warm[1] <= 0.55,
+             "cold_median": None if cold is None else cold <= 0.7,
+             "startup_ratio": None if startup["startup_ratio"] is None else startup["startup_ratio"] <= 1.2,
+             "eval_ratio": None if startup["eval_ratio"] is None else startup["eval_ratio"] <= 1.0}
     result = {
         "suite": "e2e",
         "quick": args.quick,
@@ -357,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         "forgelab_over_trl_s_per_step": sps,
         "ci95_s_per_step": ci_sps,
         "forgelab_over_trl": warm,
+        **startup,
         "forgelab_time_to_target_s": [r["time_to_target_s"] for r in fl],
         "trl_time_to_target_s": [r["time_to_target_s"] for r in tr],
         "forgelab_cold_to_target_s": [r["cold_to_target_s"] for r in fl],
@@ -369,8 +399,12 @@ def main(argv: list[str] | None = None) -> dict:
         "advantage": "grpo_unbiased (TRL's: unbiased group std, eps 1e-4) on both sides",
         "clock": "wall time from the end of the step-0 evaluation, evaluations included on both sides; "
                  "cold adds process launch, imports, model load, spawn and the step-0 evaluation",
-        "goal": "forgelab_over_trl_warm <= 0.5",
-        "goal_met": None if warm is None else warm <= 0.5,
+        "startup_clock": "process launch to ready to train (before the step-0 evaluation), both sides; eval_s: "
+                         "median seconds of one held-out evaluation during training (step > 0), median over pairs",
+        "goal": "forgelab_over_trl_warm median <= 0.4 with its 95 % interval's top <= 0.55; forgelab_over_trl_cold "
+                "median <= 0.7; startup_ratio <= 1.2; eval_ratio <= 1.0",
+        "goals_met": goals,
+        "goal_met": None if None in goals.values() else all(goals.values()),
         "machine": {**start, "loadavg_end": end["loadavg"]},
     }
     result["trl_vllm" if trl_vllm_error is None else "trl_vllm_error"] = trl_vllm if trl_vllm_error is None \

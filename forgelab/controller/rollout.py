@@ -28,8 +28,10 @@ many: ``episodes_never_generated``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
+import json
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +61,23 @@ class Gate:
         self.unpaused.set()
         self.changed = asyncio.Condition()
         self.stopping = False
+        self.holds = 0
+        """Evaluations running now (`hold`): while any runs, rollout workers admit nothing new."""
+
+    @contextlib.asynccontextmanager
+    async def hold(self):
+        """Admit no new rollouts while the body runs (an evaluation): its requests then have the generator to
+        themselves, beside the rollouts already in flight, instead of queueing behind new ones. Rollouts
+        resume when the last hold ends; nothing is dropped."""
+        self.holds += 1
+        try:
+            yield
+        finally:
+            self.holds -= 1
+            await self.notify()
+
+    def may_admit(self) -> bool:
+        return self.holds == 0
 
     async def notify(self) -> None:
         async with self.changed:
@@ -134,14 +153,27 @@ class SingleTurn:
     """A single-turn task as a one-step environment played in the controller: one generate call per rollout,
     the prompt rendered once for its G samples; the episode's reward comes from `rollout.rewards` alone."""
 
+    #: Rendered prompts kept (`prompt_ids`); past this the oldest are forgotten (re-rendered if met again).
+    PROMPT_CACHE = 65536
+
     def __init__(self, generators: Any, tokenizer: Any, sampling: Any = None):
         self.generators, self.tokenizer, self.sampling = generators, tokenizer, sampling
+        self._prompt_cache: dict[Any, list[int]] = {}
 
     def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
-        """Token ids of a prompt (text, or a chat-format problem's messages) rendered by the chat template."""
-        from forgelab.data.prompts import format_prompt
+        """Token ids of a prompt (text, or a chat-format problem's messages) rendered by the chat template.
 
-        return self.tokenizer.encode(format_prompt(self.tokenizer, prompt), add_special_tokens=False)
+        Cached by the prompt's content: the held-out set is rendered once, not at every evaluation."""
+        key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=repr)
+        ids = self._prompt_cache.get(key)
+        if ids is None:
+            from forgelab.data.prompts import format_prompt
+
+            ids = self.tokenizer.encode(format_prompt(self.tokenizer, prompt), add_special_tokens=False)
+            if len(self._prompt_cache) >= self.PROMPT_CACHE:
+                del self._prompt_cache[next(iter(self._prompt_cache))]
+            self._prompt_cache[key] = ids
+        return list(ids)
 
     async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
         kwargs: dict[str, Any] = {"sampling": sampling} if sampling is not None else {}
@@ -243,7 +275,8 @@ class Rollouts:
         while await self.gate.running():
             async with self.gate.changed:
                 # back-pressure: generate no more than the trainer can use before the episodes go stale
-                await self.gate.changed.wait_for(lambda: self.gate.stopping or self.buffer.may_admit(self.per_call))
+                await self.gate.changed.wait_for(
+                    lambda: self.gate.stopping or (self.gate.may_admit() and self.buffer.may_admit(self.per_call)))
                 if self.gate.stopping:
                     return
                 self.buffer.admit(self.per_call, first_id=self.next_episode_id)  # ids bound the buffer's bookkeeping
