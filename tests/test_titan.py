@@ -145,3 +145,41 @@ def test_build_from_hf_loads_every_parameter_it_leaves_uninitialised(llama_dir, 
     save_file(sd, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match="missing="):
         build_from_hf(str(broken))
+
+
+def test_torchtitan_import_defers_its_compiles_to_first_use():
+    """`import_titan_models` (what forgelab's torchtitan imports go through) leaves torch.compile as it was,
+    imports no inductor, and leaves FlexAttention's kernel as a DeferredCompile holding torchtitan's own
+    arguments; a DeferredCompile compiles once, on its first call, with those arguments."""
+    import subprocess
+    import sys
+
+    from forgelab.engines.titan_import import DeferredCompile
+
+    code = (
+        "import sys, torch\n"
+        "real = torch.compile\n"
+        "from forgelab.engines.titan import build_from_hf\n"
+        "from forgelab.engines.titan_attention import MaskedSDPA\n"
+        "from torchtitan.models.common.attention import FlexAttention\n"
+        "from forgelab.engines.titan_import import DeferredCompile\n"
+        "k = FlexAttention._compiled_flex_attn\n"
+        "assert torch.compile is real\n"
+        "assert isinstance(k, DeferredCompile) and k.compile_fn is real and k.compiled is None, k\n"
+        "assert k.kwargs == {'options': FlexAttention.inductor_configs}, k.kwargs\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+    made = []
+
+    def fake_compile(fn, **kwargs):
+        made.append(kwargs)
+        return lambda *a: ("compiled", fn(*a))
+
+    d = DeferredCompile(fake_compile, lambda x: x + 1, {"dynamic": False})
+    assert made == [] and d.__name__ == "<lambda>"
+    assert d(1) == ("compiled", 2) and d(5) == ("compiled", 6)
+    assert made == [{"dynamic": False}]  # compiled once, with the deferred arguments

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from forgelab.engines.titan_import import import_titan_models
+
 ATTN_BACKENDS = ("sdpa", "flex", "varlen")
 
 
@@ -57,6 +59,7 @@ def titan_llama3_config_from_hf(hf_config: dict[str, Any], *, attn_backend: str 
     ``Llama3StateDictAdapter`` maps HF q/k/v onto it. Parameter inits are
     torchtitan's llama3 ones, so the config can also train from scratch.
     """
+    import_titan_models()  # its import-time compiles deferred (forgelab.engines.titan_import)
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.config_utils import (
         get_attention_config,
@@ -196,6 +199,7 @@ class TitanCheckpoint:
 
     def adapter(self):
         """A fresh torchtitan state-dict adapter for this model."""
+        import_titan_models()
         if self.family == "llama3":
             from torchtitan.models.llama3 import Llama3StateDictAdapter
 
@@ -213,6 +217,7 @@ def titan_qwen3_config_from_hf(hf_config: dict[str, Any]):
     ``rms_norm_eps``; RoPE is torchtitan's cos/sin layout, which
     ``Qwen3StateDictAdapter`` expects (no Q/K permutation).
     """
+    import_titan_models()  # its import-time compiles deferred (forgelab.engines.titan_import)
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.nn_modules import RMSNorm
     from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers

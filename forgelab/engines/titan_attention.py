@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torchtitan.models.common.attention import ScaledDotProductAttention
+
+from forgelab.engines.titan_import import import_titan_models
+
+import_titan_models()  # before torchtitan's attention module: its import-time compiles deferred
+
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 
 __all__ = ["MaskedSDPA"]
 
