@@ -108,16 +108,14 @@ def jupyterlab(tmp_path):
                 time.sleep(0.5)
         yield base, token, tmp_path
     finally:
-        proc.send_signal(signal.SIGINT)  # JupyterLab's clean shutdown: stops kernels, then exits
+        # SIGTERM is the server's clean stop (jupyter_server's _signal_stop: shuts the kernels down, then the
+        # loop); SIGINT is not: without a tty it interrupts the loop and skips that cleanup, with one it asks
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.kill()
+            proc.wait()
         try:  # anything left in the server's own session (kernel children) goes too
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
