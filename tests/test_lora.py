@@ -497,6 +497,7 @@ def test_lora_run_swaps_loss_compares_losses_and_resumes_exactly(loop, tmp_path)
 
     from forgelab.config.components import LoraConfig
     from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.engines.pool import ProcessPool
     from forgelab.experiments.replay import compare_metrics
     from forgelab.run import Run
 
@@ -509,47 +510,54 @@ def test_lora_run_swaps_loss_compares_losses_and_resumes_exactly(loop, tmp_path)
             eval=EvalConfig(every=0, n=16), tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False,
                                                                      checkpoint_every=4))
 
-    run = Run(config("lora-a"))
-    swaps = []
-    run.add_listener(lambda row: row.get("step") == 2 and swaps.append(asyncio.ensure_future(run.set_loss("dapo"))))
+    # the four runs share one set of LoRA processes: spawned once, re-initialised per run (each run still
+    # restores its own state: a resume or fork from its checkpoint, the replay from the manifest)
+    pool = ProcessPool()
     try:
-        loop.run_until_complete(run.start())
-        loop.run_until_complete(run.wait())
-        loop.run_until_complete(asyncio.gather(*swaps))
-        assert run.state == "finished", run.message
-        ab = loop.run_until_complete(run.compare_losses(["grpo", "dapo"]))
-        print(ab)
-        assert ab.unchanged and all(r["ok"] and r["grad_norm"] > 0 for r in ab.losses)  # gradients of the adapters
+        run = Run(config("lora-a"), spawn=pool)
+        swaps = []
+        run.add_listener(lambda row: row.get("step") == 2 and swaps.append(asyncio.ensure_future(run.set_loss("dapo"))))
+        try:
+            loop.run_until_complete(run.start())
+            loop.run_until_complete(run.wait())
+            loop.run_until_complete(asyncio.gather(*swaps))
+            assert run.state == "finished", run.message
+            ab = loop.run_until_complete(run.compare_losses(["grpo", "dapo"]))
+            print(ab)
+            assert ab.unchanged and all(r["ok"] and r["grad_norm"] > 0 for r in ab.losses)  # gradients of the adapters
+        finally:
+            loop.run_until_complete(run.shutdown())
+        original = pd.read_csv(run.out_dir / "metrics.csv")
+        at = [e["applies_at_step"] for e in run.events if e["kind"] == "loss_swapped"]
+        assert len(at) == 1 and at[0] >= 3  # asked after step 2: lands at a later step boundary, recorded
+        assert list(original["loss_name"]) == ["grpo"] * (at[0] - 1) + ["dapo"] * (7 - at[0])
+        assert (original["ref_from_base"] == 1.0).all() and original["kl_ref"].iloc[-1] > 0
+        resumed = Run(config("lora-b"), resume_from=str(run.out_dir / "checkpoints"), spawn=pool)
+        try:
+            loop.run_until_complete(resumed.start())
+            assert resumed.step == 4
+            loop.run_until_complete(resumed.wait())
+            assert resumed.state == "finished", resumed.message
+        finally:
+            loop.run_until_complete(resumed.shutdown())
+        again = pd.read_csv(resumed.out_dir / "metrics.csv")
+        assert list(again["step"])[-2:] == [5, 6]
+        assert compare_metrics(original[original["step"] > 4], again[again["step"] > 4]) == []
+        # a fork of the step-4 checkpoint with no overrides trains steps 5-6 as the parent did
+        child = loop.run_until_complete(Run.fork_from(run.out_dir / "checkpoints" / "step_000004", name="lora-fork",
+                                                         pool=pool))
+        try:
+            assert child.config.lora.enabled and child.reference is None
+            loop.run_until_complete(child.wait())
+            assert child.state == "finished", child.message
+        finally:
+            loop.run_until_complete(child.shutdown())
+        forked = pd.read_csv(child.out_dir / "metrics.csv")
+        assert list(forked["step"])[-2:] == [5, 6]  # the child's metrics start with the parent's rows 1-4
+        assert compare_metrics(original[original["step"] > 4], forked[forked["step"] > 4]) == []
+        # the replay re-runs all 6 steps from the manifest, the loss swap at its recorded step included
+        report = loop.run_until_complete(Run.replay(run.out_dir, name="lora-replay", spawn=pool))
+        print(report)
+        assert report.ok and report.steps == 6, report
     finally:
-        loop.run_until_complete(run.shutdown())
-    original = pd.read_csv(run.out_dir / "metrics.csv")
-    at = [e["applies_at_step"] for e in run.events if e["kind"] == "loss_swapped"]
-    assert len(at) == 1 and at[0] >= 3  # asked after step 2: lands at a later step boundary, recorded
-    assert list(original["loss_name"]) == ["grpo"] * (at[0] - 1) + ["dapo"] * (7 - at[0])
-    assert (original["ref_from_base"] == 1.0).all() and original["kl_ref"].iloc[-1] > 0
-    resumed = Run(config("lora-b"), resume_from=str(run.out_dir / "checkpoints"))
-    try:
-        loop.run_until_complete(resumed.start())
-        assert resumed.step == 4
-        loop.run_until_complete(resumed.wait())
-        assert resumed.state == "finished", resumed.message
-    finally:
-        loop.run_until_complete(resumed.shutdown())
-    again = pd.read_csv(resumed.out_dir / "metrics.csv")
-    assert list(again["step"])[-2:] == [5, 6]
-    assert compare_metrics(original[original["step"] > 4], again[again["step"] > 4]) == []
-    # a fork of the step-4 checkpoint with no overrides trains steps 5-6 as the parent did
-    child = loop.run_until_complete(Run.fork_from(run.out_dir / "checkpoints" / "step_000004", name="lora-fork"))
-    try:
-        assert child.config.lora.enabled and child.reference is None
-        loop.run_until_complete(child.wait())
-        assert child.state == "finished", child.message
-    finally:
-        loop.run_until_complete(child.shutdown())
-    forked = pd.read_csv(child.out_dir / "metrics.csv")
-    assert list(forked["step"])[-2:] == [5, 6]  # the child's metrics start with the parent's rows 1-4
-    assert compare_metrics(original[original["step"] > 4], forked[forked["step"] > 4]) == []
-    # the replay re-runs all 6 steps from the manifest, the loss swap at its recorded step included
-    report = loop.run_until_complete(Run.replay(run.out_dir, name="lora-replay"))
-    print(report)
-    assert report.ok and report.steps == 6, report
+        loop.run_until_complete(pool.shutdown())
