@@ -116,27 +116,14 @@ def _gen_main(model_dir: str, count: int, n: int, max_tokens: int, repeats: int)
     print(json.dumps(best), flush=True)
 
 
-def start_generator(model_dir: str, count: int, repeats: int) -> subprocess.Popen:
-    """The bare-vLLM measurement's process, started; `generator_result` waits for its numbers."""
-    env = {**os.environ, **process_env(1)}
-    return subprocess.Popen([sys.executable, "-m", "forgelab.bench.limits", "--_gen", model_dir, str(count), "8", "8",
-                             str(repeats)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def generator_result(proc: subprocess.Popen) -> dict:
-    try:
-        out, err = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"generator measurement failed (rc {proc.returncode}):\n{err[-3000:]}")
-    return json.loads(lines[-1])
-
-
 def measure_generator(model_dir: str, count: int, repeats: int) -> dict:
-    return generator_result(start_generator(model_dir, count, repeats))
+    env = {**os.environ, **process_env(1)}
+    proc = subprocess.run([sys.executable, "-m", "forgelab.bench.limits", "--_gen", model_dir, str(count), "8", "8",
+                           str(repeats)], env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"generator measurement failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 # ------------------------------------------------------------------- trainer
@@ -192,9 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench limits", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: 2 matmul repeats per shape, bare vLLM 1 timed run of 8 prompts x 8 "
-                         "in a process beside a 2-step Run of 2 prompts x 8 (warmup 1; 1 step timed after the "
-                         "warm-up step)")
+                    help="proves the code path: 2 matmul repeats per shape, bare vLLM 1 timed run of 8 prompts x 8, "
+                         "a 2-step Run of 2 prompts x 8 (warmup 1; 1 step timed after the warm-up step)")
     args = ap.parse_args(argv)
 
     import torch
@@ -208,15 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     mm_gen = matmul_gflops(64 * 8, h, i, reps)  # one decode step of 64 prompts x 8 samples through the MLP
     mm_train = matmul_gflops(64 * 17, h, i, reps)  # a batch of 64 sequences of ~17 tokens
     mm_big = matmul_gflops(2048, 2048, 2048, max(2, reps // 2))
-    if args.quick:  # proves the path: the bare-vLLM process runs beside the Run (they share the cores)
-        gen_proc = start_generator(SHIPPED, 8, 1)
-    else:
-        gen = measure_generator(SHIPPED, 256, 3)
+    gen = measure_generator(SHIPPED, 8 if args.quick else 256, 1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="forgelab-limits-") as d:
         tr = asyncio.run(measure_trainer(2 if args.quick else 20, d, warmup=1 if args.quick else None,
                                          prompts=2 if args.quick else 8))
-    if args.quick:
-        gen = generator_result(gen_proc)
     end = print_machine("end")
 
     attn_share = 4 * p["layers"] * 17 * h / (2 * N)
