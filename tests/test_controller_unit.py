@@ -1132,3 +1132,42 @@ def test_single_turn_prompt_ids_are_rendered_once_and_equal_a_fresh_rendering():
         first.append(-1)  # a caller mutating its list must not reach the cache
         assert src.prompt_ids(prompt) == fresh
     assert len(encoded) == 2  # each prompt rendered and encoded once
+
+
+def test_a_fork_child_that_fails_to_start_gives_back_its_reserved_slot_or_its_processes(tmp_path):
+    """`_start_child`: a child whose constructor raises never attached, so the slot reserved for it (a shared
+    engines' `ReservedSlot`) is released; a child whose restore fails after its parts exist is shut down."""
+    from forgelab.experiments.fork import _start_child
+
+    class Reserved:
+        released = 0
+
+        async def __call__(self, cfg):
+            return await fake_spawn(cfg)
+
+        async def release(self):
+            Reserved.released += 1
+            return True
+
+    class BadConfig(Run):
+        def __init__(self, *a, **kw):
+            raise ValueError("bad child config")
+
+    shut = []
+
+    class BadRestore(Run):
+        async def spawn(self):
+            self.parts = await self._spawn_parts(self.config)
+            raise RuntimeError("restore failed")
+
+        async def shutdown(self):
+            shut.append(self.config.name)
+            self.parts = None
+
+    cfg = config(tmp_path, name="child")
+    with pytest.raises(ValueError, match="bad child config"):
+        asyncio.run(_start_child(BadConfig, cfg, tmp_path, Reserved(), {}, {}, None, False))
+    assert Reserved.released == 1
+    with pytest.raises(RuntimeError, match="restore failed"):
+        asyncio.run(_start_child(BadRestore, cfg, tmp_path, Reserved(), {}, {}, None, False))
+    assert shut == ["child"] and Reserved.released == 1  # shut down (its slot with it), not released twice

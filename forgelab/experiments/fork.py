@@ -121,9 +121,10 @@ def _describe(overrides: dict) -> dict:
 
 async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, overrides: dict, origin: dict,
                        last_batch: Any, start: bool):
-    child = run_cls(cfg, resume_from=ckpt, spawn=spawn)
-    await child.spawn()  # spawn + restore now: the overrides land before the first step
+    child = None
     try:
+        child = run_cls(cfg, resume_from=ckpt, spawn=spawn)
+        await child.spawn()  # spawn + restore now: the overrides land before the first step
         child.last_batch = last_batch  # a loss override is dry-run on the batch the parent trained last
         if "lr" in overrides:
             await child.trainer.call("set_lr", float(overrides["lr"]))
@@ -139,7 +140,10 @@ async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, override
         if start:
             await child.start()
     except BaseException:
-        await child.shutdown()
+        if child is not None and child.parts is not None:
+            await child.shutdown()  # its processes (or its slot of shared engines) are freed
+        elif hasattr(spawn, "release"):  # a slot reserved for it that it never attached to
+            await spawn.release()
         raise
     return child
 

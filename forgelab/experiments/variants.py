@@ -130,8 +130,6 @@ class Engines:
         """Reserve a free slot holding an exact copy of slot ``src``'s trainer state (adapter, optimizer,
         schedule, loss, step, version: in memory); returns the ``spawn`` a fork's child attaches with
         (`forgelab.experiments.fork`)."""
-        import functools
-
         slot = await self._reserve()
         try:
             await self.parts.generators.fanout("drop_slot", slot)
@@ -139,7 +137,17 @@ class Engines:
         except BaseException:
             self.attached.pop(slot, None)
             raise
-        return functools.partial(self.attach, reserved=slot)
+        return ReservedSlot(self, slot)
+
+    async def release(self, slot: str) -> bool:
+        """Give back slot ``slot`` if it is still only reserved (no run attached to it); True if it was."""
+        if slot not in self.attached or self.attached[slot] is not None:
+            return False
+        try:
+            await self.parts.trainer.call("slot_free", slot)
+        finally:
+            self.attached.pop(slot, None)
+        return True
 
     async def _reserve(self) -> str:
         async with self._lock:
@@ -168,9 +176,8 @@ class Engines:
                 raise ValueError(f"run {cfg.name!r} cannot share {self.name}: it differs in {', '.join(diff)} (the "
                                  "model, engine, lora shape and placement are the engines'); give it its own processes")
         except BaseException:
-            if reserved is not None and self.attached.get(reserved, 0) is None:  # a fork's copy: give it back
-                await self.parts.trainer.call("slot_free", reserved)
-                self.attached.pop(reserved, None)
+            if reserved is not None:  # a fork's copy: give it back
+                await self.release(reserved)
             raise
         t0 = time.time()
         if reserved is not None:
@@ -309,3 +316,21 @@ class Engines:
 
     def __repr__(self) -> str:
         return f"<Engines {self.name} {len(self.run_names)}/{self.slots} slots {'up' if self.parts else 'not started'}>"
+
+
+class ReservedSlot:
+    """What `Engines.copy_slot` returns: the ``spawn`` a fork's child attaches to its reserved slot with
+    (``await reserved(cfg)``), and ``await reserved.release()`` to give the slot back if the child never
+    attaches (its constructor or spawn failed before)."""
+
+    def __init__(self, engines: Engines, slot: str):
+        self.engines, self.slot = engines, slot
+
+    async def __call__(self, cfg: Any) -> Any:
+        return await self.engines.attach(cfg, reserved=self.slot)
+
+    async def release(self) -> bool:
+        return await self.engines.release(self.slot)
+
+    def __repr__(self) -> str:
+        return f"<ReservedSlot {self.slot} of {self.engines.name}>"
