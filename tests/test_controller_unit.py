@@ -1171,3 +1171,23 @@ def test_a_fork_child_that_fails_to_start_gives_back_its_reserved_slot_or_its_pr
     with pytest.raises(RuntimeError, match="restore failed"):
         asyncio.run(_start_child(BadRestore, cfg, tmp_path, Reserved(), {}, {}, None, False))
     assert shut == ["child"] and Reserved.released == 1  # shut down (its slot with it), not released twice
+
+
+def test_a_checkpoint_keeps_the_zero_variance_count_a_teacher_run_reports(tmp_path):
+    """`episodes_zero_variance_kept` (distillation keeps equal-reward groups) is a running count in the metrics:
+    a resumed run continues it instead of starting again from 0."""
+    cfg = config(tmp_path, name="zv", steps=2)
+    run = Run(cfg, spawn=fake_spawn)
+
+    async def go():
+        await run.spawn()
+        run.rollout.zero_variance_kept = 7
+        path = await run.save_checkpoint(tmp_path / "zv_ck")
+        await run.shutdown()
+        resumed = Run(cfg, resume_from=path, spawn=fake_spawn)
+        await resumed.spawn()
+        kept = resumed.rollout.zero_variance_kept
+        await resumed.shutdown()
+        return kept
+
+    assert asyncio.run(go()) == 7

@@ -86,6 +86,7 @@ async def save(run, path: str | Path | None = None, *, trainer: bool = True) -> 
         "loss_kwargs": (info or {}).get("loss_kwargs"),
         "loss_code": _loss_code(run),
         "next_episode_id": run.rollout.next_episode_id, "next_group_id": run.rollout.next_group_id,
+        "zero_variance_kept": run.rollout.zero_variance_kept,  # a teacher run's kept equal-reward episodes
         "accuracy_history": run.accuracy_history,
         # per-rank SHA-256 of parameters and optimizer state: a restore is checked against it
         "trainer_fingerprint": await run.trainer.call("fingerprint"),
@@ -114,6 +115,7 @@ async def restore(run, path: str | Path) -> None:
     else:  # a checkpoint from before reward code was saved: weights of the rewards this run knows
         run.rewards.set_weights({k: v for k, v in state["reward_weights"].items() if k in run.rewards.weights})
     run.rollout.next_episode_id, run.rollout.next_group_id = state["next_episode_id"], state["next_group_id"]
+    run.rollout.zero_variance_kept = int(state.get("zero_variance_kept", 0))  # 0: saved before it was kept
     if state.get("distill_coef") is not None:  # the coefficient as the run had changed it, not the config's
         run.distill_coef = float(state["distill_coef"])
     run.accuracy_history = [tuple(x) for x in state.get("accuracy_history", [])]
