@@ -1191,3 +1191,33 @@ def test_a_checkpoint_keeps_the_zero_variance_count_a_teacher_run_reports(tmp_pa
         return kept
 
     assert asyncio.run(go()) == 7
+
+
+def test_until_wakes_when_episodes_close_in_the_buffer_without_any_event():
+    """`run.until(predicate=...)` re-checks when episodes close (here dropped, with no event or metrics row):
+    a predicate on the accounting holds as soon as the drop happens, not at the next step."""
+    from types import SimpleNamespace
+
+    from forgelab.controller import controls
+    from forgelab.controller.buffer import ReplayBuffer
+    from forgelab.types import Episode
+
+    async def go():
+        listeners = []
+        run = SimpleNamespace(buffer=ReplayBuffer(8, 1), tracker=None, step=0, state="running",
+                              add_listener=listeners.append, remove_listener=listeners.remove)
+        run.main_task = asyncio.ensure_future(asyncio.Event().wait())  # a run that never steps
+
+        async def drop_later():
+            await asyncio.sleep(0)
+            eps = [Episode(id=i, group_id=0, prompt_ids=[1], completion_ids=[2], generator_logprobs=[-0.1],
+                           policy_version=0) for i in range(3)]
+            run.buffer.drop(eps, "test_drop")
+
+        asyncio.ensure_future(drop_later())
+        await controls.until(run, None, lambda r: r.buffer.counts()["dropped"] >= 3, timeout=20)
+        run.main_task.cancel()
+        return run.buffer.counts()["dropped"], listeners
+
+    dropped, listeners = asyncio.run(go())
+    assert dropped == 3 and listeners == []

@@ -185,6 +185,11 @@ class ReplayBuffer:
         "stale") or "dropped" (with its reason). Called after the buffer's state changed; an error is logged."""
         self._close_listeners.append(fn)
 
+    def remove_close_listener(self, fn: Callable[[list[Episode], str, str], None]) -> None:
+        """Stop calling ``fn`` (added by `add_close_listener`); a no-op if it is not there."""
+        if fn in self._close_listeners:
+            self._close_listeners.remove(fn)
+
     def _closed_now(self, episodes: list[Episode], status: str, reason: str = "") -> None:
         if not episodes:
             return

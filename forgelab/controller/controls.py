@@ -180,7 +180,8 @@ def rewards_for(run: Any, flat: list) -> RewardComposer:
 
 async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | None, timeout: float | None) -> Any:
     """Wait until step `step` is done (its metrics row logged: ``run.metrics`` has it) and ``predicate(run)``
-    holds, re-checked on each step and event the run notifies its listeners of (no polling). Raises
+    holds, re-checked on each step and event the run notifies its listeners of and each time episodes close in
+    its buffer (trained, evicted or dropped; no polling). Raises
     `RuntimeError` if the run ends first (its own failure if it failed) and `asyncio.TimeoutError` after
     `timeout` seconds."""
     def logged() -> int:  # run.step moves first; the row is logged after the weight push
@@ -207,9 +208,14 @@ async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | N
             await asyncio.wait({waiter, main}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
+    def closed(_episodes: list, _status: str, _reason: str) -> None:  # drops and evictions between steps too
+        wake({})
+
     run.add_listener(wake)
+    run.buffer.add_close_listener(closed)
     try:
         await asyncio.wait_for(wait(), timeout)
     finally:
         run.remove_listener(wake)
+        run.buffer.remove_close_listener(closed)
     return run
