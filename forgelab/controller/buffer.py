@@ -187,8 +187,7 @@ class ReplayBuffer:
 
     def remove_close_listener(self, fn: Callable[[list[Episode], str, str], None]) -> None:
         """Stop calling ``fn`` (added by `add_close_listener`); a no-op if it is not there."""
-        if fn in self._close_listeners:
-            self._close_listeners.remove(fn)
+        self._close_listeners[:] = [f for f in self._close_listeners if f is not fn]
 
     def _closed_now(self, episodes: list[Episode], status: str, reason: str = "") -> None:
         if not episodes:
