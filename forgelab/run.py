@@ -63,6 +63,9 @@ def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
     raise ConfigError(f"Run(config): expected a RunConfig, a dict or a YAML path, got {type(config).__name__}")
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
 class Run(experiments.Experiments):
     """One training run: its parts, its background tasks, its metrics and its controls.
 
@@ -113,7 +116,8 @@ class Run(experiments.Experiments):
         transformers costs the controller 1-2.5 s, which `spawn` spends while the processes start."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                from transformers import AutoTokenizer
+                with _TRANSFORMERS_IMPORT:  # transformers' lazy first import is not thread-safe (two Runs at once)
+                    from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
             return self._tokenizer
