@@ -78,3 +78,20 @@ class StateSource(Component):
     @endpoint
     async def push(self, sink) -> int:
         return await sink.receive.call_one(self.state)
+
+
+class ExitMarks(Component):
+    """Writes ``<dir>/released`` from `release_for_exit` and ``<dir>/finalised`` from an exit handler registered
+    at setup: a fast exit leaves the first and never runs the second."""
+
+    def __init__(self, marks_dir: str):
+        self.marks_dir = marks_dir
+
+    @endpoint
+    async def setup(self) -> None:
+        import atexit
+
+        atexit.register(lambda: open(os.path.join(self.marks_dir, "finalised"), "w").close())
+
+    def release_for_exit(self) -> None:
+        open(os.path.join(self.marks_dir, "released"), "w").close()

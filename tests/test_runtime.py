@@ -354,3 +354,23 @@ def test_shutdown_leaves_no_child_processes(svc, loop):
     assert [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
     with pytest.raises(NoHealthyReplicaError, match="was shut down"):
         loop.run_until_complete(svc.route("ping"))
+
+
+@integration
+def test_shutdown_releases_then_exits_without_finalising(loop, tmp_path):
+    """`ActorHandle.shutdown` calls the component's `release_for_exit` (what it holds outside the process) and
+    then the process exits at once: an exit handler registered in the actor never runs (finalising torch/vLLM
+    processes took 1.5-4 s each), and the process is gone."""
+    from runtime_actors import ExitMarks
+
+    h = loop.run_until_complete(ExitMarks.options(procs=1).as_actor(str(tmp_path)))
+    (pid,) = loop.run_until_complete(h.pids())
+    try:
+        proc = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        proc = None
+    loop.run_until_complete(h.shutdown())
+    if proc is not None:
+        gone, alive = psutil.wait_procs([proc], timeout=30)
+        assert alive == []
+    assert sorted(os.listdir(tmp_path)) == ["released"]

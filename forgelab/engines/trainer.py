@@ -152,6 +152,9 @@ class Trainer(Component):
     async def setup(self) -> None:
         self.state = TrainerState.create(self.config, *_mesh_rank_world())
 
+    def release_for_exit(self) -> None:
+        self._sender.close()  # the shared-memory weights file
+
     @endpoint
     async def reinit(self, config: TrainerConfig) -> dict[str, Any]:
         """Start over from ``config`` in this process (a warm pool's next run): model, optimizer, schedule, loss."""

@@ -222,6 +222,11 @@ class ActorHandle:
         if not self.alive:
             return
         self.alive = False
+        if not self.failed:  # release and flush, then exit without finalising the interpreter (Component.prepare_exit)
+            try:
+                await asyncio.wait_for(self.actor.prepare_exit.call(), timeout=10)
+            except Exception:  # noqa: BLE001 -- an actor without it, or a dying process: the plain stop follows
+                pass
         # A mesh with a dead process never acknowledges stop(): don't wait long for it.
         try:
             await asyncio.wait_for(self.procs.stop(), timeout=3 if self.failed else 30)

@@ -107,6 +107,12 @@ class WeightSender:
             self._reusable = not out["failed"]
         return out
 
+    def close(self) -> None:
+        """Remove the shared-memory file now (a fast process exit skips the writer's finalizer)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
     def _write_shared(self, version: int, sd: dict[str, torch.Tensor]) -> tuple[SharedWeights | None, str | None]:
         """Write ``sd`` to the shared-memory file: ``(handle, None)``, or ``(None, why not)``."""
         root = self.shm_dir or default_shm_root()
