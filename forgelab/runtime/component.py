@@ -92,6 +92,12 @@ class Component(Actor):
         vLLM or torchtitan (their exit handlers, module teardown, collecting every object) took 1.5-4 s per
         process, for every run that shuts down. What must be released is released here, explicitly."""
         self.release_for_exit()
+        import multiprocessing.util
+
+        # what multiprocessing's own exit handler does (the fast exit skips it): unlink the semaphores and other
+        # resources registered with its resource tracker (vLLM's), which otherwise warns of "leaked semaphore
+        # objects" on stderr as the process ends
+        multiprocessing.util._exit_function()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
