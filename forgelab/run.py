@@ -63,7 +63,9 @@ def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
     raise ConfigError(f"Run(config): expected a RunConfig, a dict or a YAML path, got {type(config).__name__}")
 
 
-_TRANSFORMERS_IMPORT = threading.Lock()
+_TOKENIZER_LOAD = threading.Lock()
+"""One lock for every Run's tokenizer load: `spawn` loads it in a thread, and transformers' lazy first import is
+not thread-safe (two Runs starting at once in a fresh process could fail with ImportError)."""
 
 
 class Run(experiments.Experiments):
@@ -77,7 +79,6 @@ class Run(experiments.Experiments):
                  spawn: Callable[[RunConfig], Awaitable[Any]] | None = None):
         self.config = cfg = _as_config(config)  # raises ConfigError before anything spawns
         self._tokenizer: Any = None  # loaded on first use; `spawn` loads it while the processes start
-        self._tokenizer_lock = threading.Lock()
         self.out_dir = Path(cfg.tracking.out_dir) / cfg.name
         self.rewards: RewardComposer = configured_rewards(cfg.rollout)
         self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self.emit)
@@ -114,10 +115,9 @@ class Run(experiments.Experiments):
     def tokenizer(self) -> Any:
         """The model's tokenizer (`transformers.AutoTokenizer` of ``model.path``), loaded on first use: importing
         transformers costs the controller 1-2.5 s, which `spawn` spends while the processes start."""
-        with self._tokenizer_lock:
+        with _TOKENIZER_LOAD:
             if self._tokenizer is None:
-                with _TRANSFORMERS_IMPORT:  # transformers' lazy first import is not thread-safe (two Runs at once)
-                    from transformers import AutoTokenizer
+                from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
             return self._tokenizer
