@@ -313,16 +313,7 @@ def test_process_job_two_hosts_and_loopback_only(loop):
             await asyncio.gather(spread.shutdown(), actor.shutdown())
 
     try:
-        try:
-            (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
-        except RuntimeError as e:
-            # Monarch's ProcessJob attach can time out on a busy 2-core host (MESH_ATTACH_CONFIG_TIMEOUT,
-            # seen once in a full suite run): that is the job's start-up, not forgelab; retry once on a fresh job.
-            if "attach failed" not in str(e):
-                raise
-            job.kill()
-            job = ProcessJob({"gen": 2})
-            (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
+        (actor_hosts, replica_hosts), sockets = loop.run_until_complete(body())
         workers = {p.pid for p in psutil.Process().children() if "run_worker_loop_forever" in " ".join(p.cmdline())}
     finally:
         job.kill()
@@ -340,6 +331,43 @@ def test_process_job_two_hosts_and_loopback_only(loop):
     from monarch.config import get_global_config
 
     assert get_global_config()["mesh_admin_addr"] == "127.0.0.1:1729"
+
+
+@integration
+def test_process_job_attaches_to_a_worker_that_listens_late(loop, tmp_path):
+    """A worker that starts listening after Monarch's message delivery timeout still attaches.
+
+    Monarch pushes its config to each worker once and drops it if nobody listens within
+    `message_delivery_timeout`; the attach then fails ("config push failed during attach"), as CI
+    saw on a loaded machine. Both timeouts are shrunk here so a 4 s late worker shows it; spawn
+    waits for the worker's socket first (remove that wait and this fails after 8 s).
+    """
+    from monarch.config import configured
+
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(4)\n")
+    job = job_from_config({"kind": "process", "meshes": {"gen": 1}, "env": {"PYTHONPATH": str(tmp_path)}})
+    try:
+        with configured(message_delivery_timeout="1500ms", mesh_attach_config_timeout="8s"):
+            actor = loop.run_until_complete(Echo.options(hosts=1, job=job, mesh="gen").as_actor("late"))
+        try:
+            assert loop.run_until_complete(actor.ping.call_one()) == 1
+        finally:
+            loop.run_until_complete(actor.shutdown())
+    finally:
+        job.kill()
+
+
+@integration
+def test_process_job_worker_that_dies_gives_a_clear_error(loop, tmp_path):
+    from forgelab.runtime.placement import JobWorkerError
+
+    (tmp_path / "sitecustomize.py").write_text("raise SystemExit(3)\n")
+    job = job_from_config({"kind": "process", "meshes": {"gen": 1}, "env": {"PYTHONPATH": str(tmp_path)}})
+    try:
+        with pytest.raises(JobWorkerError, match=r"worker 'gen_0' \(pid \d+\) exited before it listened"):
+            loop.run_until_complete(Echo.options(hosts=1, job=job, mesh="gen").as_actor("dead"))
+    finally:
+        job.kill()
 
 
 # ---------------------------------------------------------------- shutdown

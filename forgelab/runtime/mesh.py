@@ -258,6 +258,10 @@ async def spawn(
     env = placement.process_env()
     inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join([p for p in [inherited, *_user_sys_path()] if p])
+    if placement.job is not None:
+        from forgelab.runtime.placement import workers_listening
+
+        await workers_listening(placement.job)
     host = _host_mesh(placement, first_host)
     per_host: dict[str, int] = {"procs": placement.procs}
     if placement.with_gpus:

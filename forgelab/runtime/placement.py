@@ -51,11 +51,79 @@ listen on no TCP port.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
+import stat
+import time
 from typing import Any
 
 JOB_KINDS = ("process", "local", "slurm", "ssh", "kubernetes")
+WORKER_LISTEN_TIMEOUT = 300.0  # seconds a ProcessJob's worker may take to start listening
+
+
+class JobWorkerError(RuntimeError):
+    """A local job's host worker died, or never listened, before the controller attached to it."""
+
+
+def _listening(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X", "x")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+
+
+async def workers_listening(job: Any, timeout: float = WORKER_LISTEN_TIMEOUT, poll: float = 0.05) -> None:
+    """Start a local `ProcessJob`'s host workers (once) and wait until each listens on its socket.
+
+    Monarch's attach pushes its configuration to each worker once: a message to a unix socket
+    nobody listens on yet is dropped after `message_delivery_timeout` (30 s), and the attach then
+    fails after `mesh_attach_config_timeout` (1 min) with "config push failed during attach". A
+    worker is a fresh Python importing Monarch: on a loaded machine that can take longer than
+    30 s, so the controller attaches only once every worker's socket exists. Other job kinds are
+    left to their schedulers; this returns at once for them.
+    """
+    from monarch.job import ProcessJob
+
+    if not isinstance(job, ProcessJob):
+        return
+    job.apply()  # a no-op once the job runs; state() would do it next anyway
+    workers = dict(getattr(job, "_host_to_pid", {}))
+    pending = {key: w for key, w in workers.items() if str(w.channel).startswith("ipc://")}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for key, worker in list(pending.items()):
+            path = str(worker.channel)[len("ipc://"):]
+            if _listening(path):
+                del pending[key]
+            elif not _running(worker.pid):
+                raise JobWorkerError(
+                    f"ProcessJob worker {key!r} (pid {worker.pid}) exited before it listened on {path}; "
+                    "its output goes nowhere, so run its command to see why: python -c "
+                    "'from monarch.actor import run_worker_loop_forever' (with the job's env), then "
+                    "job.kill() and build a new job"
+                )
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            raise JobWorkerError(
+                f"ProcessJob workers {sorted(pending)} did not listen on their sockets within {timeout:.0f} s "
+                "(each is a new Python importing Monarch); the machine may be overloaded: "
+                "job.kill() and try again, or raise forgelab.runtime.placement.WORKER_LISTEN_TIMEOUT"
+            )
+        await asyncio.sleep(poll)
 
 
 def job_mesh_names(job: Any) -> list[str]:
