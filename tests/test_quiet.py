@@ -3,8 +3,8 @@
 Pure checks of each filter, then real processes: importing vLLM after forgelab
 prints none of the known lines (and does print them with FORGELAB_VERBOSE=1,
 so the check can fail), a generator process started like a notebook's prints
-no third-party line, and the first cell of every tutorial, executed in a
-kernel, writes nothing to stderr.
+no third-party line. (That the first cell of every tutorial writes nothing
+to stderr is checked on nbval's own run of the tutorials: tutorials/conftest.py.)
 """
 from __future__ import annotations
 
@@ -190,48 +190,3 @@ def test_a_generator_process_prints_no_third_party_line(tmp_path):
     assert "completion:" in p.stdout
     noise = [line for line in p.stderr.splitlines() if line.strip() and not ALLOWED.match(line)]
     assert not noise, "third-party lines on stderr:\n" + "\n".join(noise)
-
-
-TUTORIALS = sorted((REPO / "tutorials").glob("*.ipynb"))
-KERNELS_AT_ONCE = 3
-"""First cells executing together, each in its own fresh kernel (a kernel's start is mostly waiting on imports)."""
-
-
-@pytest.fixture(scope="module")
-def first_cells() -> dict:
-    """Every tutorial's first code cell executed in a fresh kernel: path -> the cell (or the exception raised)."""
-    import asyncio
-
-    nbformat = pytest.importorskip("nbformat")
-    from nbclient import NotebookClient
-
-    async def one(path, slots):
-        nb = nbformat.read(path, as_version=4)
-        nb.cells = [next(c for c in nb.cells if c.cell_type == "code")]
-        async with slots:
-            await NotebookClient(nb, timeout=600, kernel_name="python3",
-                                 resources={"metadata": {"path": str(path.parent)}}).async_execute()
-        return nb.cells[0]
-
-    async def every():
-        slots = asyncio.Semaphore(KERNELS_AT_ONCE)
-        return await asyncio.gather(*(one(p, slots) for p in TUTORIALS), return_exceptions=True)
-
-    loop = asyncio.new_event_loop()
-    try:
-        return dict(zip(TUTORIALS, loop.run_until_complete(every())))
-    finally:
-        loop.close()
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
-def test_first_cell_of_every_tutorial_writes_nothing_to_stderr(path, first_cells):
-    cell = first_cells[path]
-    if isinstance(cell, BaseException):
-        raise cell
-    outputs = cell.outputs
-    errors = [o for o in outputs if o.output_type == "error"]
-    assert not errors, f"{path.name}: first cell raised {errors[0].ename}: {errors[0].evalue}"
-    stderr = "".join(o.text for o in outputs if o.output_type == "stream" and o.name == "stderr")
-    assert not stderr.strip(), f"{path.name}: first cell wrote to stderr:\n{stderr}"
