@@ -357,6 +357,25 @@ def test_process_job_attaches_to_a_worker_that_listens_late(loop, tmp_path):
         job.kill()
 
 
+def test_process_job_worker_that_never_listens_times_out_with_the_setting_to_raise(loop, tmp_path, monkeypatch):
+    """No worker process is started: a job whose one 'worker' (this process) never binds its socket."""
+    from monarch._src.job.job import ProcessState
+    from monarch.job import ProcessJob
+
+    from forgelab.runtime import placement
+    from forgelab.runtime.placement import JobWorkerError, workers_listening
+
+    job = ProcessJob({"gen": 1})
+    monkeypatch.setattr(job, "apply", lambda *a, **k: None)
+    monkeypatch.setattr(job, "_host_to_pid", {"gen_0": ProcessState(os.getpid(), f"ipc://{tmp_path}/gen_0")})
+    monkeypatch.setattr(placement, "WORKER_LISTEN_TIMEOUT", 0.2)  # the module setting, read at each call
+    with pytest.raises(JobWorkerError, match=r"\['gen_0'\] did not listen on their sockets within 0 s"):
+        loop.run_until_complete(workers_listening(job))
+    (tmp_path / "gen_0").write_text("")  # a plain file is not a listening socket
+    with pytest.raises(JobWorkerError, match="did not listen"):
+        loop.run_until_complete(workers_listening(job, timeout=0.1))
+
+
 @integration
 def test_process_job_worker_that_dies_gives_a_clear_error(loop, tmp_path):
     from forgelab.runtime.placement import JobWorkerError

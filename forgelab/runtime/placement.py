@@ -85,7 +85,7 @@ def _running(pid: int) -> bool:
         return True
 
 
-async def workers_listening(job: Any, timeout: float = WORKER_LISTEN_TIMEOUT, poll: float = 0.05) -> None:
+async def workers_listening(job: Any, timeout: float | None = None, poll: float = 0.05) -> None:
     """Start a local `ProcessJob`'s host workers (once) and wait until each listens on its socket.
 
     Monarch's attach pushes its configuration to each worker once: a message to a unix socket
@@ -93,9 +93,12 @@ async def workers_listening(job: Any, timeout: float = WORKER_LISTEN_TIMEOUT, po
     fails after `mesh_attach_config_timeout` (1 min) with "config push failed during attach". A
     worker is a fresh Python importing Monarch: on a loaded machine that can take longer than
     30 s, so the controller attaches only once every worker's socket exists. Other job kinds are
-    left to their schedulers; this returns at once for them.
+    left to their schedulers; this returns at once for them. `timeout` defaults to
+    `WORKER_LISTEN_TIMEOUT` (read at each call, so setting the module attribute takes effect).
     """
     from monarch.job import ProcessJob
+
+    timeout = WORKER_LISTEN_TIMEOUT if timeout is None else timeout
 
     if not isinstance(job, ProcessJob):
         return
