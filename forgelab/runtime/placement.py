@@ -58,6 +58,8 @@ import stat
 import time
 from typing import Any
 
+from forgelab.runtime.supervision import pid_alive
+
 JOB_KINDS = ("process", "local", "slurm", "ssh", "kubernetes")
 WORKER_LISTEN_TIMEOUT = 300.0  # seconds a ProcessJob's worker may take to start listening
 
@@ -73,18 +75,6 @@ def _listening(path: str) -> bool:
         return False
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X", "x")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-
-
 async def workers_listening(job: Any, timeout: float | None = None, poll: float = 0.05) -> None:
     """Start a local `ProcessJob`'s host workers (once) and wait until each listens on its socket.
 
@@ -98,20 +88,18 @@ async def workers_listening(job: Any, timeout: float | None = None, poll: float 
     """
     from monarch.job import ProcessJob
 
-    timeout = WORKER_LISTEN_TIMEOUT if timeout is None else timeout
-
     if not isinstance(job, ProcessJob):
         return
+    timeout = WORKER_LISTEN_TIMEOUT if timeout is None else timeout
     job.apply()  # a no-op once the job runs; state() would do it next anyway
-    workers = dict(getattr(job, "_host_to_pid", {}))
-    pending = {key: w for key, w in workers.items() if str(w.channel).startswith("ipc://")}
+    pending = {key: w for key, w in getattr(job, "_host_to_pid", {}).items() if str(w.channel).startswith("ipc://")}
     deadline = time.monotonic() + timeout
-    while pending:
+    while True:
         for key, worker in list(pending.items()):
             path = str(worker.channel)[len("ipc://"):]
             if _listening(path):
                 del pending[key]
-            elif not _running(worker.pid):
+            elif not pid_alive(worker.pid):
                 raise JobWorkerError(
                     f"ProcessJob worker {key!r} (pid {worker.pid}) exited before it listened on {path}; "
                     "its output goes nowhere, so run its command to see why: python -c "
@@ -119,7 +107,7 @@ async def workers_listening(job: Any, timeout: float | None = None, poll: float 
                     "job.kill() and build a new job"
                 )
         if not pending:
-            break
+            return
         if time.monotonic() > deadline:
             raise JobWorkerError(
                 f"ProcessJob workers {sorted(pending)} did not listen on their sockets within {timeout:.0f} s "

@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable, NamedTuple, Self
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from forgelab.runtime import supervision
+from forgelab.runtime.supervision import pid_alive
 from forgelab.runtime.mesh import ActorHandle, Placement, spawn
 
 log = logging.getLogger("forgelab.service")
@@ -133,15 +134,6 @@ class Replica:
 def first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {' '.join(lines[:2])[:300]}"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X", "x")
 
 
 class ReplicaPool:

@@ -89,3 +89,13 @@ def remove_listener(fn: Callable[[FaultEvent], None]) -> None:
     with _lock:
         if fn in _listeners:
             _listeners.remove(fn)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (read from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "x")
