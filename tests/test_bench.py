@@ -30,10 +30,11 @@ EXTRA_KEYS = {
             "trl_startup_s", "forgelab_eval_s", "trl_eval_s", "goals_met"},
     "async": {"async_over_sync_by_age", "censored", "time_to_target_s", "ci95", "s_per_step"},
     "dashboard": {"lab_cpu_ms_per_step", "step_s_on", "ci95", "pair_ratios"},
-    "variants": {"one_s", "four_s", "separate_s", "trainer_s_per_step_one", "trainer_s_per_step_four"},
+    "variants": {"one_s", "four_s", "separate_s", "trainer_s_per_step_one", "trainer_s_per_step_four",
+                 "cpu_util_one", "cpu_util_four", "four_over_one_cpu_floor"},
     "distill": {"censored", "curves", "target", "teacher_accuracy", "s_per_step"},
     "inflight": {"heldout_accuracy_drain", "heldout_accuracy_inflight", "accuracy_spread", "learning_not_worse",
-                 "censored", "time_to_target_s"},
+                 "censored", "time_to_target_s", "inflight_over_drain_s_per_step", "drain_wait_s"},
 }
 
 

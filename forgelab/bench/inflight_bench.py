@@ -1,14 +1,17 @@
 """In-flight weight updates vs draining: async GRPO on long-tailed completions, wall time to a held-out target.
 
-    python -m forgelab.bench inflight [--quick] [--pairs 3] [--target 0.30]
+    python -m forgelab.bench inflight [--quick] [--pairs 5] [--target 0.35]
 
-The demo configuration (the shipped tiny model, addition, group 8, batch 64, lr 1e-4, `max_policy_age` 1:
-asynchronous GRPO; a generator, trainer and reference process, 1 torch thread each) with long-tailed
-completion lengths: `max_tokens` 128 and a logit bias of -9 on the end-of-turn token while sampling
-(`generator.sampling.logit_bias`; the recorded logprobs stay the model's own, and held-out evaluation is greedy
-without the bias). The trained model answers in 2-3 tokens and ends the turn with a margin of ~9 nats, so the
-bias lets a few percent of the samples run on to 128 tokens: most completions are short, a few are 40x longer
-(those score 0: the exact-answer reward reads the whole completion, so the policy also learns to stop).
+The demo's model and task (the shipped tiny model on addition, group 8, batch 64, lr 1e-4, a generator, trainer
+and reference process, 1 torch thread each) made long-tailed the way a reasoning task is: the answer comes
+first and what follows is not scored (`leading_answer`: the completion's leading integer is its answer), and
+sampling adds a logit bias of -9 to the end-of-turn token (`generator.sampling.logit_bias`; the recorded
+logprobs stay the model's own, and held-out evaluation is greedy without the bias, scored by the task's exact
+answer), with `max_tokens` 256. Most completions end after 2-4 tokens; a few percent run on to 256, and since
+their tails are not scored, the policy keeps them (no pressure to stop). Rollouts are played a group at a time
+(`prompts_per_rollout` 1, `concurrency` 16: the demo's 128 requests in flight, each group buffered when its 8
+samples end, so a short group does not wait on another group's tail) and `max_policy_age` is 2 (a tail may
+outlive one push).
 
 Each pair runs the same seed under ``generator.update_mode: drain`` (a weight push stops intake and waits for
 the running requests, the long tail included) and ``inflight`` (loaded between two engine steps, requests run
@@ -23,16 +26,19 @@ what draining itself costs: the time weight pushes waited for the running reques
 `resets_deferred` counts pushes whose prefix-cache reset waited for an idle engine, `stale_cached` the prompt
 tokens served from the prefix cache to requests added meanwhile (blocks that may come from older weights).
 
-Last line: `inflight_over_drain_time_to_target` (median over pairs of inflight / drain; goal <= 0.75),
-`generator_idle_drain`, `generator_idle_inflight`, `heldout_accuracy_drain` / `_inflight` (final evaluation,
-per pair), `accuracy_spread` (the largest gap between two pairs of one mode) and `learning_not_worse`
-(median final accuracy inflight >= median drain - that spread).
+Last line: `inflight_over_drain_time_to_target` (median over pairs of inflight / drain; goal <= 0.75) with its
+95 % interval, `inflight_over_drain_s_per_step` (the same for seconds per step: what the mode changes, free of
+the steps-to-target spread between seeds), `generator_idle_drain`, `generator_idle_inflight`,
+`heldout_accuracy_drain` / `_inflight` (final evaluation, per pair), `accuracy_spread` (the largest gap
+between two pairs of one mode) and `learning_not_worse` (median final accuracy inflight >= median drain -
+that spread).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -43,13 +49,34 @@ from forgelab.bench.e2e import bench_config, run_forgelab, summarize_forgelab
 
 MODES = ("drain", "inflight")
 EOS_BIAS = -9.0
-MAX_TOKENS = 128
-TARGET = 0.30
+MAX_TOKENS = 256
+TARGET = 0.35
+MAX_POLICY_AGE = 2
+REWARD = "forgelab.bench.inflight_bench:leading_answer"
+
+
+def leading_answer(prompt: str, completion: str, target: str, **info) -> float:
+    """1.0 if the completion starts with the target integer (after whitespace) and no digit follows it, else
+    0.0: the answer comes first, whatever comes after it is not scored (a reasoning task's long tail).
+
+    >>> leading_answer("", "357", "357"), leading_answer("", " 357<junk> 12", "357"), leading_answer("", "3571", "357")
+    (1.0, 1.0, 0.0)
+    >>> leading_answer("", "x357", "357"), leading_answer("", "-4 and more", "-4")
+    (0.0, 1.0)
+    """
+    m = re.match(r"\s*(-?\d+)", completion)
+    return 1.0 if m is not None and m.group(1) == str(target).strip() else 0.0
 
 
 def configure(cfg, mode: str, eos_id: int):
-    """`cfg` with long-tailed sampling and the given `generator.update_mode`."""
+    """`cfg` with long-tailed sampling, groups played one at a time and the given `generator.update_mode`."""
     cfg.rollout.max_tokens = MAX_TOKENS
+    cfg.model.max_model_len = max(cfg.model.max_model_len, MAX_TOKENS + 64)
+    cfg.rollout.rewards = {REWARD: 1.0}
+    in_flight = cfg.rollout.prompts_per_rollout * cfg.rollout.concurrency  # groups at once (the demo: 8 x 2)
+    cfg.rollout.prompts_per_rollout = 1
+    cfg.rollout.concurrency = max(in_flight, 1)
+    cfg.train.max_policy_age = MAX_POLICY_AGE
     cfg.generator.update_mode = mode
     cfg.generator.sampling.logit_bias = {int(eos_id): EOS_BIAS}
     return cfg.validate()
@@ -91,8 +118,8 @@ async def _main(args, out_dir: str) -> dict[str, list[dict]]:
     from forgelab.engines.pool import ProcessPool
 
     def cfg_for(mode: str, seed: int, steps: int, eval_n: int, name: str, warmup: int | None = None):
-        cfg = bench_config(steps=steps, max_policy_age=1, eval_every=args.every, out_dir=out_dir, name=name,
-                           seed=seed, prompts=args.prompts, eval_n=eval_n,
+        cfg = bench_config(steps=steps, max_policy_age=MAX_POLICY_AGE, eval_every=args.every, out_dir=out_dir,
+                           name=name, seed=seed, prompts=args.prompts, eval_n=eval_n,
                            warmup=args.warmup if warmup is None else warmup)
         eos = AutoTokenizer.from_pretrained(cfg.model.path).eos_token_id
         return configure(cfg, mode, eos)
@@ -120,12 +147,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench inflight", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="proves the code path: one pair, 2 steps each (batch 8, 10 held-out problems)")
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--every", type=int, default=10)
-    ap.add_argument("--eval-n", type=int, default=100)
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--time-cap", type=float, default=240.0)
+    ap.add_argument("--eval-n", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--time-cap", type=float, default=300.0)
     args = ap.parse_args(argv or [])
     args.prompts, args.warmup = 8, None
     if args.quick:
@@ -135,7 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     start = print_machine("start")
-    print(f"inflight: drain vs inflight, max_tokens {MAX_TOKENS}, eos bias {EOS_BIAS}, target {args.target}, "
+    print(f"inflight: drain vs inflight, max_tokens {MAX_TOKENS}, eos bias {EOS_BIAS}, reward {REWARD}, "
+          f"{args.prompts * 2} groups in flight (one per rollout), max_policy_age {MAX_POLICY_AGE}, "
+          f"target {args.target}, "
           f"{args.pairs} pair(s), cap {args.steps} steps / {args.time_cap:.0f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="forgelab-inflight-") as out_dir:
         runs = asyncio.run(_main(args, out_dir))
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     times = {m: [censored_time(r) for r in runs[m]] for m in MODES}
     per_pair = [i / d for i, d in zip(times["inflight"], times["drain"]) if d > 0]
     ratio = round(statistics.median(per_pair), 3) if per_pair else None
+    step_ratio = [i["s_per_step"] / d["s_per_step"] for i, d in zip(runs["inflight"], runs["drain"])
+                  if i["s_per_step"] and d["s_per_step"]]
     acc = {m: [r["final_accuracy"] for r in runs[m]] for m in MODES}
     spread = max((max(v) - min(v) for v in acc.values() if v), default=0.0)
     idle = {m: round(statistics.median([r["generator_idle"] for r in runs[m]]), 3) for m in MODES}
@@ -162,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         "inflight_over_drain_time_to_target": ratio,
         "ci95": bootstrap_median_ci(per_pair),
         "pair_ratios": [round(x, 3) for x in per_pair],
+        "inflight_over_drain_s_per_step": round(statistics.median(step_ratio), 3) if step_ratio else None,
+        "s_per_step_ratios": [round(x, 3) for x in step_ratio],
         "generator_idle_drain": idle["drain"],
         "generator_idle_inflight": idle["inflight"],
         "heldout_accuracy_drain": acc["drain"],

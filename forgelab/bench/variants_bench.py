@@ -64,6 +64,30 @@ async def _busy(engines) -> float:
     return sum(float(s["busy_time_s"]) for s in stats)
 
 
+def tree_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of this process and every live descendant (the engines' processes), by pid."""
+    import psutil
+
+    out = {}
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.Error:  # exited between the listing and the read
+            pass
+    return out
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two `tree_cpu` reads by the processes alive at the second (a new one counts whole).
+
+    >>> cpu_between({1: 2.0, 2: 5.0}, {1: 3.5, 3: 1.0})
+    2.5
+    """
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
 def _trainer_s(run, after: int = 0) -> float:
     df = run.metrics
     df = df[df["step"] > after]
@@ -80,17 +104,19 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
     spawn_s = time.perf_counter() - t0
     one = Run(bench_config("one", steps, out_dir), spawn=engines)
     try:
-        t0 = time.perf_counter()
+        c0, t0 = tree_cpu(), time.perf_counter()
         await one.start()
         await one.wait()
         one_s = time.perf_counter() - t0
+        cpu_one = cpu_between(c0, tree_cpu())
         assert one.state == "finished", one.message
 
-        busy0, t0 = await _busy(engines), time.perf_counter()
+        busy0, c0, t0 = await _busy(engines), tree_cpu(), time.perf_counter()
         kids = await engines.sweep(one, {n: {**o, "steps": 2 * steps} for n, o in VARIANTS.items()})
         sweep_s = time.perf_counter() - t0
         await asyncio.gather(*(k.wait() for k in kids.values()))
         four_s = time.perf_counter() - t0
+        cpu_four = cpu_between(c0, tree_cpu())
         busy_four = (await _busy(engines) - busy0) / four_s
         for n, k in kids.items():
             assert k.state == "finished", (n, k.message)
@@ -121,8 +147,28 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
             "separate_runs_s": separate, "separate_runs_measured": len(separate), "sweep_s": sweep_s,
             "fork_s": sweep_s / len(VARIANTS), "four_over_one": four_s / one_s, "four_over_separate": four_s / separate_s,
             "generator_busy_four": busy_four, "trainer_s_per_step_one": trainer_one,
-            "trainer_s_per_step_four": trainer_four, "trainer_slot_swaps": stats["trainer"]["swaps"],
+            "trainer_s_per_step_four": trainer_four, **cpu_floor(cpu_one, one_s, cpu_four, four_s),
+            "trainer_slot_swaps": stats["trainer"]["swaps"],
             "trainer_slot_swap_s": stats["trainer"]["swap_s"], "last_batch": last_batch}
+
+
+def cpu_floor(cpu_one: float, one_s: float, cpu_four: float, four_s: float, cores: int | None = None) -> dict:
+    """How busy the cores were in each phase, and the least `four_over_one` the four's own work allows here: their
+    CPU seconds (all processes) spread over every core with no idle moment, over one variant's wall time. A
+    scheduler can only approach it; less work per variant (a shared base pass, which saves at most
+    ``1 - shared_pass_over_sequential`` of the trainer's part) is the only way below it.
+
+    >>> r = cpu_floor(cpu_one=12.0, one_s=10.0, cpu_four=40.0, four_s=24.0, cores=2)
+    >>> r["cpu_util_one"], r["cpu_util_four"], r["cpu_four_over_one"], r["four_over_one_cpu_floor"]
+    (0.6, 0.833, 3.333, 2.0)
+    """
+    import os
+
+    cores = cores or len(os.sched_getaffinity(0))
+    return {"cpu_s_one": round(cpu_one, 2), "cpu_s_four": round(cpu_four, 2),
+            "cpu_util_one": round(cpu_one / (cores * one_s), 3), "cpu_util_four": round(cpu_four / (cores * four_s), 3),
+            "cpu_four_over_one": round(cpu_four / cpu_one, 3),
+            "four_over_one_cpu_floor": round(cpu_four / (cores * one_s), 3)}
 
 
 def shared_pass_bound(batch: dict, copies: int = 4, repeats: int = 3) -> dict:
@@ -181,6 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
         {"what": "generator busy fraction with 4 variants", "seconds": r["generator_busy_four"], "ratio": ""},
         {"what": "trainer s/step, 1 variant | 4 variants", "seconds": r["trainer_s_per_step_one"],
          "ratio": r["trainer_s_per_step_four"]},
+        {"what": "CPU seconds (all processes), 1 variant | 4 variants", "seconds": r["cpu_s_one"],
+         "ratio": r["cpu_four_over_one"]},
+        {"what": "cores busy, 1 variant | 4 variants", "seconds": r["cpu_util_one"], "ratio": r["cpu_util_four"]},
+        {"what": "least four_over_one for the four's CPU seconds on these cores", "seconds": "",
+         "ratio": r["four_over_one_cpu_floor"]},
         {"what": "trainer alone: 1 batch | 4 batches in one pass", "seconds": r["trainer_step_s_b"],
          "ratio": r["shared_pass_over_sequential"]},
     ], ["what", "seconds", "ratio"])
