@@ -21,6 +21,9 @@ Shipped model, LoRA rank 8 on every projection, the demo's batch shape (8 prompt
 ``fork_s`` (goal <= 2 s), ``generator_busy_four`` (goal >= 0.9). The trainer steps the variants' batches one
 after another (no shared base pass): ``trainer_s_per_step_four`` / ``trainer_s_per_step_one`` say what that
 costs; ``shared_pass_over_sequential`` (`shared_pass_bound`) what sharing the base pass could save at best.
+``cpu_s_one`` / ``cpu_s_four``: the CPU seconds of every process (this one and the engines') in each phase;
+``cpu_util_*`` the share of the cores they kept busy; ``four_over_one_cpu_floor`` (`cpu_floor`) the least
+``four_over_one`` the four's CPU seconds allow on this machine's cores.
 ``--quick``: 3 steps per phase; its numbers prove the code path only.
 """
 from __future__ import annotations
