@@ -144,12 +144,15 @@ def summarize(label: str, res: dict, target: float, **extra: Any) -> dict:
 
 
 # ----------------------------------------------------------------- forgelab
-async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = True, spawn=None) -> dict:
+async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = True, spawn=None,
+                       stop_at_target: bool = True) -> dict:
     """Train `cfg` until held-out accuracy >= target (or the caps); returns the raw evaluations and timings.
 
     ``Run.evaluate`` is wrapped on the instance (no library change) to time each
     evaluation and stop at the target; the held-out set is the fixed one (seed 0).
     `spawn` is passed to ``Run`` (a ``forgelab.engines.pool.ProcessPool`` reuses processes; default: new ones).
+    ``stop_at_target=False`` trains on to the step cap (`summarize` still finds the first evaluation at the
+    target), so runs compared for their final accuracy have taken the same number of steps.
     """
     from forgelab.data.datasets import load_problems
     from forgelab.run import Run
@@ -170,7 +173,7 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
             clock["t0"] = e  # training starts when the step-0 evaluation ends
         wall_s = e - clock["t0"]
         evals.append({"step": run.step, "wall_s": wall_s, "accuracy": acc, "eval_s": e - s, "end_unix": time.time()})
-        if ((acc >= target and run.step > 0) or wall_s > time_cap_s) and not clock.get("stopping"):
+        if ((stop_at_target and acc >= target and run.step > 0) or wall_s > time_cap_s) and not clock.get("stopping"):
             clock["stopping"] = True  # stop after this step; awaiting stop() here would wait on ourselves
             asyncio.ensure_future(run.stop())
         return acc

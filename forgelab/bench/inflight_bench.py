@@ -16,10 +16,11 @@ outlive one push).
 Each pair runs the same seed under ``generator.update_mode: drain`` (a weight push stops intake and waits for
 the running requests, the long tail included) and ``inflight`` (loaded between two engine steps, requests run
 on), in alternating order, on one process pool (each mode's processes spawned once and warmed by a one-step
-run, then re-initialised per run). Time is warm wall time from the end of the step-0 held-out evaluation to
-the end of the first evaluation (every `--every` steps, `--eval-n` test problems, greedy) at or above the
-target; a run that misses (step or time cap) stays in, censored at the time it stopped (`censored` counts
-them). `generator_idle_*` is the generator's idle time (no request in its engine) over the run's wall time
+run, then re-initialised per run). Every run trains `--steps` steps (on past the target), so the final
+accuracies compare runs of the same length. Time is warm wall time from the end of the step-0 held-out
+evaluation to the end of the first evaluation (every `--every` steps, `--eval-n` test problems, greedy) at or
+above the target; a run that misses (step or time cap) stays in, censored at the time it stopped (`censored`
+counts them). `generator_idle_*` is the generator's idle time (no request in its engine) over the run's wall time
 (median over pairs), from its own counters and clock; idle also counts the waits for admission (the
 staleness bound holds rollouts back while the trainer is behind), which both modes have. `drain_wait_s` is
 what draining itself costs: the time weight pushes waited for the running requests to finish (0 in flight).
@@ -29,7 +30,7 @@ tokens served from the prefix cache to requests added meanwhile (blocks that may
 Last line: `inflight_over_drain_time_to_target` (median over pairs of inflight / drain; goal <= 0.75) with its
 95 % interval, `inflight_over_drain_s_per_step` (the same for seconds per step: what the mode changes, free of
 the steps-to-target spread between seeds), `generator_idle_drain`, `generator_idle_inflight`,
-`heldout_accuracy_drain` / `_inflight` (final evaluation, per pair), `accuracy_spread` (the largest gap
+`heldout_accuracy_drain` / `_inflight` (at the last step, per pair), `accuracy_spread` (the largest gap
 between two pairs of one mode) and `learning_not_worse` (median final accuracy inflight >= median drain -
 that spread).
 """
@@ -94,7 +95,7 @@ async def _one(pool, cfg, target: float, time_cap_s: float) -> dict:
     """One run on the pool's warm processes; its summary plus the generator's idle fraction over it."""
     s0 = await _gen_stats(pool, cfg)
     t0 = time.perf_counter()
-    res = await run_forgelab(cfg, target, time_cap_s, hf_check=False, spawn=pool)
+    res = await run_forgelab(cfg, target, time_cap_s, hf_check=False, spawn=pool, stop_at_target=False)
     wall = time.perf_counter() - t0
     s1 = await _gen_stats(pool, cfg)
     r = summarize_forgelab(res, target)
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", type=float, default=TARGET)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--eval-n", type=int, default=200)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=80, help="steps of every run (they train on past the target)")
     ap.add_argument("--time-cap", type=float, default=300.0)
     args = ap.parse_args(argv or [])
     args.prompts, args.warmup = 8, None
