@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     start = print_machine("start")
     print(f"inflight: drain vs inflight, max_tokens {MAX_TOKENS}, eos bias {EOS_BIAS}, reward {REWARD}, "
-          f"{args.prompts * 2} groups in flight (one per rollout), max_policy_age {MAX_POLICY_AGE}, "
+          f"one group per rollout (as many in flight as the demo's rollouts hold), max_policy_age {MAX_POLICY_AGE}, "
           f"target {args.target}, "
           f"{args.pairs} pair(s), cap {args.steps} steps / {args.time_cap:.0f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="forgelab-inflight-") as out_dir:
