@@ -441,3 +441,38 @@ def test_plan_says_what_does_not_fit(tmp_path):
     whole = RunConfig.from_dict({**cfg.to_dict(), "trainer": {"micro_batch_size": None}})
     text = plan_memory(whole, gpus=8, gpu_mem_gib=80).table()
     assert "trainer needs" in text and "largest term: activations" in text, text
+
+
+def test_checkpoint_asked_for_by_several_builders_at_once_is_whole(tmp_path):
+    """Builders racing for one directory (two test workers, a benchmark beside a notebook) each get it complete:
+    every file is written in a private directory renamed into place whole; the losers' copies are removed."""
+    import json
+    import os
+    import threading
+
+    from forgelab.recipes.real_shapes import real_shape_checkpoint
+
+    out, got, errors = str(tmp_path / "llama"), [], []
+
+    def build():
+        try:
+            got.append(real_shape_checkpoint("llama-3.2-1b", out=out, config_only=True))
+        except Exception as e:  # reported below, not swallowed
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == [out] * 3
+    assert {".complete", "config.json", "tokenizer.json", "generation_config.json"} <= set(os.listdir(out))
+    assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == 128256
+    assert os.listdir(tmp_path) == ["llama"]  # no builder's private copy left behind
+    # a directory there without `.complete` (an interrupted build of an older version) is named, not overwritten
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="without .complete"):
+        real_shape_checkpoint("llama-3.2-1b", out=str(stale), config_only=True)
+    assert os.listdir(stale) == ["config.json"] and sorted(os.listdir(tmp_path)) == ["llama", "stale"]

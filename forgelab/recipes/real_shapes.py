@@ -130,28 +130,45 @@ def real_shape_checkpoint(name: str, *, layers: int | None = None, out: str | No
             values, 40,960 / 131,072, cost every engine a long table for nothing here); None keeps the real one.
         config_only: write config and tokenizer only (enough for ``forgelab plan``).
 
-    A directory holding ``.complete`` is reused as is.
+    A directory holding ``.complete`` is reused as is. The directory is written beside its final name and renamed
+    into place whole, so processes asking for it at once (two test workers, a benchmark beside a notebook) each
+    read a complete one: the first rename wins, a later builder drops its copy.
     """
+    import shutil
+    import tempfile
+
     from forgelab.data.tokenizer import save_tokenizer
 
     out = out or os.path.join(cache_dir(), _dir_name(name, layers, max_position_embeddings)
                               + ("-config" if config_only else ""))
-    marker = os.path.join(out, ".complete")
-    if os.path.exists(marker):
+    if os.path.exists(os.path.join(out, ".complete")):
         return out
-    os.makedirs(out, exist_ok=True)
-    tok = build_tokenizer_of_size(SHAPES[name]["vocab_size"])
-    cfg = real_shape_config(name, layers=layers, max_position_embeddings=max_position_embeddings, tokenizer=tok)
-    save_tokenizer(tok, out)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-                   "pad_token_id": tok.pad_token_id}, f, indent=2)
-    if not config_only:
-        _write_weights(cfg, out, seed)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    with open(marker, "w") as f:
-        f.write(json.dumps({"shape": name, "layers": layers, "seed": seed}) + "\n")
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    if os.path.isdir(out) and not os.listdir(out):
+        os.rmdir(out)  # an empty directory (a caller's mkdir) is taken as the place to write
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
+    try:
+        tok = build_tokenizer_of_size(SHAPES[name]["vocab_size"])
+        cfg = real_shape_config(name, layers=layers, max_position_embeddings=max_position_embeddings, tokenizer=tok)
+        save_tokenizer(tok, tmp)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                       "pad_token_id": tok.pad_token_id}, f, indent=2)
+        if not config_only:
+            _write_weights(cfg, tmp, seed)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        with open(os.path.join(tmp, ".complete"), "w") as f:
+            f.write(json.dumps({"shape": name, "layers": layers, "seed": seed}) + "\n")
+        try:
+            os.rename(tmp, out)  # atomic; fails when `out` exists (another builder's, or a partial old one)
+        except OSError:
+            if not os.path.exists(os.path.join(out, ".complete")):
+                raise RuntimeError(f"real_shape_checkpoint: {out} exists without .complete (a build that did not "
+                                   "finish, or files of something else): remove it and call again") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
