@@ -51,11 +51,13 @@ demo: setup
 docs: setup
 	$(BIN)/python tools/api_reference.py
 
-# Two pytest workers (pytest-xdist), each running one whole file at a time (`--dist loadfile`: a file's
-# module-scoped processes, fixtures and test order stay on one worker). A file's tests leave the cores idle
-# while processes start and engines wait on each other (one file at a time kept 1.13 of the 2 cores busy), so
-# two files side by side finish sooner. TEST_WORKERS=0 runs everything in this process, one test at a time.
-TEST_WORKERS ?= 2
+# Test workers (pytest-xdist): TEST_WORKERS=N runs N files side by side, each whole on one worker
+# (`--dist loadfile`: a file's module-scoped processes, fixtures and test order stay together). Off by default:
+# on this 2-core machine two workers (a fresh clone, 2026-11-27: 911 passed) took 2151 s, one at a time
+# 2214 s (another hour's quiet run), with both workers busy 1.95 of the time and every test 1.9x slower: the
+# suite is CPU-bound, and two workers on 2 cores only share them. With more cores, give each worker about two
+# (a run's processes use one thread each): make test TEST_WORKERS=4 on 8 cores.
+TEST_WORKERS ?= 0
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 
 test: setup docs
