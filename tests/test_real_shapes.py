@@ -476,3 +476,16 @@ def test_checkpoint_asked_for_by_several_builders_at_once_is_whole(tmp_path):
     with pytest.raises(RuntimeError, match="without .complete"):
         real_shape_checkpoint("llama-3.2-1b", out=str(stale), config_only=True)
     assert os.listdir(stale) == ["config.json"] and sorted(os.listdir(tmp_path)) == ["llama", "stale"]
+    # a builder killed before its rename left its private copy: the next build removes it (its pid is gone),
+    # and keeps a live builder's
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live = tmp_path / f".again.{gone.pid}.x1", tmp_path / f".again.{os.getpid()}.x2"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"partial")
+    again = real_shape_checkpoint("llama-3.2-1b", out=str(tmp_path / "again"), config_only=True)
+    assert (tmp_path / "again" / ".complete").exists() and oct(os.stat(again).st_mode & 0o777) == "0o755"
+    assert not dead.exists() and live.exists()

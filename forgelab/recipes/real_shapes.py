@@ -132,12 +132,14 @@ def real_shape_checkpoint(name: str, *, layers: int | None = None, out: str | No
 
     A directory holding ``.complete`` is reused as is. The directory is written beside its final name and renamed
     into place whole, so processes asking for it at once (two test workers, a benchmark beside a notebook) each
-    read a complete one: the first rename wins, a later builder drops its copy.
+    read a complete one: the first rename wins, a later builder drops its copy. A builder that was killed leaves
+    its private copy (``.<name>.<pid>.*``); the next build removes those whose process is gone.
     """
     import shutil
     import tempfile
 
     from forgelab.data.tokenizer import save_tokenizer
+    from forgelab.runtime.supervision import pid_alive
 
     out = out or os.path.join(cache_dir(), _dir_name(name, layers, max_position_embeddings)
                               + ("-config" if config_only else ""))
@@ -147,7 +149,12 @@ def real_shape_checkpoint(name: str, *, layers: int | None = None, out: str | No
     os.makedirs(parent, exist_ok=True)
     if os.path.isdir(out) and not os.listdir(out):
         os.rmdir(out)  # an empty directory (a caller's mkdir) is taken as the place to write
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
+    base = os.path.basename(out)
+    for other in os.listdir(parent):  # copies of builders that died before their rename
+        pid = other[len(base) + 2:].split(".", 1)[0]
+        if other.startswith(f".{base}.") and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.", dir=parent)
     try:
         tok = build_tokenizer_of_size(SHAPES[name]["vocab_size"])
         cfg = real_shape_config(name, layers=layers, max_position_embeddings=max_position_embeddings, tokenizer=tok)
@@ -161,6 +168,7 @@ def real_shape_checkpoint(name: str, *, layers: int | None = None, out: str | No
             json.dump(cfg, f, indent=2)
         with open(os.path.join(tmp, ".complete"), "w") as f:
             f.write(json.dumps({"shape": name, "layers": layers, "seed": seed}) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             os.rename(tmp, out)  # atomic; fails when `out` exists (another builder's, or a partial old one)
         except OSError:
