@@ -51,13 +51,14 @@ demo: setup
 docs: setup
 	$(BIN)/python tools/api_reference.py
 
-# Test workers (pytest-xdist): TEST_WORKERS=N runs N files side by side, each whole on one worker
-# (`--dist loadfile`: a file's module-scoped processes, fixtures and test order stay together). Off by default:
-# on this 2-core machine two workers (a fresh clone, 2026-11-27: 911 passed) took 2151 s, one at a time
-# 2214 s (another hour's quiet run), with both workers busy 1.95 of the time and every test 1.9x slower: the
-# suite is CPU-bound, and two workers on 2 cores only share them. With more cores, give each worker about two
-# (a run's processes use one thread each): make test TEST_WORKERS=4 on 8 cores.
-TEST_WORKERS ?= 0
+# Two test workers (pytest-xdist), each running one whole file at a time (`--dist loadfile`: a file's
+# module-scoped processes, fixtures and test order stay on one worker). One file at a time keeps 1.28 of the 2
+# cores busy (processes starting, engines waiting on each other); two side by side keep 1.83. Measured on this
+# 2-core machine, 2026-11-27, seven integration files and two notebooks, serial / two workers / serial back to
+# back: 348 / 224 / 270 s; the whole suite on a fresh clone with two workers: 911 passed in 2151 s (one at a
+# time, the next hour: 2817 s, with every unchanged test 1.26x slower than in a quiet hour). TEST_WORKERS=0 runs
+# everything in this process, one test at a time; with more cores, give each worker about two.
+TEST_WORKERS ?= 2
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 
 test: setup docs
