@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    from forgelab.algos.advantages import group_zscore_unbiased
     from forgelab.controller.evaluate import greedy_accuracy_hf, load_model_and_tokenizer
     from forgelab.data.prompts import format_prompt
     from forgelab.data.tasks import get_task
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             texts = tok.batch_decode(comp, skip_special_tokens=True)
             r = torch.tensor([task.reward(p.prompt, c, p.target, **p.info)
                               for p, c in zip([p for p in problems for _ in range(8)], texts)]).view(8, 8)
-            adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1, 1)
+            adv = group_zscore_unbiased(r).view(-1, 1)  # unbiased std, eps 1e-4
             loss = per_seq(-adv * torch.exp(lp - lp.detach()))
         else:
             with torch.no_grad():
