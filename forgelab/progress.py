@@ -3,6 +3,22 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any, Callable, Protocol
+
+
+class FollowedRun(Protocol):
+    """What the console reporter reads of a run (`forgelab.run.Run` provides it; this module sits below it)."""
+
+    config: Any
+    accuracy_history: list[tuple[int, float]]
+    episodes: dict[str, Any]
+    step: int
+
+    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None: ...
+    def remove_listener(self, fn: Callable[[dict[str, Any]], None]) -> None: ...
+    async def start(self) -> Any: ...
+    async def wait(self) -> None: ...
+    async def shutdown(self) -> None: ...
 
 COLUMNS = [
     ("step", "{:>5d}"), ("reward_mean", "{:>7.3f}"), ("heldout_accuracy", "{:>6.3f}"), ("loss", "{:>8.4f}"),
@@ -16,7 +32,7 @@ HEAD = {"step": "step", "reward_mean": "reward", "heldout_accuracy": "acc", "los
 class ConsoleReporter:
     """Listens to a Run: prints one table row per step under a tqdm progress bar."""
 
-    def __init__(self, run, every: int = 1, stream=None):
+    def __init__(self, run: FollowedRun, every: int = 1, stream=None):
         from tqdm import tqdm
 
         self.run = run
@@ -71,7 +87,7 @@ SUMMARY_EPISODES = ("generated", "trained", "evicted", "dropped", "buffered", "i
 """The episode counts a summary shows: all five terms of generated = trained + evicted + dropped + buffered + in_flight."""
 
 
-async def follow_run(run, *, started_at: float, start: bool = False, ndigits: int | None = None) -> dict:
+async def follow_run(run: FollowedRun, *, started_at: float, start: bool = False, ndigits: int | None = None) -> dict:
     """Follow `run` with a `ConsoleReporter` until it ends, shut it down, and return its summary.
 
     Args:

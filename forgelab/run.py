@@ -11,14 +11,26 @@
     asyncio.run(Run(cfg).run())  # the same thing from a script
 
 `Run` is a thin facade (lifecycle, live controls, views) over parts, each in its
-own module (docs/architecture.md draws the whole data flow):
+own module and each the one owner of its state (docs/architecture.md draws the whole data flow):
 
     rollout.concurrency x Rollouts.worker            forgelab/controller/rollout.py
         buffer.admit -> problems -> SingleTurn | EnvEpisodes -> RewardRunner -> advantages
         -> reference logprobs -> buffer.add          (forgelab/controller/buffer.py, forgelab/controller/reward_runner.py)
-    train_loop                                       forgelab/controller/training.py
+    TrainingLoop.run                                 forgelab/controller/training.py
         buffer.sample -> trainer.train_step -> WeightSync.push -> metrics_row   (forgelab/weights/sync.py)
-    evaluate, checkpoint, events, spawn, view, controls: forgelab/<that name>.py
+        -> Evaluator.evaluate, checkpoint.save (when due) -> Tracker.log, EventBus.notify
+
+    part              owns                                              module
+    Lifecycle         state, message, the gate                          forgelab/controller/lifecycle.py
+    TrainingLoop      step, version, loss name, last batch, failures    forgelab/controller/training.py
+    RewardControls    reward set, revisions, distillation coefficient   forgelab/controller/controls.py
+    Evaluator         held-out problems and accuracy history            forgelab/controller/evaluate.py
+    EventBus          the event log and the listeners                   forgelab/controller/events.py
+    ReplayBuffer      every episode's status and the accounting         forgelab/controller/buffer.py
+    Rollouts          episode/group ids, recent episodes                forgelab/controller/rollout.py
+
+Each part receives the narrow collaborators it uses at construction, never the `Run`; `Run` composes them,
+reads them for its views, and changes them only through their methods.
 
 `train.max_policy_age` bounds staleness (0: synchronous on-policy, seeded per episode; k: generation up to k
 versions ahead). Every episode ends trained, evicted or dropped with a reason (`run.episodes`). Faults:
@@ -27,27 +39,29 @@ docs/reliability.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from forgelab.controller import checkpoint, controls, provenance
-from forgelab.experiments import ops as experiments
 from forgelab.algos.loss_checks import loss_label, reference_notes
-from forgelab.controller.buffer import ReplayBuffer
 from forgelab.config.run_config import ConfigError, RunConfig
-from forgelab.data.datasets import ProblemStream, load_split
-from forgelab.controller.controls import LossSwapRefused, RewardChangeRefused  # noqa: F401 -- re-exported
-from forgelab.controller.evaluate import heldout_reward
-from forgelab.controller.events import EventLog
+from forgelab.controller import checkpoint, controls, provenance
+from forgelab.controller.buffer import ReplayBuffer
+from forgelab.controller.controls import LossSwapRefused, RewardChangeRefused, RewardControls  # noqa: F401 -- re-exported
+from forgelab.controller.evaluate import Evaluator
+from forgelab.controller.events import EventBus, EventLog
+from forgelab.controller.lifecycle import Lifecycle
 from forgelab.controller.reward_runner import RewardRunner, configured_rewards
-from forgelab.rewards.library import RewardComposer
 from forgelab.controller.rollout import EnvEpisodes, Gate, Rollouts, SingleTurn
 from forgelab.controller.rollout_log import RolloutRecorder
 from forgelab.controller.tracking import Tracker, plot_learning_curve
-from forgelab.controller.training import TokenRate, train_loop
-from forgelab.controller.view import RunSnapshot, snapshot_of, status_of
+from forgelab.controller.training import TokenRate, TrainingLoop
+from forgelab.controller.view import RunSnapshot
+from forgelab.data.datasets import ProblemStream, load_split
+from forgelab.data.tasks import Problem
+from forgelab.rewards.library import RewardComposer
 from forgelab.weights.sync import PushReport, WeightSync
 
 log = logging.getLogger("forgelab.run")
@@ -68,7 +82,7 @@ _TOKENIZER_LOAD = threading.Lock()
 not thread-safe (two Runs starting at once in a fresh process could fail with ImportError)."""
 
 
-class Run(experiments.Experiments):
+class Run:
     """One training run: its parts, its background tasks, its metrics and its controls.
 
     `spawn` (default `forgelab.engines.spawn.spawn_parts`) starts the parts from the config; the controller's
@@ -80,36 +94,52 @@ class Run(experiments.Experiments):
         self.config = cfg = _as_config(config)  # raises ConfigError before anything spawns
         self._tokenizer: Any = None  # loaded on first use; `spawn` loads it while the processes start
         self.out_dir = Path(cfg.tracking.out_dir) / cfg.name
-        self.rewards: RewardComposer = configured_rewards(cfg.rollout)
-        self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self.emit)
-        self.loss_name: str = loss_label(cfg.train.loss)  # a name, or the function's name
+        self.bus = EventBus()  # the event log (mirrored to out_dir/events.jsonl once it exists) and listeners
+        self.lifecycle = Lifecycle(self.bus)
         self.buffer = ReplayBuffer(cfg.train.batch_size, cfg.train.max_policy_age, cfg.train.max_buffer)
         self.records = RolloutRecorder()  # every episode the buffer closes -> out_dir/rollouts/*.parquet
         self.buffer.add_close_listener(self.records.on_close)
+        self.controls = RewardControls(configured_rewards(cfg.rollout), self.bus, teacher_enabled=cfg.teacher.enabled,
+                                       distill_coef=float(cfg.teacher.coef))
+        self.rewards: RewardComposer = self.controls.composer
+        self.reward_runner = RewardRunner(self.rewards, cfg.rollout.reward_timeout_s, self.bus.emit)
+        self.loop = loop = TrainingLoop(cfg, self.lifecycle, self.buffer, self.bus, loss_label(cfg.train.loss))
+        self.bus.read_step_from(lambda: loop.step)
         self.data = load_split(cfg.rollout.task, heldout=cfg.rollout.heldout, max_train=cfg.rollout.max_train_problems,
                                eval_n=cfg.eval.n, seed=cfg.train.seed, split=cfg.rollout.split,
                                system_prompt=cfg.rollout.system_prompt)  # explicit limits, reported at spawn
         self.stream = ProblemStream(self.data.train, seed=cfg.train.seed)
-        self.heldout = self.data.heldout
-        self._task_reward = heldout_reward(cfg.rollout)
+        self.evaluator = Evaluator(cfg.rollout, self.data.heldout, self.lifecycle)
         self.resume_from = Path(resume_from) if resume_from else None
         self._spawn_parts = spawn
-        self.step = self.version = 0
-        self.state, self.message = "created", ""
-        self.events = EventLog()  # mirrored to out_dir/events.jsonl once the run directory exists
-        self.accuracy_history: list[tuple[int, float]] = []
-        self.parts = self.tracker = self.rollout = self.weights = None
-        self.gate = Gate()
-        self.token_rate = TokenRate()
-        self.last_batch: dict | None = None
-        self.training_in_flight = False
-        self.consecutive_failures = 0
-        self.reward_revisions = controls.RewardRevisions()  # reward changes made / in effect (see rewards_for)
-        self.distill_coef = float(cfg.teacher.coef)  # the distillation term's weight now (run.set_distill_coef)
-        self.replayer = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
-        self._listeners: list[Callable[[dict], None]] = []
+        self.parts: Any = None
+        self.tracker: Tracker | None = None
+        self.rollout: Rollouts | None = None
+        self.weights: WeightSync | None = None
+        self._checkpoint_parts: checkpoint.CheckpointParts | None = None
+        self.replayer: Any = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
+
+    # the parts' state, read here and written by its owner (forgelab/controller/*.py)
+    step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")
+    version = property(lambda self: self.loop.version, doc="The policy version the trainer holds (`TrainingLoop`).")
+    loss_name = property(lambda self: self.loop.loss_name, doc="The loss training uses now (`TrainingLoop`).")
+    last_batch = property(lambda self: self.loop.last_batch, doc="The batch the trainer stepped on last.")
+    training_in_flight = property(lambda self: self.loop.training_in_flight, doc="A trainer step is running.")
+    consecutive_failures = property(lambda self: self.loop.consecutive_failures, doc="Skipped steps in a row.")
+    token_rate = property(lambda self: self.loop.token_rate)
+    state = property(lambda self: self.lifecycle.state,
+                     doc="created, starting, running, paused, stopped, finished or failed (`Lifecycle`).")
+    message = property(lambda self: self.lifecycle.message, doc="Why the run paused, stopped or failed.")
+    gate = property(lambda self: self.lifecycle.gate)
+    events = property(lambda self: self.bus.log, doc="The run's event log (`EventLog`: a list of dicts).")
+    accuracy_history = property(lambda self: list(self.evaluator.history),
+                                doc="``[(step, held-out accuracy)]`` (`Evaluator`); a copy.")
+    heldout = property(lambda self: self.evaluator.heldout, doc="The held-out problems (`Evaluator`).")
+    distill_coef = property(lambda self: self.controls.distill_coef,
+                            doc="The distillation term's weight now (`run.set_distill_coef`).")
+    reward_revisions = property(lambda self: self.controls.revisions)
 
     @property
     def tokenizer(self) -> Any:
@@ -142,13 +172,13 @@ class Run(experiments.Experiments):
         """Spawn the processes (if not yet) and start training in the background. Returns at once."""
         if self._main is not None and not self._main.done():
             return self
-        self.gate = Gate()  # asyncio primitives belong to the loop that starts the run
+        gate = self.lifecycle.renew_gate()  # asyncio primitives belong to the loop that starts the run
         if self.rollout is not None:
-            self.rollout.gate = self.gate
+            self.rollout.use_gate(gate)
         if self.parts is None:
-            self.state = "starting"
+            self.lifecycle.set("starting")
             await self.spawn()
-        self.state = "running"
+        self.lifecycle.set("running")
         self._main = asyncio.ensure_future(self._run_main())
         return self
 
@@ -168,37 +198,43 @@ class Run(experiments.Experiments):
 
     async def until(self, step: int | None = None, predicate: Callable[["Run"], bool] | None = None,
                     timeout: float | None = None) -> "Run":
-        """Wait until `run.step >= step` and `predicate(run)` hold (re-checked on each step and event, no polling)."""
-        return await controls.until(self, step, predicate, timeout)
+        """Wait until step `step` is done (its metrics row logged: ``run.metrics`` has it) and ``predicate(run)``
+        holds, re-checked on each step and event and each time episodes close in the buffer (no polling).
+        Raises `RuntimeError` if the run ends first (its own failure if it failed) and `asyncio.TimeoutError`
+        after `timeout` seconds."""
+        def logged() -> int:  # the step moves first; the row is logged after the weight push
+            rows = self.tracker.rows if self.tracker is not None else []
+            return int(rows[-1]["step"]) if rows else 0
+
+        def met() -> bool:
+            return ((step is None or (self.step >= step and logged() >= step))
+                    and (predicate is None or bool(predicate(self))))
+
+        await controls.wait_until(met, bus=self.bus, buffer=self.buffer, main_task=lambda: self._main,
+                                  describe=lambda: f"{self.state}, step {self.step}", timeout=timeout)
+        return self
 
     def pause(self, message: str | None = None) -> None:
         """Finish the current step, then hold rollouts and training (`message` says why, for people)."""
-        if self.state == "running":
-            if message is not None:
-                self.message = message
-                log.warning("forgelab: %s", message)
-            self.gate.unpaused.clear()
-            self.state = "paused"
-            self.emit("paused", message=self.message)
+        self.lifecycle.pause(message)
 
     def resume(self) -> None:
-        if self.state == "paused":
-            self.message, self.consecutive_failures, self.state = "", 0, "running"
-            self.gate.unpaused.set()
-            self.emit("resumed")
+        if self.lifecycle.resume():
+            self.loop.reset_failures()
 
     async def stop(self) -> None:
         """Stop after the current step; processes stay up until `shutdown()`."""
-        self.gate.stopping = True
-        self.gate.unpaused.set()
-        await self.gate.notify()  # the train loop and rollout workers wait on it
+        gate = self.lifecycle.gate
+        gate.stopping = True
+        gate.unpaused.set()
+        await gate.notify()  # the train loop and rollout workers wait on it
         if self._main is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._main), timeout=300)
             except Exception:
                 pass
         if self.state not in ("failed", "finished", "stopped", "created"):
-            self.state = "stopped"
+            self.lifecycle.set("stopped")
             self.emit("stopped")
 
     async def shutdown(self) -> None:
@@ -214,7 +250,7 @@ class Run(experiments.Experiments):
         """Spawn the processes (and restore `resume_from`) without starting training; `start` calls it."""
         from forgelab.engines.spawn import spawn_parts
 
-        cfg = self.config
+        cfg, loop = self.config, self.loop
         # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
         tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
         try:
@@ -225,48 +261,61 @@ class Run(experiments.Experiments):
             await self.parts.shutdown()
             self.parts = None
             raise tokenizer.exception()
-        self.weights = WeightSync(parts.trainer, parts.generators, self.emit, lambda: self.version)
+        self.weights = WeightSync(parts.trainer, parts.generators, self.bus.emit, lambda: loop.version)
         parts.generators.on_respawn = self.weights.catch_up
         teacher = getattr(parts, "teacher", None)
         for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher):
             if svc is not None and hasattr(svc, "add_listener"):
-                svc.add_listener(lambda ev: self.emit(str(getattr(ev, "kind", "service")), replica=getattr(ev, "replica", None),
-                                                        detail=str(getattr(ev, "detail", ev))))
-        source = EnvEpisodes(parts.envs, parts.generators, cfg) if cfg.rollout.env is not None else SingleTurn(parts.generators, self.tokenizer)
-        self.rollout = Rollouts(cfg, source, self.buffer, self.reward_runner, parts.reference, self.stream, self.gate,
-                                self.emit, self.pause, self.pad_id, rewards_for=self._rewards_for,
-                                teacher=getattr(parts, "teacher", None), distill_coef=lambda: self.distill_coef)
+                svc.add_listener(lambda ev: self.bus.emit(str(getattr(ev, "kind", "service")),
+                                                          replica=getattr(ev, "replica", None),
+                                                          detail=str(getattr(ev, "detail", ev))))
+        source = (EnvEpisodes(parts.envs, parts.generators, cfg) if cfg.rollout.env is not None
+                  else SingleTurn(parts.generators, self.tokenizer))
+        self.rollout = Rollouts(cfg, source, self.buffer, self.reward_runner, parts.reference, self.stream,
+                                self.lifecycle, self.bus, self.controls, self.pad_id, teacher=teacher)
+        self.controls.validate_on(self.rollout.recent_episodes)
+        self.evaluator.bind(source, self.tokenizer)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed_here = self.resume_from is not None and self.out_dir.resolve() in self.resume_from.resolve().parents
         self.events.attach(self.out_dir, append=resumed_here)
         self.records.attach(self.out_dir, append=resumed_here)
-        provenance.write_manifest(self)  # config, versions, git state, hardware, model and data hashes
+        # config, versions, git state, hardware, model and data hashes
+        shared = parts.pool.provenance(parts.slot) if getattr(parts, "slot", "") else None  # a LoRA variant's
+        provenance.write_manifest(cfg, self.out_dir, train_problems=getattr(self.stream, "problems", None),
+                                  heldout_problems=self.heldout, resume_from=self.resume_from, shared_engines=shared,
+                                  data_split={"description": self.data.description, **self.data.info})
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
+        self._checkpoint_parts = ckpt = checkpoint.CheckpointParts(
+            trainer=parts.trainer, loop=loop, stream=self.stream, buffer=self.buffer, rewards=self.controls,
+            rollouts=self.rollout, evaluator=self.evaluator, bus=self.bus, tracker=self.tracker, out_dir=self.out_dir)
+        loop.bind(trainer=parts.trainer, weights=self.weights, generators=parts.generators, rollouts=self.rollout,
+                  evaluator=self.evaluator, tracker=self.tracker, records=self.records, rewards=self.controls,
+                  pad_id=self.pad_id, checkpoint=functools.partial(checkpoint.save, ckpt))
         self.emit("spawned", seconds=round(parts.seconds, 1))
         self.emit("data", message=self.data.description, **self.data.info)
         for note in reference_notes(cfg.train.loss, cfg.train.loss_kwargs, cfg.placement.reference):  # grpo's kl_coef
             log.warning("forgelab: %s", note)
             self.emit("config_note", message=note)
         if self.resume_from is not None:
-            await checkpoint.restore(self, self.resume_from)
+            await checkpoint.restore(ckpt, self.resume_from)
 
     async def _run_main(self) -> None:
         try:
-            if self.step == 0 and not self.accuracy_history:
+            if self.step == 0 and not self.evaluator.history:
                 self.emit("eval", accuracy=await self.evaluate())
             self._tasks = [asyncio.ensure_future(self.rollout.worker()) for _ in range(self.config.rollout.concurrency)]
-            await train_loop(self)
-            if not self.accuracy_history or self.accuracy_history[-1][0] != self.step:
+            await self.loop.run()
+            if not self.evaluator.history or self.evaluator.history[-1][0] != self.step:
                 acc = await self.evaluate()
                 if self.tracker and self.tracker.rows:
                     self.tracker.rows[-1]["heldout_accuracy"] = acc
-            self.state = "stopped" if self.gate.stopping else "finished"
+            self.lifecycle.set("stopped" if self.gate.stopping else "finished")
             self.emit(self.state, message=self.message)
         except asyncio.CancelledError:
-            self.state = "stopped"
+            self.lifecycle.set("stopped")
             raise
         except Exception as e:
-            self.state, self.message = "failed", f"{type(e).__name__}: {e}"
+            self.lifecycle.set("failed", f"{type(e).__name__}: {e}")
             self.emit("failed", message=self.message)
             log.exception("forgelab: run failed")
             raise
@@ -286,82 +335,119 @@ class Run(experiments.Experiments):
 
     async def push_weights(self) -> PushReport:
         """Trainer -> every healthy generator replica, as version `self.version`; frees admission for it."""
-        report = await self.weights.push(self.version)
-        async with self.gate.changed:
-            self.buffer.served_version = self.version
-            self.gate.changed.notify_all()
-        return report
+        return await self.loop.push_weights()
 
     async def evaluate(self, n: int | None = None) -> float:
         """Held-out greedy accuracy (the task's exact-answer reward) with the generator's current weights,
         each problem played as one episode of the run's environment (single-turn: one completion)."""
-        from forgelab.controller.evaluate import heldout_accuracy
-        from forgelab.engines.generator import SamplingConfig
-
-        greedy = SamplingConfig(temperature=0.0, max_tokens=self.config.rollout.max_tokens)
-        async with self.gate.hold():  # its requests first: new rollouts wait until it is scored
-            acc = await heldout_accuracy(self.rollout.source, self.heldout[: n or len(self.heldout)], self.tokenizer,
-                                         greedy, self._task_reward)
-        self.accuracy_history.append((self.step, acc))
-        return acc
+        return await self.evaluator.evaluate(self.step, n)
 
     # ------------------------------------------------------------------ live controls
     def set_reward_weights(self, weights: dict[str, float]) -> None:
         """Change reward weights; applies from the next scored rollout. Unknown names raise KeyError."""
-        old = self.rewards.weights
-        self.rewards.set_weights(weights)
-        self.reward_changed("reward_weights", old=old, new=self.rewards.weights)
+        self.controls.set_weights(weights)
 
     def add_reward(self, name: str, fn: Callable[..., float], weight: float = 1.0, *, replace: bool = False) -> None:
         """Register a reward function from a cell; validated on recent rollouts first (`RewardChangeRefused`)."""
-        controls.add_reward(self, name, fn, weight, replace)
+        self.controls.add(name, fn, weight, replace)
 
     def remove_reward(self, name: str) -> None:
         """Remove a reward; applies from the next scored rollout. Unknown names raise KeyError."""
-        self.rewards.remove(name)
-        self.reward_changed("reward_removed", name=name)
+        self.controls.remove(name)
 
     def set_distill_coef(self, coef: float) -> None:
         """Change the distillation term's weight (a ``teacher`` run); applies from the next scored rollout, like a
         reward weight, and is on the timeline (``distill_coef`` event, then ``reward_effective``)."""
-        controls.set_distill_coef(self, coef)
+        self.controls.set_distill_coef(coef)
 
     def reward_changed(self, kind: str, **fields: Any) -> None:
         """Record a change to the reward set (the event carries its revision number)."""
-        self.emit(kind, **fields, rev=self.reward_revisions.bump())
-
-    def _rewards_for(self, flat: list) -> RewardComposer:
-        return controls.rewards_for(self, flat)
+        self.controls.changed(kind, **fields)
 
     def set_loss(self, loss: str | Callable, **loss_kwargs: Any) -> controls.Command:
         """Hot-swap the loss: dry-run it on the last batch, then apply at the next step boundary. Starts at once
         (even if not awaited); `await` it for ``{"loss", "applies_at_step"}`` or its `LossSwapRefused`."""
-        return controls.Command(controls.swap_loss(self, loss, loss_kwargs), f"run.set_loss({loss_label(loss)!r})")
+        return controls.Command(self._swap_loss(loss, loss_kwargs), f"run.set_loss({loss_label(loss)!r})")
+
+    async def _swap_loss(self, loss: str | Callable, loss_kwargs: dict) -> dict:
+        name, packed, loss_kwargs = controls.prepare_loss(self.config, loss, loss_kwargs)
+        from forgelab.controller.fncode import loss_record
+
+        applies_at = await self.loop.swap_loss(name, packed, loss_kwargs)
+        self.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
+        return {"loss": name, "applies_at_step": applies_at}
 
     async def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code)."""
-        return await checkpoint.save(self, path)
+        if self._checkpoint_parts is None:
+            raise RuntimeError("save_checkpoint: the run has no processes yet (await run.start() or run.spawn())")
+        return await checkpoint.save(self._checkpoint_parts, path)
+
+    # ------------------------------------------------------------------ experiments (forgelab/experiments/*)
+    async def fork(self, **overrides: Any) -> "Run":
+        """A child run from this run's state at the next step boundary, then `overrides` (forgelab.experiments.fork)."""
+        from forgelab.experiments.fork import fork
+
+        return await fork(self, **overrides)
+
+    @classmethod
+    async def fork_from(cls, checkpoint: str | Path, config: Any = None, **overrides: Any) -> "Run":
+        """A child run from a saved checkpoint (see forgelab.experiments.fork.fork_from)."""
+        from forgelab.experiments.fork import fork_from
+
+        return await fork_from(checkpoint, config, run_cls=cls, **overrides)
+
+    @classmethod
+    async def replay(cls, run_dir: str | Path, *, until: int | None = None, **kwargs: Any) -> Any:
+        """Re-execute a recorded run with its live changes; a `ReplayReport` (see forgelab.experiments.replay)."""
+        from forgelab.experiments.replay import replay
+
+        return await replay(run_dir, until=until, run_cls=cls, **kwargs)
+
+    def rescore(self, reward: Any, episodes: list[int] | None = None) -> Any:
+        """Old/new reward and advantage of recorded and recent rollouts under `reward`; no process touched."""
+        from forgelab.controller.rollout_log import rescore_run
+
+        recent = self.rollout.recent_episodes() if self.rollout is not None else []
+        return rescore_run(self.out_dir, recent, self.buffer.status, self.config.name, self.config.rollout.advantage,
+                           reward, episodes)
+
+    async def compare_losses(self, losses: list, batch: dict | None = None) -> Any:
+        """Each loss on one frozen batch (default: the last trained one); trainer state untouched."""
+        from forgelab.experiments.loss_ab import compare_losses
+
+        return await compare_losses(self, losses, batch)
+
+    def attach_replayer(self, replayer: Any) -> None:
+        """Re-apply a recorded run's changes where they took effect (`forgelab.experiments.replay.Replayer`)."""
+        self.replayer = replayer
+        replayer.bind(self)
+        self.loop.set_hook(replayer)
+        self.controls.set_hook(replayer)
+
+    def limit_steps(self, steps: int) -> None:
+        """Train at most `steps` steps (the loop reads it each step; the trainer's schedule keeps its length)."""
+        self.config.train.steps = min(int(steps), self.config.train.steps)
+
+    def use_last_batch(self, batch: dict | None) -> None:
+        """The batch a first loss swap is dry-run on (a fork's: the one its parent trained last)."""
+        self.loop.use_last_batch(batch)
 
     # ------------------------------------------------------------------ views
     def emit(self, kind: str, **fields: Any) -> None:
         """Record an event (kind, this step, fields) in the run's event log and tell the listeners."""
-        self.notify({"event": self.events.emit(kind, **{"step": self.step, **fields})})
+        self.bus.emit(kind, **fields)
 
     def notify(self, msg: dict) -> None:
         """Tell every listener (widgets, `until`) about a metrics row or an event; a failing listener is logged."""
-        for fn in list(self._listeners):
-            try:
-                fn(msg)
-            except Exception:
-                log.exception("forgelab: run listener failed")
+        self.bus.notify(msg)
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:
         """fn(row) after every step and fn({"event": ev}) on every event (widgets use this)."""
-        self._listeners.append(fn)
+        self.bus.add_listener(fn)
 
     def remove_listener(self, fn: Callable[[dict], None]) -> None:
-        if fn in self._listeners:
-            self._listeners.remove(fn)
+        self.bus.remove_listener(fn)
 
     @property
     def metrics(self):
@@ -384,11 +470,22 @@ class Run(experiments.Experiments):
         return self.buffer.counts()
 
     def status(self) -> dict:
-        return status_of(self)
+        """State, progress, loss, rewards, message, episode counters and each service's replicas."""
+        g, r, e = self.generators, self.reference, self.envs
+        return {"state": self.state, "step": self.step, "steps": self.config.train.steps, "version": self.version,
+                "loss": self.loss_name, "reward_weights": self.rewards.weights, "message": self.message,
+                "episodes": self.buffer.counts(),
+                "services": {"generator": g.status() if g else [], "reference": r.status() if r else [],
+                             **({"env": e.status()} if e else {})}}
 
     def snapshot(self) -> RunSnapshot:
         """A typed, read-only copy of the run's state (what widgets read)."""
-        return snapshot_of(self)
+        st = self.status()
+        return RunSnapshot(name=self.config.name, state=st["state"], step=st["step"], steps=st["steps"],
+                           version=st["version"], loss=str(st["loss"]), message=st["message"],
+                           reward_weights=st["reward_weights"], episodes=st["episodes"],
+                           accuracy_history=tuple(tuple(x) for x in self.evaluator.history),
+                           services=st["services"], events=len(self.events))
 
     def dashboard(self):
         """The live lab: metrics, rollout inspector, reward and loss panels, controls."""

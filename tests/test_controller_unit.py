@@ -1215,7 +1215,8 @@ def test_until_wakes_when_episodes_close_in_the_buffer_without_any_event():
             run.buffer.drop(eps, "test_drop")
 
         asyncio.ensure_future(drop_later())
-        await controls.until(run, None, lambda r: r.buffer.counts()["dropped"] >= 3, timeout=20)
+        await controls.wait_until(lambda: run.buffer.counts()["dropped"] >= 3, bus=run, buffer=run.buffer,
+                                  main_task=lambda: run.main_task, describe=lambda: run.state, timeout=20)
         run.main_task.cancel()
         return run.buffer.counts()["dropped"], listeners
 

@@ -40,6 +40,10 @@ import time
 
 from forgelab.bench._stats import bootstrap_median_ci
 from forgelab.bench.common import emit_json, print_machine, print_table
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forgelab.run import Run
 
 
 def segment_rates(times: dict[int, float], segment: int, n_segments: int) -> list[float]:
@@ -82,17 +86,26 @@ class CpuMeter:
 
         return timed
 
-    def attach(self, run) -> None:
-        """Wrap every listener added to `run` from now on (the lab's), on this instance only."""
-        orig_add, orig_remove, wrapped = run.add_listener, run.remove_listener, {}
+    def metered(self, run: "Run") -> "MeteredRun":
+        """`run` as the lab sees it: every listener the lab adds is wrapped (on the returned view only)."""
+        return MeteredRun(run, self)
 
-        def add(fn):
-            orig_add(wrapped.setdefault(fn, self.wrap(fn)))
 
-        def remove(fn):
-            orig_remove(wrapped.pop(fn, fn))
+class MeteredRun:
+    """A run whose ``add_listener`` / ``remove_listener`` wrap the listener in a `CpuMeter`; everything else is
+    the run's own (the lab reads and commands the run through it, unchanged)."""
 
-        run.add_listener, run.remove_listener = add, remove
+    def __init__(self, run: "Run", meter: CpuMeter):
+        self._run, self._meter, self._wrapped = run, meter, {}
+
+    def add_listener(self, fn) -> None:
+        self._run.add_listener(self._wrapped.setdefault(fn, self._meter.wrap(fn)))
+
+    def remove_listener(self, fn) -> None:
+        self._run.remove_listener(self._wrapped.pop(fn, fn))
+
+    def __getattr__(self, name: str):
+        return getattr(self._run, name)
 
 
 async def _run(segment: int, pairs: int, out_dir: str, prompts: int = 8) -> dict:
@@ -114,7 +127,7 @@ async def _run(segment: int, pairs: int, out_dir: str, prompts: int = 8) -> dict
         lab = state["lab"]
         if on and lab is None:
             c0 = time.thread_time()
-            lab = Dashboard(run)
+            lab = Dashboard(lab_run)
             _ = lab.widget  # builds every panel and starts listening
             build["cpu_s"] += time.thread_time() - c0
             for panel in lab.panels:  # steady-state refreshes (timers and direct pokes) counted from here
@@ -142,7 +155,7 @@ async def _run(segment: int, pairs: int, out_dir: str, prompts: int = 8) -> dict
             set_lab(plan[step // segment])
 
     run.add_listener(on_row)
-    meter.attach(run)  # after the bench's own listener: only the lab's are wrapped
+    lab_run = meter.metered(run)  # the lab's view of the run: only the lab's listeners are wrapped
     await run.start()
     set_lab(plan[0])
     try:

@@ -148,8 +148,8 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
                        stop_at_target: bool = True) -> dict:
     """Train `cfg` until held-out accuracy >= target (or the caps); returns the raw evaluations and timings.
 
-    ``Run.evaluate`` is wrapped on the instance (no library change) to time each
-    evaluation and stop at the target; the held-out set is the fixed one (seed 0).
+    Each evaluation is timed by an observer on the run's `Evaluator` (which also stops the run at the
+    target); the held-out set is the fixed one (seed 0).
     `spawn` is passed to ``Run`` (a ``forgelab.engines.pool.ProcessPool`` reuses processes; default: new ones).
     ``stop_at_target=False`` trains on to the step cap (`summarize` still finds the first evaluation at the
     target), so runs compared for their final accuracy have taken the same number of steps.
@@ -159,30 +159,26 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
 
     t_make = time.time()
     run = Run(cfg, spawn=spawn)
-    run.heldout = load_problems(cfg.rollout.task, "test", cfg.eval.n, HELDOUT_SEED)
-    orig_evaluate = run.evaluate
+    run.evaluator.use_problems(load_problems(cfg.rollout.task, "test", cfg.eval.n, HELDOUT_SEED))
     evals: list[dict] = []
     step_end: list[float] = []
     clock: dict[str, Any] = {"t0": None}
 
-    async def timed_evaluate(n: int | None = None) -> float:
-        s = time.perf_counter()
-        acc = await orig_evaluate(n)
+    def timed(step: int, acc: float, eval_s: float) -> None:
         e = time.perf_counter()
         if clock["t0"] is None:
             clock["t0"] = e  # training starts when the step-0 evaluation ends
         wall_s = e - clock["t0"]
-        evals.append({"step": run.step, "wall_s": wall_s, "accuracy": acc, "eval_s": e - s, "end_unix": time.time()})
-        if ((stop_at_target and acc >= target and run.step > 0) or wall_s > time_cap_s) and not clock.get("stopping"):
+        evals.append({"step": step, "wall_s": wall_s, "accuracy": acc, "eval_s": eval_s, "end_unix": time.time()})
+        if ((stop_at_target and acc >= target and step > 0) or wall_s > time_cap_s) and not clock.get("stopping"):
             clock["stopping"] = True  # stop after this step; awaiting stop() here would wait on ourselves
             asyncio.ensure_future(run.stop())
-        return acc
 
     def on_row(msg: dict) -> None:
         if "event" not in msg and clock["t0"] is not None:
             step_end.append(time.perf_counter() - clock["t0"])
 
-    run.evaluate = timed_evaluate
+    run.evaluator.add_observer(timed)
     run.add_listener(on_row)
     await run.start()
     ready_unix = time.time()  # processes up, the step-0 evaluation starting

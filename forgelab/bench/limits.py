@@ -134,15 +134,13 @@ async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None, p
     run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits", warmup=warmup,
                            prompts=prompts))
     batches: list[dict] = []
+
+    def on_row(msg: dict) -> None:  # after each trained step: the batch train_step received (read-only)
+        if "event" not in msg and run.last_batch is not None:
+            batches.append(run.last_batch)
+
+    run.add_listener(on_row)
     await run.start()
-    call = run.trainer.call
-
-    async def recording_call(method: str, *args, **kwargs):  # the batches train_step receives (read-only)
-        if method == "train_step" and args:
-            batches.append(args[0])
-        return await call(method, *args, **kwargs)
-
-    run.trainer.call = recording_call
     try:
         await run.wait()
     finally:

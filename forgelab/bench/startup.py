@@ -42,7 +42,7 @@ async def _first_step(pool, out_dir: str, name: str) -> tuple[float, list[int], 
 
     t0 = time.perf_counter()
     run = Run(_config(out_dir, name), spawn=pool)
-    run.accuracy_history.append((0, float("nan")))  # step-0 evaluation off
+    run.evaluator.skip_initial()  # step-0 evaluation off
     await run.start()
     await run.until(step=1, timeout=900)
     seconds = time.perf_counter() - t0

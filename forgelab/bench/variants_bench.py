@@ -35,6 +35,10 @@ import tempfile
 import time
 
 from forgelab.bench.common import emit_json, print_machine, print_table
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forgelab.run import Run
 
 VARIANTS = {"lr_half": {"lr": 1e-3}, "lr_x2": {"lr": 4e-3}, "dapo": {"loss": "dapo"},
             "no_format": {"reward_weights": {"answer_format": 0.0}}}
@@ -91,7 +95,7 @@ def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(t - before.get(pid, 0.0) for pid, t in after.items())
 
 
-def _trainer_s(run, after: int = 0) -> float:
+def _trainer_s(run: "Run", after: int = 0) -> float:
     df = run.metrics
     df = df[df["step"] > after]
     return float(statistics.median(df["step_time_s"])) if len(df) else float("nan")

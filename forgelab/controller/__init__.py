@@ -3,10 +3,14 @@
     ReplayBuffer   buffer.py       admission, the staleness bound, episode accounting
     Rollouts       rollout.py      problems -> episodes -> rewards -> advantages -> buffer
     RewardRunner   reward_runner   rewards in threads, timeouts
-    train_loop     training.py     buffer -> trainer -> weight push -> metrics row
-    EventLog       events.py       the run's history of live changes (one owner)
+    TrainingLoop   training.py     buffer -> trainer -> weight push -> metrics row; owns step and version
+    RewardControls controls.py     the live reward set, its revisions, the distillation coefficient
+    Evaluator      evaluate.py     held-out accuracy and its history
+    Lifecycle      lifecycle.py    the run's state, message and gate
+    EventLog       events.py       the run's history of live changes (one owner); EventBus: log + listeners
     Tracker        tracking.py     metrics.csv, wandb
-    checkpoint, controls, evaluate, provenance, rollout_log, timeline, view: one module each
+    RunFacade      facade.py       what experiments and the lab may use of a run (a Protocol)
+    checkpoint, provenance, rollout_log, timeline, view: one module each
 """
 from forgelab.lazy import lazy_exports
 
@@ -16,6 +20,12 @@ _LAZY = {
     "RewardRunner": "forgelab.controller.reward_runner",
     "EventLog": "forgelab.controller.events",
     "Tracker": "forgelab.controller.tracking",
+    "TrainingLoop": "forgelab.controller.training",
+    "RewardControls": "forgelab.controller.controls",
+    "Evaluator": "forgelab.controller.evaluate",
+    "Lifecycle": "forgelab.controller.lifecycle",
+    "EventBus": "forgelab.controller.events",
+    "RunFacade": "forgelab.controller.facade",
     "LossSwapRefused": "forgelab.controller.controls",
     "RewardChangeRefused": "forgelab.controller.controls",
     "RunSnapshot": "forgelab.controller.view",

@@ -1,7 +1,9 @@
 """Save and restore a run: trainer state (DCP) plus everything the controller was given.
 
-    path = await save(run)                 # runs/NAME/checkpoints/step_000020/{trainer/, controller.json}
-    await restore(run, path)               # in a fresh Run(config, resume_from=path), after spawning
+    path = await save(parts)               # runs/NAME/checkpoints/step_000020/{trainer/, controller.json}
+    await restore(parts, path)             # in a fresh Run(config, resume_from=path), after spawning
+
+`parts` is a `CheckpointParts`: the run's parts a checkpoint reads and restores, each through its own methods.
 
 A checkpoint holds what a resumed run needs to train exactly as the saved one
 would have: the trainer's weights, optimizer, schedule, RNG and loss (built-in
@@ -18,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from forgelab.controller.fncode import FunctionRestoreError, loss_record, restor
 
 log = logging.getLogger("forgelab.controller.checkpoint")
 
-__all__ = ["save", "restore", "restore_metrics", "resolve", "code_records", "FunctionRestoreError"]
+__all__ = ["CheckpointParts", "save", "restore", "restore_metrics", "resolve", "code_records", "FunctionRestoreError"]
 
 
 def resolve(path: str | Path) -> Path:
@@ -66,65 +69,88 @@ def rewards_from_state(saved: list[dict[str, Any]]):
     return RewardComposer(terms)
 
 
-async def save(run, path: str | Path | None = None, *, trainer: bool = True) -> Path:
+@dataclass
+class CheckpointParts:
+    """The parts a checkpoint reads and restores (each through its own methods).
+
+    Attributes:
+        trainer: the trainer actor handle (``save`` / ``load`` / ``info`` / ``fingerprint``).
+        loop: the `TrainingLoop` (step, version, loss name; ``restore_position``, ``push_weights``).
+        stream: the `ProblemStream` (data position).
+        buffer: the `ReplayBuffer`.
+        rewards: the `RewardControls` (reward set with its code, distillation coefficient).
+        rollouts: the `Rollouts` (episode and group counters).
+        evaluator: the `Evaluator` (held-out accuracy history).
+        bus: the `EventBus` (its log holds the loss swaps; ``checkpoint`` / ``resumed_from_checkpoint`` events).
+        tracker: the `Tracker` (rows up to the restored step come back from metrics.csv).
+        out_dir: the run directory (``checkpoints/step_NNNNNN`` by default).
+    """
+
+    trainer: Any
+    loop: Any
+    stream: Any
+    buffer: Any
+    rewards: Any
+    rollouts: Any
+    evaluator: Any
+    bus: Any
+    tracker: Any
+    out_dir: Path
+
+
+async def save(p: CheckpointParts, path: str | Path | None = None, *, trainer: bool = True) -> Path:
     """Trainer state (DCP) + controller state (step, version, data position, counters, rewards, loss).
 
     ``trainer=False``: the controller state only (a fork into a slot of shared engines copies the trainer's
     state in memory); `restore` then requires the trainer to hold exactly the saved state (fingerprints)."""
-    path = Path(path) if path else run.out_dir / "checkpoints" / f"step_{run.step:06d}"
+    loop = p.loop
+    path = Path(path) if path else p.out_dir / "checkpoints" / f"step_{loop.step:06d}"
     path.mkdir(parents=True, exist_ok=True)
     if trainer:
-        await run.trainer.call("save", str(path / "trainer"))
-    info = (await run.trainer.call("info"))[0] if hasattr(run.trainer, "call") else {}
+        await p.trainer.call("save", str(path / "trainer"))
+    info = (await p.trainer.call("info"))[0] if hasattr(p.trainer, "call") else {}
     state = {
-        "step": run.step, "version": run.version, "stream": run.stream.state_dict(),
-        "buffer": run.buffer.state_dict(), "reward_weights": run.rewards.weights,
-        "rewards": reward_state(run.rewards),
-        "distill_coef": getattr(run, "distill_coef", None),  # on-policy distillation's live coefficient
+        "step": loop.step, "version": loop.version, "stream": p.stream.state_dict(),
+        "buffer": p.buffer.state_dict(), "reward_weights": p.rewards.composer.weights,
+        "rewards": reward_state(p.rewards.composer),
+        "distill_coef": p.rewards.distill_coef,  # on-policy distillation's live coefficient
         # the trainer keeps the loss itself (custom ones serialised); this copy is for people and diffs
-        "loss": run.loss_name if isinstance(run.loss_name, str) else None,
+        "loss": loop.loss_name if isinstance(loop.loss_name, str) else None,
         "loss_kwargs": (info or {}).get("loss_kwargs"),
-        "loss_code": _loss_code(run),
-        "next_episode_id": run.rollout.next_episode_id, "next_group_id": run.rollout.next_group_id,
-        "zero_variance_kept": run.rollout.zero_variance_kept,  # a teacher run's kept equal-reward episodes
-        "accuracy_history": run.accuracy_history,
+        "loss_code": _loss_code(p.bus.log, loop.loss_name),
+        **p.rollouts.counters(),  # next episode/group ids; a teacher run's kept equal-reward episodes
+        "accuracy_history": p.evaluator.history,
         # per-rank SHA-256 of parameters and optimizer state: a restore is checked against it
-        "trainer_fingerprint": await run.trainer.call("fingerprint"),
+        "trainer_fingerprint": await p.trainer.call("fingerprint"),
     }
     (path / "controller.json").write_text(json.dumps(state))
     (path.parent / "LATEST").write_text(path.name)
-    run.emit("checkpoint", path=str(path), loss=state["loss"], loss_kwargs=state["loss_kwargs"],
+    p.bus.emit("checkpoint", path=str(path), loss=state["loss"], loss_kwargs=state["loss_kwargs"],
                rewards={r["name"]: r["weight"] for r in state["rewards"]})
     return path
 
 
-async def restore(run, path: str | Path) -> None:
+async def restore(p: CheckpointParts, path: str | Path) -> None:
     """Put a saved run back: trainer, controller counters, rewards (with their code) and loss (with its kwargs)."""
     path = resolve(path)
     state = json.loads((path / "controller.json").read_text())
     # rebuild the rewards first: a reward that cannot be restored fails before the trainer is touched
     rewards = rewards_from_state(state["rewards"]) if "rewards" in state else None
     on_disk = (path / "trainer").is_dir()
-    loaded = await (run.trainer.call("load", str(path / "trainer")) if on_disk else run.trainer.call("info"))
+    loaded = await (p.trainer.call("load", str(path / "trainer")) if on_disk else p.trainer.call("info"))
     info = loaded[0] if isinstance(loaded, (list, tuple)) and loaded else (loaded or {})
-    run.step, run.version = state["step"], state["version"]
-    run.stream.load_state_dict(state["stream"])
-    run.buffer.load_state_dict(state["buffer"])
-    if rewards is not None:
-        run.rewards.replace_all(rewards)  # same composer object: widgets and the scorer hold it
-    else:  # a checkpoint from before reward code was saved: weights of the rewards this run knows
-        run.rewards.set_weights({k: v for k, v in state["reward_weights"].items() if k in run.rewards.weights})
-    run.rollout.next_episode_id, run.rollout.next_group_id = state["next_episode_id"], state["next_group_id"]
-    run.rollout.zero_variance_kept = int(state.get("zero_variance_kept", 0))  # 0: saved before it was kept
-    if state.get("distill_coef") is not None:  # the coefficient as the run had changed it, not the config's
-        run.distill_coef = float(state["distill_coef"])
-    run.accuracy_history = [tuple(x) for x in state.get("accuracy_history", [])]
     # the trainer restored its own loss (name, function, kwargs); the controller only mirrors the name
-    if isinstance(info, dict) and info.get("loss"):
-        run.loss_name = info["loss"]
-    if run.version > 0:
-        await run.push_weights()
-    saved_fp, fp = state.get("trainer_fingerprint"), await run.trainer.call("fingerprint")
+    loss = info.get("loss") if isinstance(info, dict) else None
+    p.loop.restore_position(state["step"], state["version"], loss or None)
+    p.stream.load_state_dict(state["stream"])
+    p.buffer.load_state_dict(state["buffer"])
+    p.rewards.restore(rewards, state.get("reward_weights"), state.get("distill_coef"))
+    p.rollouts.restore_counters(state["next_episode_id"], state["next_group_id"],
+                                state.get("zero_variance_kept", 0))  # 0: saved before it was kept
+    p.evaluator.restore(state.get("accuracy_history", []))
+    if p.loop.version > 0:
+        await p.loop.push_weights()
+    saved_fp, fp = state.get("trainer_fingerprint"), await p.trainer.call("fingerprint")
     # world size may differ on resume (shards differ then): compare only like with like
     match = fp == saved_fp if saved_fp is not None and len(saved_fp) == len(fp) else None
     if not on_disk and not match:
@@ -133,11 +159,12 @@ async def restore(run, path: str | Path) -> None:
                          "directory (run.save_checkpoint)")
     if match is False:
         log.warning("forgelab: trainer state after restore differs from the one saved in %s", path)
-    restore_metrics(run, path.parent.parent / "metrics.csv")
-    run.emit("resumed_from_checkpoint", path=str(path), fingerprint_match=match,
-               trainer_fingerprint=fp, stream=run.stream.state_dict(), loss=run.loss_name,
+    restore_metrics(p.tracker, path.parent.parent / "metrics.csv", p.loop.step)
+    p.bus.emit("resumed_from_checkpoint", path=str(path), fingerprint_match=match,
+               trainer_fingerprint=fp, stream=p.stream.state_dict(), loss=p.loop.loss_name,
                loss_kwargs=info.get("loss_kwargs") if isinstance(info, dict) else None,
-               loss_code=_no_pickle(state.get("loss_code")), rewards={n: w for n, w in run.rewards.weights.items()},
+               loss_code=_no_pickle(state.get("loss_code")),
+               rewards={n: w for n, w in p.rewards.composer.weights.items()},
                rewards_code={r["name"]: _no_pickle(r["fn"]) for r in state.get("rewards", [])})
 
 
@@ -145,20 +172,20 @@ def _no_pickle(rec: dict | None) -> dict | None:
     return None if rec is None else {k: v for k, v in rec.items() if k != "pickle"}
 
 
-def _loss_code(run) -> dict | None:
+def _loss_code(events: Any, loss_name: str) -> dict | None:
     """Code record of the run's current loss: the last swap's (it holds custom code), else the built-in's."""
-    swaps = [e for e in run.events if e["kind"] == "loss_swapped" and e.get("code")]
+    swaps = [e for e in events if e["kind"] == "loss_swapped" and e.get("code")]
     if swaps:
         return _no_pickle(swaps[-1]["code"])
     try:
-        return _no_pickle(loss_record(run.loss_name))
+        return _no_pickle(loss_record(loss_name))
     except KeyError:
         return None
 
 
-def restore_metrics(run, csv_path: Path) -> None:
-    """Put the rows up to the restored step back in the tracker, so the learning curve continues."""
-    if run.tracker is None or run.tracker.rows or not csv_path.is_file():
+def restore_metrics(tracker: Any, csv_path: Path, step: int) -> None:
+    """Put the rows up to the restored `step` back in the tracker, so the learning curve continues."""
+    if tracker is None or tracker.rows or not csv_path.is_file():
         return
     with csv_path.open(newline="") as f:
         rows = list(csv.DictReader(f))
@@ -174,5 +201,5 @@ def restore_metrics(run, csv_path: Path) -> None:
         for k in ("step", "version"):
             if k in row:
                 row[k] = int(row[k])
-        if 0 < row.get("step", 0) <= run.step:
-            run.tracker.log(row)
+        if 0 < row.get("step", 0) <= step:
+            tracker.log(row)

@@ -1,21 +1,23 @@
 """The run's live commands that need more than a line: the loss hot swap, reward changes, waiting on a condition.
 
-Each is a function over the run's parts; `Run` exposes it as a one-line method
-(`run.set_loss`, `run.add_reward`, `run.remove_reward`, `run.until`).
+`RewardControls` owns the live reward set, its revisions and the distillation coefficient; `prepare_loss`
+checks a loss before the training loop swaps it in (`TrainingLoop.swap_loss`); `wait_until` waits on a
+condition over the run's events. `Run` exposes each as a one-line method (`run.set_loss`, `run.add_reward`,
+`run.remove_reward`, `run.until`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from forgelab.algos import LOSSES
 from forgelab.rewards.library import RewardComposer, validate
 
 log = logging.getLogger("forgelab.controller.controls")
 
-__all__ = ["Command", "LossSwapRefused", "RewardChangeRefused", "RewardRevisions", "prepare_loss", "swap_loss", "add_reward",
-           "set_distill_coef", "rewards_for", "until"]
+__all__ = ["Command", "LossSwapRefused", "RewardChangeRefused", "RewardRevisions", "RewardControls", "prepare_loss",
+           "wait_until"]
 
 
 class Command:
@@ -117,80 +119,113 @@ def prepare_loss(config: Any, loss: str | Callable, loss_kwargs: dict) -> tuple[
     return name, shipped_loss(loss), loss_kwargs
 
 
-async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
-    """Check the loss (name, keywords), dry-run it on the last batch, then set it on the trainer: it applies at
-    the next step boundary (a `train_step` already running finishes with the old loss)."""
-    name, packed, loss_kwargs = prepare_loss(run.config, loss, loss_kwargs)
-    from forgelab.controller.fncode import loss_record
+class ScoringHook(Protocol):
+    """Called before a rollout is scored (a replay re-applies its recorded reward changes here)."""
 
-    if run.last_batch is not None:
-        report = (await run.trainer.call("dry_run_loss", packed, run.last_batch, loss_kwargs))[0]
-        if not report.get("ok"):
-            run.emit("loss_refused", loss=name, reason=report.get("reason"))
-            raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.get('reason')}; "
-                                  "the old loss keeps training")
-    applies_at = run.step + (2 if run.training_in_flight else 1)
-    await run.trainer.call("set_loss", packed, loss_kwargs)
-    run.loss_name = name
-    run.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
-    return {"loss": name, "applies_at_step": applies_at}
+    def before_scoring(self, first_episode: int) -> None: ...
 
 
-def add_reward(run: Any, name: str, fn: Callable[..., float], weight: float, replace: bool) -> None:
-    """Validate `fn` on the latest 64 rollouts (if any), then add it; raises `RewardChangeRefused`."""
-    from forgelab.controller.fncode import reward_record
+class RewardControls:
+    """The run's reward set as it changes live, and the one writer of what goes with it: the revision counter
+    (`RewardRevisions`) and the distillation coefficient.
 
-    recent = list(run.rollout.recent) if run.rollout is not None else []
-    samples = recent[-64:]  # episodes: a TRL-style reward also reads their token ids and policy version
-    if samples:
-        report = validate(fn, samples, name=name)
-        if not report.ok:
-            raise RewardChangeRefused(f"reward {name!r} refused, the old rewards stay:\n{report}")
-    run.rewards.add(name, fn, weight, replace=replace)
-    run.reward_changed("reward_added", name=name, weight=weight, replace=replace, code=reward_record(fn))
+    Args:
+        composer: the run's `RewardComposer` (the same object widgets and the scorer hold).
+        bus: the run's `EventBus` (``reward_*`` / ``distill_coef`` / ``reward_effective`` events).
+        teacher_enabled: the run distils (``teacher`` in its config): `set_distill_coef` is allowed.
+        distill_coef: the coefficient the run starts with (``teacher.coef``).
+        recent: ``() -> episodes`` a new reward is validated on (the newest rollouts), empty before any.
+    """
+
+    def __init__(self, composer: RewardComposer, bus: Any, *, teacher_enabled: bool, distill_coef: float,
+                 recent: Callable[[], list[Any]] = list) -> None:
+        self.composer, self.bus, self.teacher_enabled = composer, bus, teacher_enabled
+        self.distill_coef = float(distill_coef)
+        self.revisions = RewardRevisions()
+        self.recent = recent
+        self.hook: ScoringHook | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return self.composer.names
+
+    def validate_on(self, recent: Callable[[], list[Any]]) -> None:
+        """Where new rewards find the rollouts they are validated on (the run's `Rollouts`, once it has one)."""
+        self.recent = recent
+
+    def set_hook(self, hook: ScoringHook | None) -> None:
+        """Called before each rollout is scored (a replay's `Replayer`)."""
+        self.hook = hook
+
+    def changed(self, kind: str, **fields: Any) -> None:
+        """Record a change to the reward set (the event carries its revision number)."""
+        self.bus.emit(kind, **fields, rev=self.revisions.bump())
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        old = self.composer.weights
+        self.composer.set_weights(weights)
+        self.changed("reward_weights", old=old, new=self.composer.weights)
+
+    def remove(self, name: str) -> None:
+        self.composer.remove(name)
+        self.changed("reward_removed", name=name)
+
+    def add(self, name: str, fn: Callable[..., float], weight: float, replace: bool) -> None:
+        """Validate `fn` on the latest 64 rollouts (if any), then add it; raises `RewardChangeRefused`."""
+        from forgelab.controller.fncode import reward_record
+
+        samples = list(self.recent())[-64:]  # episodes: a TRL-style reward also reads their token ids and version
+        if samples:
+            report = validate(fn, samples, name=name)
+            if not report.ok:
+                raise RewardChangeRefused(f"reward {name!r} refused, the old rewards stay:\n{report}")
+        self.composer.add(name, fn, weight, replace=replace)
+        self.changed("reward_added", name=name, weight=weight, replace=replace, code=reward_record(fn))
+
+    def set_distill_coef(self, coef: float) -> None:
+        """`Run.set_distill_coef`: a reward-like change (its revision takes effect at the next scored rollout,
+        recorded as ``reward_effective`` with the coefficient in it)."""
+        import math
+
+        if not self.teacher_enabled:
+            raise RewardChangeRefused("run.set_distill_coef: this run has no teacher; set teacher.model_dir in the "
+                                      "config to distil (on-policy distillation needs a teacher from the start)")
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+            raise RewardChangeRefused(f"run.set_distill_coef: {coef!r} is not a finite number; the old coefficient "
+                                      f"({self.distill_coef}) stays")
+        old, self.distill_coef = self.distill_coef, float(coef)
+        self.changed("distill_coef", old=old, new=float(coef))
+
+    def restore(self, composer: RewardComposer | None, weights: dict[str, float] | None,
+                distill_coef: float | None) -> None:
+        """A checkpoint's reward set (or, from before reward code was saved, its weights of the rewards this run
+        knows) and its live distillation coefficient."""
+        if composer is not None:
+            self.composer.replace_all(composer)  # same composer object: widgets and the scorer hold it
+        elif weights is not None:
+            self.composer.set_weights({k: v for k, v in weights.items() if k in self.composer.weights})
+        if distill_coef is not None:  # the coefficient as the run had changed it, not the config's
+            self.distill_coef = float(distill_coef)
+
+    def rewards_for(self, flat: list) -> RewardComposer:
+        """The reward set one rollout is scored with (a change lands between rollouts); the first rollout scored
+        after a change records where it took effect (``reward_effective``: its first episode id)."""
+        if self.hook is not None and flat:
+            self.hook.before_scoring(min(ep.id for ep in flat))
+        snapshot = self.composer.snapshot()
+        if flat and self.revisions.unscored():
+            distill = {"distill_coef": self.distill_coef} if self.teacher_enabled else {}
+            self.bus.emit("reward_effective", rev=self.revisions.mark_scored(), first_episode=min(ep.id for ep in flat),
+                          rewards=snapshot.weights, **distill)
+        return snapshot
 
 
-def set_distill_coef(run: Any, coef: float) -> None:
-    """`Run.set_distill_coef`: a reward-like change (its revision takes effect at the next scored rollout,
-    recorded as ``reward_effective`` with the coefficient in it)."""
-    import math
-
-    if not run.config.teacher.enabled:
-        raise RewardChangeRefused("run.set_distill_coef: this run has no teacher; set teacher.model_dir in the "
-                                  "config to distil (on-policy distillation needs a teacher from the start)")
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-        raise RewardChangeRefused(f"run.set_distill_coef: {coef!r} is not a finite number; the old coefficient "
-                                  f"({run.distill_coef}) stays")
-    old, run.distill_coef = run.distill_coef, float(coef)
-    run.reward_changed("distill_coef", old=old, new=float(coef))
-
-
-def rewards_for(run: Any, flat: list) -> RewardComposer:
-    """The reward set one rollout is scored with (a change lands between rollouts); the first rollout scored
-    after a change records where it took effect (``reward_effective``: its first episode id)."""
-    if run.replayer is not None and flat:
-        run.replayer.before_scoring(run, min(ep.id for ep in flat))
-    snapshot = run.rewards.snapshot()
-    if flat and run.reward_revisions.unscored():
-        distill = {"distill_coef": run.distill_coef} if run.config.teacher.enabled else {}
-        run.emit("reward_effective", rev=run.reward_revisions.mark_scored(), first_episode=min(ep.id for ep in flat),
-                 rewards=snapshot.weights, **distill)
-    return snapshot
-
-
-async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | None, timeout: float | None) -> Any:
-    """Wait until step `step` is done (its metrics row logged: ``run.metrics`` has it) and ``predicate(run)``
-    holds, re-checked on each step and event the run notifies its listeners of and each time episodes close in
-    its buffer (trained, evicted or dropped; no polling). Raises
-    `RuntimeError` if the run ends first (its own failure if it failed) and `asyncio.TimeoutError` after
-    `timeout` seconds."""
-    def logged() -> int:  # run.step moves first; the row is logged after the weight push
-        rows = run.tracker.rows if run.tracker is not None else []
-        return int(rows[-1]["step"]) if rows else 0
-
-    def met() -> bool:
-        return (step is None or (run.step >= step and logged() >= step)) and (predicate is None or bool(predicate(run)))
-
+async def wait_until(met: Callable[[], bool], *, bus: Any, buffer: Any, main_task: Callable[[], "asyncio.Task | None"],
+                     describe: Callable[[], str], timeout: float | None) -> None:
+    """Wait until ``met()`` holds, re-checked on each step and event the `bus` tells its listeners of and each
+    time episodes close in the `buffer` (trained, evicted or dropped; no polling). Raises `RuntimeError` if the
+    run's ``main_task()`` ends first (its own failure if it failed; ``describe()`` says where the run stopped)
+    and `asyncio.TimeoutError` after `timeout` seconds."""
     loop, changed = asyncio.get_running_loop(), asyncio.Event()
 
     def wake(_msg: dict) -> None:  # service events may arrive on other threads
@@ -198,11 +233,11 @@ async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | N
 
     async def wait() -> None:
         while not met():
-            main = run.main_task
+            main = main_task()
             if main is None or main.done():
                 if main is not None and not main.cancelled() and main.exception() is not None:
-                    raise main.exception()
-                raise RuntimeError(f"run ended ({run.state}, step {run.step}) before the awaited condition held")
+                    raise main.exception()  # type: ignore[misc]
+                raise RuntimeError(f"run ended ({describe()}) before the awaited condition held")
             changed.clear()
             waiter = asyncio.ensure_future(changed.wait())
             await asyncio.wait({waiter, main}, return_when=asyncio.FIRST_COMPLETED)
@@ -211,11 +246,10 @@ async def until(run: Any, step: int | None, predicate: Callable[[Any], bool] | N
     def closed(_episodes: list, _status: str, _reason: str) -> None:  # drops and evictions between steps too
         wake({})
 
-    run.add_listener(wake)
-    run.buffer.add_close_listener(closed)
+    bus.add_listener(wake)
+    buffer.add_close_listener(closed)
     try:
         await asyncio.wait_for(wait(), timeout)
     finally:
-        run.remove_listener(wake)
-        run.buffer.remove_close_listener(closed)
-    return run
+        bus.remove_listener(wake)
+        buffer.remove_close_listener(closed)

@@ -4,12 +4,17 @@
 every other module (rollouts, vLLM, RL) calls it so that training and evaluation see the same text.
 
     acc = greedy_accuracy_hf("forgelab/assets/tiny-llama", None, get_task("addition").make("test", 500, 0))
+
+A run's own evaluation (through its generator and environment) is `Evaluator`, which owns the run's
+accuracy history.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -125,3 +130,60 @@ async def heldout_accuracy(source, problems: Sequence[Problem], tokenizer, sampl
         except Exception:
             pass
     return correct / len(problems)
+
+
+class Evaluator:
+    """The run's held-out evaluation and the one owner of its history (``[(step, accuracy)]``).
+
+    Args:
+        rollout: the run's ``RolloutConfig`` (``max_tokens``; the task picks the exact-answer reward).
+        heldout: the held-out problems.
+        lifecycle: the run's `Lifecycle` (its gate: new rollouts wait while an evaluation runs).
+    """
+
+    def __init__(self, rollout: Any, heldout: Sequence[Problem], lifecycle: Any) -> None:
+        self.rollout, self.heldout, self.lifecycle = rollout, list(heldout), lifecycle
+        self.reward = heldout_reward(rollout)
+        self.history: list[tuple[int, float]] = []
+        self.source: Any = None
+        self.tokenizer: Any = None
+        self._observers: list[Callable[[int, float, float], None]] = []
+
+    def bind(self, source: Any, tokenizer: Any) -> None:
+        """The rollout source episodes are played through (`SingleTurn` / `EnvEpisodes`) and the tokenizer."""
+        self.source, self.tokenizer = source, tokenizer
+
+    def restore(self, history: Sequence[Sequence[float]]) -> None:
+        """A checkpoint's history."""
+        self.history = [(int(s), float(a)) for s, a in history]
+
+    def use_problems(self, problems: Sequence[Problem]) -> None:
+        """Evaluate on `problems` from now on (a benchmark's fixed held-out draw)."""
+        self.heldout = list(problems)
+
+    def add_observer(self, fn: Callable[[int, float, float], None]) -> None:
+        """``fn(step, accuracy, seconds)`` after each evaluation (a benchmark times them; it may stop the run)."""
+        self._observers.append(fn)
+
+    def skip_initial(self) -> None:
+        """Record the step-0 evaluation as not run (nan), so a run starts training at once."""
+        if not self.history:
+            self.history.append((0, float("nan")))
+
+    async def evaluate(self, step: int, n: int | None = None) -> float:
+        """Held-out greedy accuracy (the task's exact-answer reward) with the generator's current weights, each
+        problem played as one episode of the run's environment; recorded against `step`."""
+        from forgelab.engines.generator import SamplingConfig
+
+        if self.source is None:
+            raise RuntimeError("evaluate: the run has no processes yet (await run.start() or run.spawn() first)")
+        greedy = SamplingConfig(temperature=0.0, max_tokens=self.rollout.max_tokens)
+        t0 = time.perf_counter()
+        async with self.lifecycle.gate.hold():  # its requests first: new rollouts wait until it is scored
+            acc = await heldout_accuracy(self.source, self.heldout[: n or len(self.heldout)], self.tokenizer,
+                                         greedy, self.reward)
+        self.history.append((step, acc))
+        seconds = time.perf_counter() - t0
+        for fn in list(self._observers):
+            fn(step, acc, seconds)
+        return acc

@@ -3,6 +3,7 @@
     log = EventLog()
     log.emit("loss_swapped", step=12, loss="dapo", applies_at_step=13)
     log.attach(run_dir / "events.jsonl")     # earlier events are written out too
+    bus = EventBus(log, step=lambda: loop.step)  # what the run's parts emit through (and widgets listen to)
     log[-1]["kind"], len(log), [e for e in log if e["kind"] == "checkpoint"]
     EventLog.read(run_dir)                   # a finished run's events, from its file
 
@@ -16,6 +17,7 @@ replay and the dashboards all read it. Nothing is ever removed or rewritten.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 EVENTS_FILE = "events.jsonl"
+
+_log = logging.getLogger("forgelab.run")
 
 
 def _jsonable(value: Any) -> Any:
@@ -140,3 +144,40 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
             if n < len(path.read_text().splitlines()):
                 raise
     return out
+
+
+class EventBus:
+    """A run's event log plus the listeners told of each event and metrics row (widgets, `Run.until`).
+
+    The parts that record events (rollouts, training, controls) receive this, not the run: ``emit(kind,
+    **fields)`` stamps the step the run is at (read through `step`, owned by the training loop) and tells
+    every listener; ``notify(row)`` passes a metrics row on. A listener that raises is logged, never fatal.
+    """
+
+    def __init__(self, log: EventLog | None = None, step: Callable[[], int] | None = None) -> None:
+        self.log = log if log is not None else EventLog()
+        self._step: Callable[[], int] = step or (lambda: 0)
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def read_step_from(self, step: Callable[[], int]) -> None:
+        """Where `emit` reads the current step (the training loop, once the run has one)."""
+        self._step = step
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Record an event (kind, the current step, fields) in the log and tell the listeners."""
+        self.notify({"event": self.log.emit(kind, **{"step": self._step(), **fields})})
+
+    def notify(self, msg: dict[str, Any]) -> None:
+        """Tell every listener about a metrics row or an event; a failing listener is logged."""
+        for fn in list(self._listeners):
+            try:
+                fn(msg)
+            except Exception:
+                _log.exception("forgelab: run listener failed")
+
+    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)

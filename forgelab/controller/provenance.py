@@ -1,6 +1,6 @@
 """What a run was: `manifest.json` (written when a run starts) and `forgelab diff RUN_A RUN_B`.
 
-    write_manifest(run)                    # Run does this itself once its directory exists
+    write_manifest(config, out_dir, ...)   # Run does this itself once its directory exists
     read_manifest("runs/my-run")["versions"]["torch"]
     print(format_diff(diff_runs("runs/a", "runs/b")))
 
@@ -254,17 +254,18 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
     return out
 
 
-def write_manifest(run) -> Path:
-    """Write `run.out_dir/manifest.json` (a resumed run keeps the first one's as `manifest.first.json`)."""
-    parts = getattr(run, "parts", None)  # a LoRA variant on shared engines names them and its slot
-    shared = parts.pool.provenance(parts.slot) if getattr(parts, "slot", "") else None
-    m = build_manifest(run.config, train_problems=getattr(run.stream, "problems", None),
-                       heldout_problems=run.heldout,
-                       extra={"resume_from": str(run.resume_from) if run.resume_from else None, "shared_engines": shared,
-                              # the split the run made (rollout.max_train_problems, rollout.heldout, eval.n)
-                              "data_split": {"description": run.data.description, **run.data.info}})
-    path = Path(run.out_dir) / MANIFEST_FILE
-    if run.resume_from is not None and path.is_file() and not (path.parent / "manifest.first.json").exists():
+def write_manifest(config: Any, out_dir: Path, *, train_problems: Any, heldout_problems: Any,
+                   resume_from: Path | None, shared_engines: dict[str, Any] | None,
+                   data_split: dict[str, Any]) -> Path:
+    """Write `out_dir/manifest.json` (a resumed run keeps the first one's as `manifest.first.json`).
+
+    `shared_engines`: a LoRA variant's engines and slot (their provenance), else None; `data_split`: the split
+    the run made (description and counts: rollout.max_train_problems, rollout.heldout, eval.n)."""
+    m = build_manifest(config, train_problems=train_problems, heldout_problems=heldout_problems,
+                       extra={"resume_from": str(resume_from) if resume_from else None,
+                              "shared_engines": shared_engines, "data_split": data_split})
+    path = Path(out_dir) / MANIFEST_FILE
+    if resume_from is not None and path.is_file() and not (path.parent / "manifest.first.json").exists():
         path.rename(path.parent / "manifest.first.json")
     path.write_text(json.dumps(m, indent=1, default=repr))
     return path

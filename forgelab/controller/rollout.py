@@ -221,25 +221,23 @@ class Rollouts:
         rewards: the `RewardRunner` over the run's rewards.
         reference: the reference service (`route("logprobs", tokens_B_L, spans_B_2)`) or None.
         stream: the `ProblemStream` problems come from.
-        gate: the controller's `Gate`.
-        emit: ``emit(kind, **fields)`` records an event in the run's log.
-        pause: ``pause(message)`` pauses the run (too many hung reward calls).
-        rewards_for: ``rewards_for(episodes) -> RewardComposer``: the reward set one rollout is scored with
-            (fixed for all its episodes); None scores with the runner's composer.
+        lifecycle: the run's `Lifecycle`: its gate (pause, stop, "the buffer changed") and ``pause(message)``
+            (too many hung reward calls).
+        bus: the run's `EventBus` (``rollout_error``, ``env_dropped``, ``*_wait`` events).
+        controls: the run's `RewardControls`: ``rewards_for(episodes)`` is the reward set one rollout is scored
+            with (fixed for all its episodes) and ``distill_coef`` the distillation coefficient now (read once per
+            rollout, when its reward set is taken: a live change lands between rollouts like a reward weight's).
+            None scores with the runner's composer and a coefficient of 1.
         pad_id: token id padding reference inputs.
         teacher: the teacher's logprob service (on-policy distillation; may be `reference` itself) or None.
-        distill_coef: ``() -> float``, the distillation coefficient now (read once per rollout, when its
-            reward set is taken: a live change lands between rollouts like a reward weight's).
     """
 
     def __init__(self, config: Any, source: Any, buffer: ReplayBuffer, rewards: RewardRunner, reference: Any,
-                 stream: Any, gate: Gate, emit: Callable[..., None], pause: Callable[[str], None], pad_id: int = 0,
-                 rewards_for: Callable[[list[Episode]], Any] | None = None, teacher: Any = None,
-                 distill_coef: Callable[[], float] | None = None):
+                 stream: Any, lifecycle: Any, bus: Any, controls: Any = None, pad_id: int = 0, teacher: Any = None):
         self.config, self.source, self.buffer, self.rewards = config, source, buffer, rewards
-        self.reference, self.stream, self.gate, self.emit, self.pad_id = reference, stream, gate, emit, pad_id
-        self.pause, self.rewards_for = pause, rewards_for
-        self.teacher, self.distill_coef = teacher, distill_coef
+        self.reference, self.stream, self.lifecycle, self.bus, self.pad_id = reference, stream, lifecycle, bus, pad_id
+        self.controls, self.teacher = controls, teacher
+        self.gate: Gate = lifecycle.gate
         self.recent: deque[Episode] = deque(maxlen=RECENT)  # a view: buffered, trained or dropped, newest last
         self.recent_total = 0  # episodes ever put in `recent` (the older ones are in the rollout log)
         #: episodes of zero-variance groups kept (not dropped) because they carry a distillation signal
@@ -256,6 +254,36 @@ class Rollouts:
         self.deterministic, self.nondeterministic_reason = determinism(config)
         if self.deterministic:
             check_seeded_generate()
+
+    # -- the owner's counters -----------------------------------------------------------------------------
+    def use_gate(self, gate: Gate) -> None:
+        """The gate of the event loop that (re)starts the run."""
+        self.gate = gate
+
+    def recent_episodes(self) -> list[Episode]:
+        """The newest episodes kept in memory (a view: buffered, trained or dropped), newest last."""
+        return list(self.recent)
+
+    def take_tokens(self) -> int:
+        """Generated tokens counted since the last call (a metrics row's throughput), and start counting again."""
+        tokens, self.tokens = self.tokens, 0
+        return tokens
+
+    def zero_variance_count(self, config: Any) -> int | None:
+        """Episodes of zero-variance groups kept for their distillation signal, when this run keeps them."""
+        if self.teacher is not None and config.rollout.drop_zero_variance_groups:
+            return self.zero_variance_kept
+        return None
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps of the rollouts: the next ids and the zero-variance count."""
+        return {"next_episode_id": self.next_episode_id, "next_group_id": self.next_group_id,
+                "zero_variance_kept": self.zero_variance_kept}
+
+    def restore_counters(self, next_episode_id: int, next_group_id: int, zero_variance_kept: int = 0) -> None:
+        """A checkpoint's counters (`counters`)."""
+        self.next_episode_id, self.next_group_id = int(next_episode_id), int(next_group_id)
+        self.zero_variance_kept = int(zero_variance_kept)
 
     # -- admission ----------------------------------------------------------------------------------------
     def admit(self) -> Admitted:
@@ -292,7 +320,7 @@ class Rollouts:
                 lost = self._drop_unaccounted(admitted, f"rollout_error:{type(e).__name__}")
                 never = self.per_call - len(admitted.created)
                 self.ids_unused += never
-                self.emit("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost,
+                self.bus.emit("rollout_error", message=f"{type(e).__name__}: {e}", episodes_dropped=lost,
                           episodes_never_generated=never)
                 self.failure_log.warning("forgelab: rollout failed: %s", e)
                 await asyncio.sleep(0.5)  # back off before the next attempt (a dying replica, a respawn)
@@ -318,12 +346,12 @@ class Rollouts:
         self.tokens += sum(sum(ep.loss_mask) if ep.loss_mask is not None else len(ep.completion_ids) for ep in flat)
         failed = self._env_failures(groups)
         scored = [ep for ep in flat if ep.id not in failed]
-        composer = self.rewards_for(scored) if self.rewards_for is not None else None
-        coef = self.distill_coef() if self.teacher is not None and self.distill_coef is not None else 1.0
+        composer = self.controls.rewards_for(scored) if self.controls is not None else None
+        coef = self.controls.distill_coef if self.teacher is not None and self.controls is not None else 1.0
         failed.update(await self.rewards.score(scored, composer))
         hung = self.rewards.hung_message()
         if hung is not None:
-            self.pause(hung)  # logs it
+            self.lifecycle.pause(hung)  # logs it
         await self._advantages_and_buffer(groups, failed, coef)
 
     def _env_failures(self, groups: list[list[Episode]]) -> dict[int, str]:
@@ -335,7 +363,7 @@ class Rollouts:
             for v in failed.values():
                 reasons[v] = reasons.get(v, 0) + 1
             first = next(ep for g in groups for ep in g if ep.id in failed)
-            self.emit("env_dropped", reasons=reasons, error=str(first.info.get("error", ""))[:300])
+            self.bus.emit("env_dropped", reasons=reasons, error=str(first.info.get("error", ""))[:300])
         return failed
 
     async def _advantages_and_buffer(self, groups: list[list[Episode]], failed: dict[int, str],
@@ -410,7 +438,7 @@ class Rollouts:
             lp = await service.route("logprobs", tokens_B_L, spans_B_2)
         except (NoHealthyReplicaError, ReplicaFailedError) as e:
             # the service died and is being respawned: wait for it rather than lose these episodes
-            self.emit(f"{what}_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
+            self.bus.emit(f"{what}_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
             await service.wait_healthy(count=1, timeout=600)
             lp = await service.route("logprobs", tokens_B_L, spans_B_2)
         lp_B_L = torch.as_tensor(lp)

@@ -214,25 +214,26 @@ def rescore_frame(df, reward: Any, advantage: str = "grpo", episodes: list[int] 
     return out
 
 
-def rescore_run(run: Any, reward: Any, episodes: list[int] | None = None):
-    """`Run.rescore`: the run's recorded rollouts plus the recent ones in memory, rescored."""
+def rescore_run(out_dir: Path, recent: list[Any], status: Callable[[int], str | None], name: str, advantage: str,
+                reward: Any, episodes: list[int] | None = None):
+    """`Run.rescore`: a run's recorded rollouts (in `out_dir`) plus the `recent` ones in memory (their buffer
+    `status` by id), rescored with the run's `advantage` (`name`: the run's, for the error message)."""
     import pandas as pd
 
     frames = []
     try:
-        frames.append(read_rollouts(run.out_dir))
+        frames.append(read_rollouts(out_dir))
     except FileNotFoundError:
         pass
-    if run.rollout is not None and run.rollout.recent:
-        st = run.buffer.status
-        live = pd.DataFrame([_row(ep, st(ep.id) or "") for ep in list(run.rollout.recent)])
+    if recent:
+        live = pd.DataFrame([_row(ep, status(ep.id) or "") for ep in recent])
         live["reward_parts"] = live["reward_parts"].map(json.loads)
         live["info"] = live["info"].map(json.loads)
         frames.append(live)
     if not frames:
-        raise ValueError(f"rescore: run {run.config.name} has no rollouts yet")
+        raise ValueError(f"rescore: run {name} has no rollouts yet")
     df = pd.concat(frames, ignore_index=True).drop_duplicates("id", keep="last").sort_values("id")
-    return rescore_frame(df, reward, run.config.rollout.advantage, episodes)
+    return rescore_frame(df, reward, advantage, episodes)
 
 
 def rescore(run_dir: str | Path, reward: Any, episodes: list[int] | None = None, advantage: str | None = None):

@@ -1,22 +1,26 @@
 """The training side of the loop: buffer -> batch -> trainer.train_step -> weights -> metrics row.
 
-    await train_loop(run)     # until run.config.train.steps, a stop, or a failure
+    loop = TrainingLoop(config, lifecycle, buffer, bus)    # owns step, version, loss name, the last batch
+    loop.bind(engines, rollouts, evaluator, tracker, records, rewards)   # once the processes are up
+    await loop.run()          # until config.train.steps, a stop, or a failure
 
-Each step: wait until the buffer holds a batch of fresh-enough episodes
-(`ReplayBuffer.ready`: the staleness bound on the training side), `collate` it,
-`train_step` on the trainer; a skipped step (non-finite loss, shape error)
-drops its episodes with reason ``step_skipped`` and, after
-`train.max_consecutive_failures` in a row, pauses the run with a message. A
-trained step bumps `run.version`, pushes the weights (`forgelab.weight_sync`),
-which frees admission for the next rollouts (`buffer.served_version`), and logs
-one metrics row (`metrics_row`).
+`TrainingLoop` is the one writer of the training fields (`step`, `version`, `loss_name`, `last_batch`,
+`training_in_flight`, `consecutive_failures`): everyone else reads them, and a restore or a loss swap goes
+through its methods (`restore_position`, `swap_loss`). Each step: wait until the buffer holds a batch of
+fresh-enough episodes (`ReplayBuffer.ready`: the staleness bound on the training side), `collate` it,
+`train_step` on the trainer; a skipped step (non-finite loss, shape error) drops its episodes with reason
+``step_skipped`` and, after `train.max_consecutive_failures` in a row, pauses the run with a message. A
+trained step bumps `version`, pushes the weights (`forgelab.weights.sync.WeightSync`), which frees admission
+for the next rollouts (`buffer.served_version`), evaluates and checkpoints when due, and logs one metrics row
+(`metrics_row`) that goes to the tracker and the listeners (`EventBus.notify`).
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from typing import Any
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Protocol
 
 from forgelab.algos.batching import collate
 from forgelab.controller.generator_meter import GeneratorMeter
@@ -24,72 +28,165 @@ from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
 
-__all__ = ["train_loop", "train_on", "metrics_row", "TokenRate", "attach_token_values", "distill_metrics"]
+__all__ = ["TrainingLoop", "metrics_row", "TokenRate", "attach_token_values", "distill_metrics"]
 
 
-async def train_loop(run: Any) -> None:
-    gate, buffer = run.gate, run.buffer
-    meter = GeneratorMeter()  # the generators' KV-cache usage and preemptions per step
-    while run.step < run.config.train.steps and await gate.running():
+class StepHook(Protocol):
+    """Called before each trained step (a replay re-applies its recorded loss swaps here)."""
+
+    async def before_step(self, step: int) -> None: ...
+
+
+class TrainingLoop:
+    """The training loop and the one owner of the training fields.
+
+    Args:
+        config: the run's `RunConfig` (``train``, ``eval``, ``tracking``, ``rollout.env`` are read).
+        lifecycle: the run's `forgelab.controller.lifecycle.Lifecycle` (its gate; ``pause`` after too many
+            skipped steps).
+        buffer: the run's replay buffer.
+        bus: the run's `EventBus` (events; metrics rows to the listeners).
+        loss_name: the configured loss's label.
+    """
+
+    def __init__(self, config: Any, lifecycle: Any, buffer: Any, bus: Any, loss_name: str) -> None:
+        self.config, self.lifecycle, self.buffer, self.bus = config, lifecycle, buffer, bus
+        self.step = 0
+        self.version = 0
+        self.loss_name = loss_name
+        self.last_batch: dict | None = None
+        self.training_in_flight = False
+        self.consecutive_failures = 0
+        self.token_rate = TokenRate()
+        self.hook: StepHook | None = None
+        self._bound = False
+
+    def bind(self, *, trainer: Any, weights: Any, generators: Any, rollouts: Any, evaluator: Any, tracker: Any,
+             records: Any, rewards: Any, pad_id: int, checkpoint: Callable[[], Awaitable[Path]]) -> None:
+        """The parts a step uses once the processes are up: trainer handle, `WeightSync`, generator service
+        (engine counters), `Rollouts` (token counts), `Evaluator`, `Tracker`, `RolloutRecorder`, the reward
+        controls (reward names), the pad id and the checkpoint writer."""
+        self.trainer, self.weights, self.generators, self.rollouts = trainer, weights, generators, rollouts
+        self.evaluator, self.tracker, self.records, self.rewards = evaluator, tracker, records, rewards
+        self.pad_id, self.checkpoint = pad_id, checkpoint
+        self._bound = True
+
+    # -- the owner's writes ---------------------------------------------------------------------------------
+    def restore_position(self, step: int, version: int, loss_name: str | None) -> None:
+        """A checkpoint's step, policy version and (when the trainer restored one) loss name."""
+        self.step, self.version = int(step), int(version)
+        if loss_name:
+            self.loss_name = loss_name
+
+    def set_hook(self, hook: StepHook | None) -> None:
+        """Called before each trained step (a replay's `Replayer`)."""
+        self.hook = hook
+
+    def use_last_batch(self, batch: dict | None) -> None:
+        """A forked child's first loss swap is dry-run on the batch its parent trained last."""
+        self.last_batch = batch
+
+    def reset_failures(self) -> None:
+        """A resume after a pause: the count of skipped steps in a row starts again."""
+        self.consecutive_failures = 0
+
+    async def swap_loss(self, name: str, packed: Any, loss_kwargs: dict) -> int:
+        """Dry-run the loss on the last batch (if any), then set it on the trainer; returns the step it applies
+        at (a step in flight finishes with the old loss). Raises `LossSwapRefused` when the dry run fails."""
+        from forgelab.controller.controls import LossSwapRefused
+
+        if not self._bound:
+            raise RuntimeError("set_loss: the run has no processes yet (await run.start() or run.spawn() first)")
+        if self.last_batch is not None:
+            report = (await self.trainer.call("dry_run_loss", packed, self.last_batch, loss_kwargs))[0]
+            if not report.get("ok"):
+                self.bus.emit("loss_refused", loss=name, reason=report.get("reason"))
+                raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.get('reason')}; "
+                                      "the old loss keeps training")
+        applies_at = self.step + (2 if self.training_in_flight else 1)
+        await self.trainer.call("set_loss", packed, loss_kwargs)
+        self.loss_name = name
+        return applies_at
+
+    async def push_weights(self) -> Any:
+        """Trainer -> every healthy generator replica, as version `self.version`; frees admission for it."""
+        report = await self.weights.push(self.version)
+        gate = self.lifecycle.gate
         async with gate.changed:
-            await gate.changed.wait_for(lambda: gate.stopping or not gate.unpaused.is_set() or buffer.ready(run.version))
-            if gate.stopping:
-                break
-            if not gate.unpaused.is_set():
-                continue
-            batch_eps = buffer.sample(run.version)
+            self.buffer.served_version = self.version
             gate.changed.notify_all()
-        if batch_eps is not None:
-            await train_on(run, batch_eps, meter)
-    await gate.notify()
+        return report
 
+    # -- the loop --------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Train until ``train.steps`` (read each step: a replay may lower it), a stop, or a failure."""
+        gate, buffer = self.lifecycle.gate, self.buffer
+        meter = GeneratorMeter()  # the generators' KV-cache usage and preemptions per step
+        while self.step < self.config.train.steps and await gate.running():
+            async with gate.changed:
+                await gate.changed.wait_for(lambda: gate.stopping or not gate.unpaused.is_set()
+                                            or buffer.ready(self.version))
+                if gate.stopping:
+                    break
+                if not gate.unpaused.is_set():
+                    continue
+                batch_eps = buffer.sample(self.version)
+                gate.changed.notify_all()
+            if batch_eps is not None:
+                await self.train_on(batch_eps, meter)
+        await gate.notify()
 
-async def train_on(run: Any, batch_eps: list[Episode], meter: GeneratorMeter | None = None) -> None:
-    """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint;
-    `meter` adds the generators' engine counters (``generator/*``) to the row."""
-    cfg, gate = run.config, run.gate
-    t0 = time.time()
-    if run.replayer is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
-        await run.replayer.before_step(run, run.step + 1)
-    batch = collate(batch_eps, run.pad_id)
-    run.last_batch = batch
-    run.training_in_flight = True
-    try:
-        m = dict((await run.trainer.call("train_step", batch))[0])
-        # the trainer's view of each token it trained; fetched while the step still counts as in flight, so a
-        # loss swap made meanwhile is promised to the step after this one (no await between here and step += 1)
-        token_values = None if m.get("skipped") else (await run.trainer.call("token_values"))[0]
-    finally:
-        run.training_in_flight = False
-    if m.get("skipped"):
-        reason = str(m.get("skip_reason", "skipped"))
-        async with gate.changed:  # frees admission slots: wake the rollout workers
-            run.buffer.mark_dropped(batch_eps, "step_skipped")
-            gate.changed.notify_all()
-        run.consecutive_failures += 1
-        run.emit("step_skipped", reason=reason)
-        if run.consecutive_failures >= cfg.train.max_consecutive_failures:
-            run.pause(f"paused after {run.consecutive_failures} skipped steps in a row; last reason: {reason}. "
-                      "Fix the loss (run.set_loss(...)) or the data, then run.resume()")
-        return
-    run.consecutive_failures = 0
-    if token_values is not None:  # before the buffer closes them: the rollout log records these values
-        attach_token_values(batch_eps, token_values, run.step + 1)
-    run.buffer.mark_trained(batch_eps)
-    run.step += 1
-    run.version += 1
-    t_train = time.time() - t0
-    report = await run.push_weights()
-    row = metrics_row(run, batch_eps, m, t_train, report.sync_ms, time.time() - t0)
-    if meter is not None:
-        row.update(await meter.row(run.generators))
-    if cfg.eval.every and run.step % cfg.eval.every == 0:
-        row["heldout_accuracy"] = await run.evaluate()
-    if cfg.tracking.checkpoint_every and run.step % cfg.tracking.checkpoint_every == 0:
-        await run.save_checkpoint()
-    run.tracker.log(row)
-    run.records.step_done(run.step)  # closed episodes -> <run dir>/rollouts/*.parquet (forgelab.controller.rollout_log)
-    run.notify(row)
+    async def train_on(self, batch_eps: list[Episode], meter: GeneratorMeter | None = None) -> dict | None:
+        """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint;
+        `meter` adds the generators' engine counters (``generator/*``) to the row. Returns the metrics row, or
+        None for a skipped step."""
+        cfg, gate = self.config, self.lifecycle.gate
+        t0 = time.time()
+        if self.hook is not None:  # before last_batch moves on: the recorded swap's dry run saw the previous batch
+            await self.hook.before_step(self.step + 1)
+        batch = collate(batch_eps, self.pad_id)
+        self.last_batch = batch
+        self.training_in_flight = True
+        try:
+            m = dict((await self.trainer.call("train_step", batch))[0])
+            # the trainer's view of each token it trained; fetched while the step still counts as in flight, so
+            # a loss swap made meanwhile is promised to the step after this one (no await between here and step += 1)
+            token_values = None if m.get("skipped") else (await self.trainer.call("token_values"))[0]
+        finally:
+            self.training_in_flight = False
+        if m.get("skipped"):
+            reason = str(m.get("skip_reason", "skipped"))
+            async with gate.changed:  # frees admission slots: wake the rollout workers
+                self.buffer.mark_dropped(batch_eps, "step_skipped")
+                gate.changed.notify_all()
+            self.consecutive_failures += 1
+            self.bus.emit("step_skipped", reason=reason)
+            if self.consecutive_failures >= cfg.train.max_consecutive_failures:
+                self.lifecycle.pause(f"paused after {self.consecutive_failures} skipped steps in a row; last reason: "
+                                     f"{reason}. Fix the loss (run.set_loss(...)) or the data, then run.resume()")
+            return None
+        self.consecutive_failures = 0
+        if token_values is not None:  # before the buffer closes them: the rollout log records these values
+            attach_token_values(batch_eps, token_values, self.step + 1)
+        self.buffer.mark_trained(batch_eps)
+        self.step += 1
+        self.version += 1
+        t_train = time.time() - t0
+        report = await self.push_weights()
+        row = metrics_row(StepFacts(self.step, self.version, self.loss_name, self.rewards.names,
+                                    cfg.rollout.env is not None, self.rollouts.take_tokens(), self.buffer.counts(),
+                                    self.rollouts.zero_variance_count(cfg)),
+                          batch_eps, m, self.token_rate, t_train, report.sync_ms, time.time() - t0)
+        if meter is not None:
+            row.update(await meter.row(self.generators))
+        if cfg.eval.every and self.step % cfg.eval.every == 0:
+            row["heldout_accuracy"] = await self.evaluator.evaluate(self.step)
+        if cfg.tracking.checkpoint_every and self.step % cfg.tracking.checkpoint_every == 0:
+            await self.checkpoint()
+        self.tracker.log(row)
+        self.records.step_done(self.step)  # closed episodes -> <run dir>/rollouts/*.parquet (rollout_log)
+        self.bus.notify(row)
+        return row
 
 
 _TOKEN_COLUMNS = {"trainer_logprobs": "trainer_logprobs_B_T", "entropy": "entropy_B_T", "is_weight": "is_weights_B_T",
@@ -126,25 +223,37 @@ class TokenRate:
         return total / dt if dt > 0 else float("nan")
 
 
-def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: float, t_step: float) -> dict:
+class StepFacts:
+    """What a metrics row reads besides the batch and the trainer's metrics: the training loop's position, the
+    reward names, whether the run plays an environment, the generated tokens counted since the last row, the
+    buffer's counters and (a teacher run keeping zero-variance groups) how many such episodes it kept."""
+
+    __slots__ = ("step", "version", "loss_name", "reward_names", "env", "tokens", "counts", "zero_variance_kept")
+
+    def __init__(self, step: int, version: int, loss_name: str, reward_names: list[str], env: bool, tokens: int,
+                 counts: dict[str, Any], zero_variance_kept: int | None) -> None:
+        self.step, self.version, self.loss_name, self.reward_names = step, version, loss_name, reward_names
+        self.env, self.tokens, self.counts, self.zero_variance_kept = env, tokens, counts, zero_variance_kept
+
+
+def metrics_row(f: StepFacts, eps: list[Episode], m: dict, token_rate: TokenRate, t_train: float, sync_ms: float,
+                t_step: float) -> dict:
     """The per-step metrics row: rewards (total and per part), policy age, lengths, the trainer's metrics,
     throughput, times and the episode counters. Columns are stable: widgets, CSVs and tests read them."""
     now = time.time()
-    tokens, run.rollout.tokens = run.rollout.tokens, 0
-    counts = run.buffer.counts()
-    row: dict[str, Any] = {"step": run.step, "time": now, "version": run.version,
+    row: dict[str, Any] = {"step": f.step, "time": now, "version": f.version,
                            "reward_mean": sum(ep.reward for ep in eps) / len(eps)}
-    names = run.rewards.names
+    names = f.reward_names
     for name in [*names, *sorted({k for ep in eps for k in ep.reward_parts} - set(names))]:
         vals = [ep.reward_parts[name] for ep in eps if name in ep.reward_parts]
         if vals:
             row[f"reward/{name}"] = sum(vals) / len(vals)
-    if run.config.rollout.env is not None:  # environment counters (e.g. tool calls) per episode
+    if f.env:  # environment counters (e.g. tool calls) per episode
         from forgelab.envs.episode import env_metric_means, latency_percentiles
 
         row.update({f"env/{k}": v for k, v in env_metric_means(eps).items()})
         row.update({f"latency/{k}": v for k, v in latency_percentiles(eps).items()})
-    ages = [run.version - 1 - ep.policy_version for ep in eps]
+    ages = [f.version - 1 - ep.policy_version for ep in eps]
     row["policy_age_mean"] = sum(ages) / len(ages)
     row["policy_age_max"] = max(ages)
     row["completion_len"] = sum(len(ep.completion_ids) for ep in eps) / len(eps)
@@ -153,15 +262,15 @@ def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: 
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             row[k if k not in row else f"train/{k}"] = float(v)
     # the loss the trainer actually used for this step (a swap applies at a step boundary)
-    row["loss_name"] = str(m.get("loss_name") or run.loss_name)
-    row["tokens_per_s"] = run.token_rate.add(tokens, now)
+    row["loss_name"] = str(m.get("loss_name") or f.loss_name)
+    row["tokens_per_s"] = token_rate.add(f.tokens, now)
     row["step_time_s"] = t_step
     row["train_time_s"] = t_train
     row["weight_sync_ms"] = sync_ms
     for k in ("generated", "trained", "evicted", "dropped", "buffered"):
-        row[f"episodes_{k}"] = counts[k]
-    if run.rollout.teacher is not None and run.config.rollout.drop_zero_variance_groups:
-        row["episodes_zero_variance_kept"] = run.rollout.zero_variance_kept  # not dropped: they distil
+        row[f"episodes_{k}"] = f.counts[k]
+    if f.zero_variance_kept is not None:
+        row["episodes_zero_variance_kept"] = f.zero_variance_kept  # not dropped: they distil
     return row
 
 

@@ -2,7 +2,7 @@
 
     snap = run.snapshot()            # RunSnapshot: a frozen copy, safe to keep and compare
     snap.state, snap.step, snap.reward_weights, snap.accuracy_history
-    events_of(run, since=0)          # [RunEvent]: typed events over the log's dicts
+    events_of(run.events, since=0)   # [RunEvent]: typed events over the log's dicts
 
 Widgets read this view (and `run.metrics` / `run.rollouts` DataFrames) and act
 through the run's public commands; they never touch the run's parts.
@@ -10,9 +10,9 @@ through the run's public commands; they never touch the run's parts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-__all__ = ["RunSnapshot", "RunEvent", "events_of", "status_of", "snapshot_of"]
+__all__ = ["RunSnapshot", "RunEvent", "events_of"]
 
 
 @dataclass(frozen=True)
@@ -65,25 +65,6 @@ class RunSnapshot:
         return self.accuracy_history[-1][1] if self.accuracy_history else None
 
 
-def events_of(run: Any, since: int = 0) -> list[RunEvent]:
-    """The run's events from index `since` on, typed (the log keeps the dicts; this is a read-only copy)."""
-    return [RunEvent.of(e) for e in list(run.events)[since:]]
-
-
-def status_of(run: Any) -> dict:
-    """`run.status()`: state, progress, loss, rewards, message, episode counters and each service's replicas."""
-    g, r, e = run.generators, run.reference, run.envs
-    return {"state": run.state, "step": run.step, "steps": run.config.train.steps, "version": run.version,
-            "loss": run.loss_name, "reward_weights": run.rewards.weights, "message": run.message,
-            "episodes": run.buffer.counts(),
-            "services": {"generator": g.status() if g else [], "reference": r.status() if r else [],
-                         **({"env": e.status()} if e else {})}}
-
-
-def snapshot_of(run: Any) -> RunSnapshot:
-    st = status_of(run)
-    return RunSnapshot(name=run.config.name, state=st["state"], step=st["step"], steps=st["steps"],
-                       version=st["version"], loss=str(st["loss"]), message=st["message"],
-                       reward_weights=st["reward_weights"], episodes=st["episodes"],
-                       accuracy_history=tuple(tuple(x) for x in run.accuracy_history), services=st["services"],
-                       events=len(run.events))
+def events_of(events: Sequence[Mapping[str, Any]], since: int = 0) -> list[RunEvent]:
+    """A run's events from index `since` on, typed (the log keeps the dicts; this is a read-only copy)."""
+    return [RunEvent.of(e) for e in list(events)[since:]]

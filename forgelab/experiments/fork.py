@@ -31,6 +31,7 @@ import copy
 import json
 from pathlib import Path
 from typing import Any
+from forgelab.controller.facade import RunFacade
 
 __all__ = ["fork", "fork_from", "quiesce", "child_config"]
 
@@ -62,13 +63,13 @@ def child_config(cfg: Any, name: str, overrides: dict) -> Any:
     return cfg.validate()
 
 
-def _quiet(run: Any) -> bool:
+def _quiet(run: RunFacade) -> bool:
     rows = run.tracker.rows if run.tracker is not None else []
     logged = run.step == 0 or (rows and int(rows[-1].get("step", -1)) == run.step)
     return run.buffer.reserved == 0 and not run.buffer.in_flight() and not run.training_in_flight and bool(logged)
 
 
-async def quiesce(run: Any, timeout: float = 600.0) -> None:
+async def quiesce(run: RunFacade, timeout: float = 600.0) -> None:
     """Wait (run paused or done) until no rollout is being played, no step is in flight and the row is written.
 
     Woken by the run's notifications (rows, events) and the controller's gate; a one-second re-check
@@ -125,7 +126,7 @@ async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, override
     try:
         child = run_cls(cfg, resume_from=ckpt, spawn=spawn)
         await child.spawn()  # spawn + restore now: the overrides land before the first step
-        child.last_batch = last_batch  # a loss override is dry-run on the batch the parent trained last
+        child.use_last_batch(last_batch)  # a loss override is dry-run on the batch the parent trained last
         if "lr" in overrides:
             await child.trainer.call("set_lr", float(overrides["lr"]))
         if "reward_weights" in overrides:
@@ -148,7 +149,7 @@ async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, override
     return child
 
 
-async def fork(run: Any, *, name: str | None = None, pause_parent: bool = False, start: bool = True,
+async def fork(run: RunFacade, *, name: str | None = None, pause_parent: bool = False, start: bool = True,
                pool: Any = None, through_disk: bool = False, **overrides: Any):
     """`Run.fork`: the child `Run` (started unless ``start=False``) forked from `run` at its next quiet step boundary.
 

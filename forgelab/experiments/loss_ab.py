@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forgelab.engines.loss_eval import CURRENT_LOSS, loss_spec
+from forgelab.controller.facade import RunFacade
 
 __all__ = ["compare_losses", "LossComparison"]
 
@@ -74,7 +75,7 @@ def _label(item: Any, name: str, seen: dict) -> str:
     return label if seen[label] == 1 else f"{label}#{seen[label]}"
 
 
-def _resolve(run: Any, item: Any, current: dict) -> tuple[Any, dict]:
+def _resolve(run: RunFacade, item: Any, current: dict) -> tuple[Any, dict]:
     """``(spec, kwargs)`` for the trainer, resolved as `Run.set_loss` resolves a loss (`controls.prepare_loss`):
     checked keywords, the completion budget, a function packed. A bare name of the run's current loss means
     it with the run's keywords (``train.loss_kwargs`` or the last swap's)."""
@@ -87,7 +88,7 @@ def _resolve(run: Any, item: Any, current: dict) -> tuple[Any, dict]:
     return packed, kwargs
 
 
-async def compare_losses(run: Any, losses: list, batch: dict | None = None) -> LossComparison:
+async def compare_losses(run: RunFacade, losses: list, batch: dict | None = None) -> LossComparison:
     """`Run.compare_losses`: A/B `losses` on `batch` (default: the run's last trained batch) on its trainer.
 
     The first row is the baseline, ``"current: NAME"``: the loss the next train step runs, with its keywords,

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from forgelab.controller.events import EventLog
+from forgelab.controller.facade import RunFacade
 from forgelab.controller.rollout import episode_seed  # noqa: F401 -- one owner: the rollout part
 from forgelab.controller.fncode import UntrustedCodeError, restore_fn
 
@@ -168,6 +169,7 @@ class Replayer:
                 at = next((x["first_episode"] for x in effective if rev is not None and x["rev"] >= rev), None)
                 self.reward_changes.append({**e, "first_episode": at})
         self.applied: list[dict] = []
+        self.run: Any = None  # the run it re-applies the changes to (`bind`)
         self.functions: dict[int, Any] = {}  # id(event) -> the function it records
         for e in self.loss_changes:
             self.functions[id(e)] = (e["loss"] if (e.get("code") or {}).get("builtin") else
@@ -182,8 +184,13 @@ class Replayer:
         return ([(f"loss {e['loss']!r}", e.get("code")) for e in self.loss_changes]
                 + [(f"reward {e['name']!r}", e.get("code")) for e in self.reward_changes if e["kind"] == "reward_added"])
 
-    async def before_step(self, run, step: int) -> None:
+    def bind(self, run: RunFacade) -> None:
+        """The run whose public commands re-apply the changes (`Run.attach_replayer` calls this)."""
+        self.run = run
+
+    async def before_step(self, step: int) -> None:
         """Before the trainer runs `step`: a fork's lr override (first), then every loss recorded to apply at `step`."""
+        run = self.run
         if self.lr is not None and not any(e.get("kind") == "lr_set" for e in self.applied):
             await run.trainer.call("set_lr", float(self.lr))
             self.applied.append({"kind": "lr_set", "lr": float(self.lr), "step": step})
@@ -193,8 +200,9 @@ class Replayer:
                 await run.set_loss(self.functions[id(e)], **(e.get("kwargs") or {}))
                 self.applied.append(e)
 
-    def before_scoring(self, run, first_episode: int) -> None:
+    def before_scoring(self, first_episode: int) -> None:
         """Before the rollout whose first episode is `first_episode` is scored: apply the reward changes due."""
+        run = self.run
         for e in self.reward_changes:
             if e["first_episode"] is None or e["first_episode"] > first_episode or e in self.applied:
                 continue
@@ -242,11 +250,11 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
         cfg.tracking.out_dir = str(out_dir)
     original = pd.read_csv(run_dir / "metrics.csv")
     run = run_cls(cfg, spawn=spawn, resume_from=ckpt)  # its own wandb run, as the config says
-    run.replayer = replayer
+    run.attach_replayer(replayer)
     await run.start()
     if until is not None:
         # the loop reads the config each step; the trainer's schedule keeps the original length
-        run.config.train.steps = min(until, run.config.train.steps)
+        run.limit_steps(until)
     try:
         await run.wait()
     finally:

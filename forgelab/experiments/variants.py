@@ -30,6 +30,7 @@ import copy
 import itertools
 import time
 from typing import Any
+from forgelab.controller.facade import RunFacade
 
 __all__ = ["Engines"]
 
@@ -219,7 +220,7 @@ class Engines:
             self.attached.pop(slot, None)
             self.last_note = f"{self.run_names.pop(slot, '?')} detached from {slot}"
 
-    def watch(self, run: Any, rollouts: int = 2) -> None:
+    def watch(self, run: RunFacade, rollouts: int = 2) -> None:
         """Pause ``run`` alone when its reward fails on every episode of ``rollouts`` rollouts in a row (no step
         between): a variant whose reward raises would otherwise keep the shared generator busy for nothing.
         `sweep` watches the parent and every child; ``run.resume()`` after fixing the reward."""

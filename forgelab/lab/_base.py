@@ -16,6 +16,7 @@ import weakref
 from typing import Any, Callable
 
 from forgelab.lab.summary import field, text_summary  # noqa: F401 -- field: re-exported for the panels
+from forgelab.controller.facade import RunFacade
 
 log = logging.getLogger("forgelab.lab")
 
@@ -203,7 +204,7 @@ class Panel(View):
     #: How often the panel may refresh itself from run listener callbacks (seconds).
     min_interval_s: float = 1.0
 
-    def __init__(self, run: Any, *, min_interval_s: float | None = None):
+    def __init__(self, run: RunFacade, *, min_interval_s: float | None = None):
         self.run = run
         self._widget = None
         self._listening = False

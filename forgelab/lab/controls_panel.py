@@ -11,6 +11,7 @@ from typing import Any
 
 from forgelab.lab._base import Panel, esc
 from forgelab.lab.summary import loss_name_of, pool_line, services_lines, services_rows, state_line
+from forgelab.controller.facade import RunFacade
 
 _STATE_COLOURS = {"running": "#1b7a1b", "paused": "#b36b00", "failed": "#b00020", "finished": "#1f4e99",
                   "stopped": "#555", "starting": "#777", "created": "#777"}
@@ -21,7 +22,7 @@ class Controls(Panel):
 
     min_interval_s = 0.5
 
-    def __init__(self, run: Any, *, min_interval_s: float | None = None):
+    def __init__(self, run: RunFacade, *, min_interval_s: float | None = None):
         super().__init__(run, min_interval_s=min_interval_s)
         self.pending: asyncio.Future | None = None
 

@@ -13,12 +13,13 @@ from forgelab.lab.inspector import RolloutInspector
 from forgelab.lab.loss_panel import LossPanel
 from forgelab.lab.metrics import MetricsPanel
 from forgelab.lab.rewards_panel import RewardPanel
+from forgelab.controller.facade import RunFacade
 
 
 class Dashboard(Composite):
     """All panels of one run; each stays reachable (`lab.rewards.register(...)`, `lab.loss.register(...)`)."""
 
-    def __init__(self, run: Any, *, metrics_interval_s: float | None = None):
+    def __init__(self, run: RunFacade, *, metrics_interval_s: float | None = None):
         super().__init__(run)
         self.controls = Controls(run)
         self.services = ServicesPanel(run)
@@ -53,6 +54,6 @@ class Dashboard(Composite):
                       layout=W.Layout(width="100%"))
 
 
-def dashboard(run: Any, **kwargs: Any) -> Dashboard:
+def dashboard(run: RunFacade, **kwargs: Any) -> Dashboard:
     """The live lab for `run`; displays as widgets in a notebook and as a text summary elsewhere."""
     return Dashboard(run, **kwargs)

@@ -13,6 +13,7 @@ from forgelab.lab._base import Panel, esc
 from forgelab.lab.summary import state_line
 from forgelab.lab.tokens import (COLOUR_BY, colour_choices, histogram_html, mismatch_histogram, spans_html, table_html,
                                  token_rows)
+from forgelab.controller.facade import RunFacade
 
 SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length", "mismatch_max")
 CORRECTNESS = ("all", "only right", "only wrong")
@@ -49,7 +50,7 @@ class RolloutInspector(Panel):
 
     min_interval_s = 2.0
 
-    def __init__(self, run: Any, *, max_rows: int = 25, min_interval_s: float | None = None):
+    def __init__(self, run: RunFacade, *, max_rows: int = 25, min_interval_s: float | None = None):
         super().__init__(run, min_interval_s=min_interval_s)
         self.max_rows = max_rows
         self.df = None

@@ -15,6 +15,7 @@ from forgelab.algos import LOSSES
 from forgelab.algos.loss_checks import LossError, check_loss_kwargs
 from forgelab.lab._base import Panel, esc
 from forgelab.lab.summary import loss_name_of, state_line
+from forgelab.controller.facade import RunFacade
 
 
 def parse_kwargs(text: str) -> dict[str, Any]:
@@ -33,7 +34,7 @@ class LossPanel(Panel):
 
     min_interval_s = 0.5
 
-    def __init__(self, run: Any, *, min_interval_s: float | None = None):
+    def __init__(self, run: RunFacade, *, min_interval_s: float | None = None):
         super().__init__(run, min_interval_s=min_interval_s)
         self.user_losses: dict[str, Callable] = {}
         self.pending: asyncio.Future | None = None

@@ -24,6 +24,7 @@ from typing import Any
 from forgelab.lab._base import Panel
 from forgelab.lab.summary import MARKED_EVENTS, event_label, events_lines, metrics_line, state_line
 from forgelab.controller.view import events_of
+from forgelab.controller.facade import RunFacade
 
 #: (title, metric columns) per subplot; "reward/*" expands to every reward function's column.
 DEFAULT_PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -59,7 +60,7 @@ class MetricsPanel(Panel):
 
     min_interval_s = 2.0
 
-    def __init__(self, run: Any, *, min_interval_s: float | None = None, plots=DEFAULT_PLOTS,
+    def __init__(self, run: RunFacade, *, min_interval_s: float | None = None, plots=DEFAULT_PLOTS,
                  max_points: int = 400, width_in: float = 12.0, dpi: int = 72):
         super().__init__(run, min_interval_s=min_interval_s)
         self.plots = tuple(plots)
@@ -162,7 +163,7 @@ class MetricsPanel(Panel):
             return False
         t0, c0 = time.perf_counter(), time.thread_time()
         df = self.run.metrics
-        events = [e for e in events_of(self.run) if e.kind in EVENT_COLOURS]
+        events = [e for e in events_of(self.run.events) if e.kind in EVENT_COLOURS]
         snap = self.run.snapshot()
         acc_hist = list(snap.accuracy_history)
         if not force and len(df) == self._n_rows_drawn and len(events) == self._n_events_drawn \

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from forgelab.lab._base import Panel, esc, user_namespace
 from forgelab.lab.summary import rewards_line, state_line
+from forgelab.controller.facade import RunFacade
 
 
 class RewardPanel(Panel):
@@ -18,7 +19,7 @@ class RewardPanel(Panel):
 
     min_interval_s = 0.5
 
-    def __init__(self, run: Any, *, user_ns: dict | None = None, min_interval_s: float | None = None):
+    def __init__(self, run: RunFacade, *, user_ns: dict | None = None, min_interval_s: float | None = None):
         super().__init__(run, min_interval_s=min_interval_s)
         self.user_ns = user_ns
         self.sliders: dict[str, Any] = {}

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from forgelab.controller.view import events_of
+from forgelab.controller.facade import RunFacade
 
 
 def field(obj: Any, name: str, default: Any = None) -> Any:
@@ -63,7 +64,7 @@ def event_label(ev: dict) -> str:
     return kind
 
 
-def state_line(run: Any) -> str:
+def state_line(run: RunFacade) -> str:
     st = _safe(run.status, {}) or {}
     name = _safe(lambda: run.snapshot().name, "run")
     line = (f"Run {name}: {st.get('state', '?')}  step {st.get('step', '?')}/{st.get('steps', '?')}"
@@ -77,12 +78,12 @@ def loss_name_of(loss: Any) -> str:
     return loss if isinstance(loss, str) else getattr(loss, "__name__", str(loss))
 
 
-def rewards_line(run: Any) -> str:
+def rewards_line(run: RunFacade) -> str:
     w = _safe(lambda: run.snapshot().reward_weights, {})
     return "rewards: " + (", ".join(f"{k}={v:g}" for k, v in w.items()) or "(none)")
 
 
-def metrics_line(run: Any) -> str:
+def metrics_line(run: RunFacade) -> str:
     df = _safe(lambda: run.metrics, None)
     if df is None or len(df) == 0:
         return "last metrics: (no steps yet)"
@@ -91,8 +92,8 @@ def metrics_line(run: Any) -> str:
     return f"last metrics (step {int(last['step']) if 'step' in df.columns else len(df)}): " + ", ".join(parts)
 
 
-def events_lines(run: Any, n: int = 6) -> list[str]:
-    evs = [e for e in (_safe(lambda: events_of(run), []) or []) if e.kind in MARKED_EVENTS or e.kind == "eval"]
+def events_lines(run: RunFacade, n: int = 6) -> list[str]:
+    evs = [e for e in (_safe(lambda: events_of(run.events), []) or []) if e.kind in MARKED_EVENTS or e.kind == "eval"]
     if not evs:
         return ["recent events: (none)"]
     out = ["recent events:"]
@@ -102,7 +103,7 @@ def events_lines(run: Any, n: int = 6) -> list[str]:
     return out
 
 
-def services_rows(run: Any) -> list[dict]:
+def services_rows(run: RunFacade) -> list[dict]:
     """One dict per replica: service, index, healthy, in_flight, restarts, version, pid, last_error, calls,
     failures and latency (p50/p95/p99 text)."""
     st = _safe(run.status, {}) or {}
@@ -132,7 +133,7 @@ def latency_text(ms: dict) -> str:
     return f"{ms['p50']:.1f} / {ms['p95']:.1f} / {ms['p99']:.1f} ms"
 
 
-def pool_line(run: Any) -> str:
+def pool_line(run: RunFacade) -> str:
     """"pool: ..." when the run's processes come from a `forgelab.engines.pool.ProcessPool`, else ""."""
     parts = getattr(run, "parts", None)
     pool = getattr(parts, "pool", None)
@@ -144,7 +145,7 @@ def pool_line(run: Any) -> str:
             f"spawned {pool.spawned} reused {pool.reused}; {pool.last_note}")
 
 
-def services_lines(run: Any) -> list[str]:
+def services_lines(run: RunFacade) -> list[str]:
     rows = services_rows(run)
     if not rows:
         return ["services: (none running)"]
@@ -157,6 +158,6 @@ def services_lines(run: Any) -> list[str]:
     return out
 
 
-def text_summary(run: Any) -> str:
+def text_summary(run: RunFacade) -> str:
     """State, rewards, last metrics, recent events and services, as plain text."""
     return "\n".join([state_line(run), rewards_line(run), metrics_line(run), *events_lines(run), *services_lines(run)])
