@@ -136,32 +136,3 @@ def print_machine(when: str) -> dict[str, Any]:
     m = machine_info()
     print(f"machine ({when}): {m['cores']} cores, {m['cpu']}, load average {m['loadavg']}", flush=True)
     return m
-
-
-def plot_curves(panels: list[tuple[str, dict[str, list[list]]]], target: float | None, path: str) -> None:
-    """Held-out accuracy vs training wall time, one subplot per (title, {label: [curve, ...]}).
-
-    A curve is the suites' `[[step, train_s, accuracy], ...]`; repeats of a label share its colour.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    colours = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
-    fig = Figure(figsize=(5.2 * len(panels), 3.6), dpi=110)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (title, curves) in zip(axes, panels):
-        for colour, (label, reps) in zip(colours, curves.items()):
-            for i, curve in enumerate(reps):
-                xs, ys = [c[1] for c in curve], [c[2] for c in curve]
-                ax.plot(xs, ys, marker="o", ms=3, lw=1.4, color=colour, alpha=1.0 if i == 0 else 0.55,
-                        ls="-" if i == 0 else "--", label=label if i == 0 else None)
-        if target is not None:
-            ax.axhline(target, color="#555", lw=0.8, ls=":", label=f"target {target}")
-        ax.set_title(title, fontsize=10, loc="left")
-        ax.set_xlabel("wall time since training started, s (evaluations included)")
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.grid(True, lw=0.4, alpha=0.5)
-        ax.legend(fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path)

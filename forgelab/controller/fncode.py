@@ -126,11 +126,6 @@ def fn_record(fn: Callable, registry: Mapping[str, Any] | None = None) -> dict[s
     return rec
 
 
-def needs_trust(rec: Mapping[str, Any] | None) -> bool:
-    """True when restoring `rec` would unpickle code (not a built-in restored by name)."""
-    return bool(rec) and not rec.get("builtin") and bool(rec.get("pickle"))
-
-
 def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None, *, what: str = "function",
                trusted: bool = False) -> Callable:
     """The function a `fn_record` describes: from `registry` for a built-in, else unpickled.

@@ -39,7 +39,6 @@ then (`forgelab.controller.fncode`).
 """
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,8 +287,3 @@ def _check_before_running(run_dir: Path, manifest: dict, trusted: bool, allow_mi
     if recorded and here and recorded != here:
         notes.append(f"forgelab commit {here[:12]} here, {recorded[:12]} when recorded")
     return ckpt, replayer, notes
-
-
-def replay_sync(run_dir: str | Path, **kwargs: Any) -> ReplayReport:
-    """`replay` for scripts and the CLI (runs its own event loop); pass run_cls= as for `replay`."""
-    return asyncio.run(replay(run_dir, **kwargs))
