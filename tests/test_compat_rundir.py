@@ -44,7 +44,7 @@ def test_old_records_load_and_their_code_runs(old_dir):
     today's code (their by-path references into forgelab resolve) and compute what they computed."""
     from forgelab.algos import LOSSES
     from forgelab.controller.checkpoint import code_records, resolve
-    from forgelab.controller.fncode import restore_fn
+    from forgelab.controller.function_code import restore_fn
     from forgelab.controller.provenance import read_manifest
     from forgelab.rewards import REWARDS
 
@@ -125,3 +125,29 @@ def test_old_run_replays_exactly(old_dir, tmp_path):
     for kind in ("reward_added", "loss_swapped"):
         (old,), (new,) = ([e["code"] for e in ev if e["kind"] == kind] for ev in (before, after))
         assert new["code_sha256"] == old["code_sha256"] and new["source"] == old["source"]
+
+
+@pytest.mark.parametrize("old, new", [("forgelab.plan", "forgelab.memory_plan"),
+                                      ("forgelab.controller.fncode", "forgelab.controller.function_code")])
+def test_renamed_module_paths_still_import_with_a_warning(old, new):
+    """Issue #38's module renames keep the old path for one release: the same module object (so a pickle or
+    record naming a private name of the old path loads too), with a DeprecationWarning."""
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new)
+
+
+@pytest.mark.parametrize("package", ["forgelab", "forgelab.experiments", "forgelab.experiments.variants"])
+def test_renamed_public_names_still_resolve_with_a_warning(package):
+    import importlib
+
+    from forgelab.experiments.variants import SharedEngines
+
+    mod = importlib.import_module(package)
+    with pytest.warns(DeprecationWarning, match="SharedEngines"):
+        assert mod.Engines is SharedEngines
+    assert "Engines" not in getattr(mod, "__all__", ())

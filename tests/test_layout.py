@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
     {"forgelab.run"},
     {"forgelab.demo"},
     {"forgelab.recipes"},
-    {"forgelab.plan"},
+    {"forgelab.memory_plan", "forgelab.plan"},
     {"forgelab.bench"},
     {"forgelab.cli"},
     {"forgelab.check_install"},

@@ -16,7 +16,7 @@ LoRA is rank 8 on all seven projections, the reference taken from the base (no r
    trainer + reference) on the 2-layer shape, the LoRA loop (generator + trainer) at full depth (``--quick``:
    2 layers). ``lora_loop_fits_24gib``: the LoRA loop's processes together peak under 24 GiB;
    ``plan_error``: the largest ``|planned - measured| / measured`` over every process of both loops
-   (`forgelab.plan`, goal <= 0.2).
+   (`forgelab.memory_plan`, goal <= 0.2).
 3. **Push**: ``lora_push_over_full`` (goal <= 0.05) is the median ``weight_sync_ms`` of a LoRA loop over a
    full loop's at the same depth (2 layers; at full depth the full push only grows): gather, shared-memory
    write, and the generator's load (vLLM ``reload_weights`` vs loading the adapter).

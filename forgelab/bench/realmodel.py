@@ -25,7 +25,7 @@ under the cache dir). Three parts, each in its own process so peaks are clean:
    sync; ``loop_s_per_step`` and ``weight_sync_ms`` are medians over the steps after
    the first; each process's peak PSS is sampled every 50 ms from
    ``/proc/PID/smaps_rollup`` (PSS splits the shared weights file between the
-   processes mapping it, so it is counted once). ``plan`` is `forgelab.plan`'s
+   processes mapping it, so it is counted once). ``plan`` is `forgelab.memory_plan`'s
    estimate for the same config (the shared file's share added to the trainer
    and each generator, as PSS counts it); ``plan_error`` the largest
    ``|planned - measured| / measured`` over the processes (goal <= 0.25).
@@ -212,8 +212,8 @@ async def _loop(model_dir: str, steps: int, prompts: int = 2) -> dict:
 
 
 def planned_pss(cfg, measured: dict[str, float]) -> dict[str, float]:
-    """`forgelab.plan` per process, with the shared weights file split as PSS splits it (trainer + generators)."""
-    from forgelab.plan import plan_memory
+    """`forgelab.memory_plan` per process, with the shared weights file split as PSS splits it (trainer + generators)."""
+    from forgelab.memory_plan import plan_memory
 
     plan = plan_memory(cfg)
     parts = plan.by_name()

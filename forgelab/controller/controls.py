@@ -121,7 +121,7 @@ async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
     """Check the loss (name, keywords), dry-run it on the last batch, then set it on the trainer: it applies at
     the next step boundary (a `train_step` already running finishes with the old loss)."""
     name, packed, loss_kwargs = prepare_loss(run.config, loss, loss_kwargs)
-    from forgelab.controller.fncode import loss_record
+    from forgelab.controller.function_code import loss_record
 
     if run.last_batch is not None:
         report = (await run.trainer.call("dry_run_loss", packed, run.last_batch, loss_kwargs))[0]
@@ -138,7 +138,7 @@ async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
 
 def add_reward(run: Any, name: str, fn: Callable[..., float], weight: float, replace: bool) -> None:
     """Validate `fn` on the latest 64 rollouts (if any), then add it; raises `RewardChangeRefused`."""
-    from forgelab.controller.fncode import reward_record
+    from forgelab.controller.function_code import reward_record
 
     recent = list(run.rollout.recent) if run.rollout is not None else []
     samples = recent[-64:]  # episodes: a TRL-style reward also reads their token ids and policy version

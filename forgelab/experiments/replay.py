@@ -35,7 +35,7 @@ code of every built-in loss and reward (SHA-256). A difference raises
 report's notes then list. Custom code recorded in the directory (pickles in the
 event log, a checkpoint's trainer state) is run only with ``trusted=True``
 (``--trust``), and a pickle that does not match its recorded hash is refused even
-then (`forgelab.controller.fncode`).
+then (`forgelab.controller.function_code`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from typing import Any
 
 from forgelab.controller.events import EventLog
 from forgelab.controller.rollout import episode_seed  # noqa: F401 -- one owner: the rollout part
-from forgelab.controller.fncode import UntrustedCodeError, restore_fn
+from forgelab.controller.function_code import UntrustedCodeError, restore_fn
 
 __all__ = ["episode_seed", "Replayer", "ReplayReport", "ReplayRefused", "replay", "compare_metrics",
            "learning_columns"]
@@ -150,7 +150,7 @@ class Replayer:
     """Re-applies a recorded run's live changes where they took effect; a `Run` calls it at its hook points.
 
     Every recorded function is rebuilt here, before anything runs: code that may not run (``trusted`` False)
-    or whose pickle does not match its recorded hash is refused at once (`forgelab.controller.fncode`).
+    or whose pickle does not match its recorded hash is refused at once (`forgelab.controller.function_code`).
     """
 
     def __init__(self, events: list[dict[str, Any]], *, trusted: bool = False):
