@@ -136,3 +136,21 @@ def print_machine(when: str) -> dict[str, Any]:
     m = machine_info()
     print(f"machine ({when}): {m['cores']} cores, {m['cpu']}, load average {m['loadavg']}", flush=True)
     return m
+
+
+def run_children(module: str, *argss: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Run ``python -m module *args`` once per argument tuple, all at once; each child's last stdout line, as JSON.
+
+    A benchmark measures in a child process what must not share this one's memory or warm state (each child's
+    VmHWM is its own peak). Concurrent children share the cores, so their timings are only meaningful run one
+    at a time (one tuple per call). A child that fails raises with the tail of its stderr.
+    """
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in argss]
+    outs = [(args, p, *p.communicate()) for args, p in zip(argss, procs)]
+    for args, p, _, err in outs:
+        if p.returncode != 0:
+            raise RuntimeError(f"{module} child {args} failed:\n{err[-3000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for _, _, out, _ in outs]
