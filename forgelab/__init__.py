@@ -32,13 +32,15 @@ _LAZY = {
     "TeacherConfig": "forgelab.config",
     "ConfigError": "forgelab.config",
     "ProcessPool": "forgelab.engines",
-    "Engines": "forgelab.experiments.variants",
+    "SharedEngines": "forgelab.experiments.variants",
     "rescore": "forgelab.controller",
     "replay": "forgelab.run",
     "Episode": "forgelab.types",
     "Completion": "forgelab.types",
-    "plan_memory": "forgelab.plan",
+    "plan_memory": "forgelab.memory_plan",
 }
 
 __all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+#: old public names, still resolved with a DeprecationWarning for one release (issue #38)
+_DEPRECATED = {"Engines": ("forgelab.experiments.variants", "SharedEngines")}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, _DEPRECATED)

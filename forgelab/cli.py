@@ -25,8 +25,8 @@ def _load(path: str, sets: list[str]):
 
 
 def _print_plan(cfg, *, strict: bool = False, **where) -> int:
-    """Print `forgelab.plan.plan_memory`'s table; 1 if it does not fit (0 for `check`, which only informs)."""
-    from forgelab.plan import plan_memory
+    """Print `forgelab.memory_plan.plan_memory`'s table; 1 if it does not fit (0 for `check`, which only informs)."""
+    from forgelab.memory_plan import plan_memory
 
     try:
         plan = plan_memory(cfg, **where)
@@ -131,7 +131,7 @@ def _provenance(args) -> int:
 
     from forgelab.run import Run
 
-    from forgelab.controller.fncode import FunctionRestoreError
+    from forgelab.controller.function_code import FunctionRestoreError
     from forgelab.experiments.replay import ReplayRefused
 
     try:

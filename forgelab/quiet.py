@@ -99,32 +99,7 @@ def _patch_cpu_memory_binding() -> None:
     only, drops lines matching `CPP_LINES` and writes every other line back.
     Installed lazily, when ``vllm.v1.worker.cpu_worker`` is imported.
     """
-    import importlib.abc
-    import importlib.machinery
-
-    target = "vllm.v1.worker.cpu_worker"
-    if target in sys.modules:
-        _wrap_worker_module(sys.modules[target])
-        return
-
-    class _Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target_=None):
-            if fullname != target:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return spec
-            exec_module = spec.loader.exec_module
-
-            def exec_and_wrap(module):
-                exec_module(module)
-                _wrap_worker_module(module)
-
-            spec.loader.exec_module = exec_and_wrap
-            return spec
-
-    sys.meta_path.insert(0, _Finder())
+    _after_import("vllm.v1.worker.cpu_worker", _wrap_worker_module)
 
 
 def _after_import(target: str, hook) -> None:

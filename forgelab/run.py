@@ -371,7 +371,7 @@ class Run:
 
     async def _swap_loss(self, loss: str | Callable, loss_kwargs: dict) -> dict:
         name, packed, loss_kwargs = controls.prepare_loss(self.config, loss, loss_kwargs)
-        from forgelab.controller.fncode import loss_record
+        from forgelab.controller.function_code import loss_record
 
         applies_at = await self.loop.swap_loss(name, packed, loss_kwargs)
         self.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))

@@ -1,5 +1,6 @@
-"""The package's shape, checked from the source (no import is executed): layers, cycles, names, sizes,
-private fields and the public API the docs use. See docs/architecture.md.
+"""The package's shape, checked from the source (no import is executed): layers, cycles, names, private fields,
+who may write a `Run`'s state, and the public API the docs use; module size is a warning. See
+docs/architecture.md.
 
 Every import counts, function-level ones included: a lazy import is still a dependency.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -35,7 +37,7 @@ LAYERS: list[set[str]] = [
     {"forgelab.run"},
     {"forgelab.demo"},
     {"forgelab.recipes"},
-    {"forgelab.plan"},
+    {"forgelab.memory_plan", "forgelab.plan"},
     {"forgelab.bench"},
     {"forgelab.cli"},
     {"forgelab.check_install"},
@@ -60,8 +62,9 @@ def _layer(module: str) -> int:
     raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layout.py")
 
 
-def _imports(module: str) -> dict[str, int]:
+def _imports(module: str, modules: dict[str, Path] = MODULES, trees: dict[str, ast.Module] = TREES) -> dict[str, int]:
     """forgelab modules `module` imports (target -> first line), resolving `from pkg import submodule`."""
+    MODULES, TREES = modules, trees  # noqa: N806 -- the same names as the real tree's, for a planted one
     out: dict[str, int] = {}
     package = module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
     for node in ast.walk(TREES[module]):
@@ -97,15 +100,12 @@ def test_no_module_imports_from_a_layer_above():
     assert not upward, "imports from a higher layer:\n" + "\n".join(sorted(upward))
 
 
-def test_no_import_cycle():
-    # a package's __init__ that re-exports its submodules is part of the package, not a module in a cycle
-    graph = {m: {t for t in deps if not (MODULES[t].name == "__init__.py" and m.startswith(t + "."))}
-             for m, deps in GRAPH.items()}
-    graph = {m: {t for t in deps if not (MODULES[m].name == "__init__.py" and t.startswith(m + "."))}
-             for m, deps in graph.items()}
+def _cycles(graph: dict[str, set[str] | dict[str, int]]) -> list[list[str]]:
+    """The import cycles of `graph` (module -> modules it imports): its strongly connected components (Tarjan)
+    with more than one module, each sorted."""
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = counter[0]
         counter[0] += 1
         stack.append(v)
@@ -130,10 +130,59 @@ def test_no_import_cycle():
     for v in graph:
         if v not in index:
             visit(v)
+    return cycles
+
+
+def test_no_import_cycle():
+    """No cycle, package `__init__` files included: a package that imports its submodules, one of which imports
+    the package (e.g. for a registry defined in its `__init__`), is a cycle (Python resolves it only because
+    the partially initialised module happens to hold the name already). Importing a submodule by its full
+    path (``from forgelab.envs.episode import X``) is an edge to that submodule, not to the package."""
+    cycles = _cycles(GRAPH)
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def test_the_top_level_is_small_and_names_are_unique_and_modules_short():
+#: The import lines of forgelab/envs at 893000f: the registry `ENVS` lived in `envs/__init__.py`, which imported
+#: `base` and `builtin` (and `actor`, lazily), and `base.make_env` imported `ENVS` back from the package.
+ENVS_893000F = {
+    "forgelab/envs/__init__.py": "from forgelab.envs.base import Env, make_env\n"
+                                 "from forgelab.envs.builtin import EchoEnv\n"
+                                 "from forgelab.envs.episode import ChatFormat\n"
+                                 "def __getattr__(name):\n    from forgelab.envs import actor\n",
+    "forgelab/envs/base.py": "def make_env(env, registry=None):\n    from forgelab.envs import ENVS as registry\n",
+    "forgelab/envs/builtin.py": "from forgelab.envs.base import Env, task_prompt\n"
+                                "from forgelab.envs.episode import env_metric_means\n",
+    "forgelab/envs/actor.py": "from forgelab.envs.episode import EnvActorConfig\n"
+                              "from forgelab.envs.base import make_env\n",
+    "forgelab/envs/episode.py": "import asyncio\n",
+}
+
+
+def _planted_graph(sources: dict[str, str]) -> dict[str, dict[str, int]]:
+    """The import graph of a planted source tree (path under the repository -> source)."""
+    modules = {_modname(ROOT / path): ROOT / path for path in sources}
+    trees = {_modname(ROOT / path): ast.parse(src) for path, src in sources.items()}
+    return {m: _imports(m, modules, trees) for m in modules}
+
+
+def test_the_cycle_check_catches_a_cycle_through_a_package_init():
+    graph = _planted_graph(ENVS_893000F)
+    assert _cycles(graph) == [["forgelab.envs", "forgelab.envs.actor", "forgelab.envs.base", "forgelab.envs.builtin"]]
+    # the check before issue #38 dropped a package's edges to and from its own submodules, and saw none
+    init = {"forgelab.envs"}
+    skipping = {m: {t for t in deps if not (t in init and m.startswith(t + ".")) and
+                    not (m in init and t.startswith(m + "."))} for m, deps in graph.items()}
+    assert _cycles(skipping) == []
+    # the registry in a module of its own (as today): no cycle
+    fixed = {**ENVS_893000F,
+             "forgelab/envs/__init__.py": "from forgelab.envs.base import Env\nfrom forgelab.envs.registry import ENVS\n",
+             "forgelab/envs/base.py": "def task_prompt(task):\n    return str(task)\n",
+             "forgelab/envs/registry.py": "from forgelab.envs.builtin import EchoEnv\nENVS = {'echo': EchoEnv}\n",
+             "forgelab/envs/actor.py": "from forgelab.envs.registry import make_env\n"}
+    assert _cycles(_planted_graph(fixed)) == []
+
+
+def test_the_top_level_is_small_and_names_are_unique():
     top = [p.name for p in PKG.glob("*.py")]
     assert len(top) <= 15, f"{len(top)} modules directly in forgelab/ (at most 15): {sorted(top)}"
     by_name = defaultdict(list)
@@ -145,7 +194,8 @@ def test_the_top_level_is_small_and_names_are_unique_and_modules_short():
     dupes = {n: ms for n, ms in by_name.items() if len(ms) > 1 and n not in {"__main__"}}
     assert not dupes, f"module names used twice: {dupes}"
     long = {m: len(p.read_text().splitlines()) for m, p in MODULES.items() if len(p.read_text().splitlines()) > 500}
-    assert not long, f"modules over 500 lines (split them): {long}"
+    if long:  # a hint, not a limit: split a module where its topic ends, never to meet a number (issue #38)
+        warnings.warn(f"modules over 500 lines (is there a seam where a topic ends?): {long}", stacklevel=1)
 
 
 def _private_owners() -> dict[str, set[str]]:
@@ -265,3 +315,171 @@ def test_every_public_name_exists(module):
     mod = importlib.import_module(module)
     for name in _public(module):
         assert getattr(mod, name) is not None, f"{module}.{name}"
+
+
+# ------------------------------------------------------------------ who holds and writes a run (issue #38)
+_FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _is_run_annotation(ann: ast.expr | None) -> bool:
+    """`Run`, `"Run"`, `forgelab.run.Run`, `Run | None`, `Optional["Run"]`: the annotation names the class `Run`."""
+    return ann is not None and re.search(r"\bRun\b", ast.unparse(ann).replace("'", "").replace('"', "")) is not None
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.arg]:
+    a = fn.args
+    return [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x is not None)]
+
+
+def _run_names(scope: ast.AST) -> set[str]:
+    """Names that hold a `Run` in `scope` (a function or a module): ``run``, and parameters or variables
+    annotated `Run`."""
+    names = {"run"}
+    if isinstance(scope, _FUNCS):
+        names |= {p.arg for p in _params(scope) if _is_run_annotation(p.annotation)}
+    for n in ast.walk(scope):
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and _is_run_annotation(n.annotation):
+            names.add(n.target.id)
+    return names
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """The expressions an assignment statement writes (tuple and list targets unpacked)."""
+    if isinstance(node, ast.Assign):
+        out, todo = [], list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        out, todo = [], [node.target]
+    elif isinstance(node, (ast.For, ast.AsyncFor)):
+        out, todo = [], [node.target]
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+        out, todo = [], [node.optional_vars]
+    else:
+        return []
+    while todo:
+        t = todo.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            todo += t.elts
+        elif isinstance(t, ast.Starred):
+            todo.append(t.value)
+        else:
+            out.append(t)
+    return out
+
+
+def _root(expr: ast.expr) -> ast.expr:
+    while isinstance(expr, (ast.Attribute, ast.Subscript)):
+        expr = expr.value
+    return expr
+
+
+def _run_writes(trees: dict[str, ast.Module] = TREES) -> list[str]:
+    """Every assignment to an attribute of a `Run` (``run.x = ...``, ``run.x += ...``, ``run.a.b = ...``,
+    ``run.x[k] = ...``, tuple targets) outside forgelab/run.py; a `Run` is a name ``run`` or one annotated `Run`."""
+    found = []
+    for m, tree in trees.items():
+        if m == "forgelab.run":
+            continue
+        scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, _FUNCS))]
+        seen: set[tuple[int, int]] = set()
+        for scope in reversed(scopes):  # innermost first: a function's own annotations decide for its body
+            names = _run_names(scope)
+            for node in ast.walk(scope):
+                for t in _targets(node):
+                    if not isinstance(t, (ast.Attribute, ast.Subscript)) or (t.lineno, t.col_offset) in seen:
+                        continue
+                    root = _root(t)
+                    if isinstance(root, ast.Name) and root.id in names and isinstance(_first_attr(t), str):
+                        seen.add((t.lineno, t.col_offset))
+                        found.append(f"{m}:{t.lineno} writes {ast.unparse(t)}")
+    return sorted(found)
+
+
+def _first_attr(t: ast.expr) -> str | None:
+    """The attribute right after the root name (``run.a.b`` -> ``a``); None for ``run[k]``."""
+    chain = []
+    while isinstance(t, (ast.Attribute, ast.Subscript)):
+        chain.append(t)
+        t = t.value
+    return chain[-1].attr if chain and isinstance(chain[-1], ast.Attribute) else None
+
+
+def _receives_run(trees: dict[str, ast.Module], package: str = "forgelab.controller") -> list[str]:
+    """Functions in `package` with a parameter named ``run`` or annotated `Run` (annotated or not)."""
+    found = []
+    for m, tree in trees.items():
+        if m != package and not m.startswith(package + "."):
+            continue
+        for fn in (n for n in ast.walk(tree) if isinstance(n, _FUNCS)):
+            for p in _params(fn):
+                if p.arg == "run" or _is_run_annotation(p.annotation):
+                    found.append(f"{m}:{fn.lineno} {fn.name}({p.arg}"
+                                 + (f": {ast.unparse(p.annotation)}" if p.annotation is not None else "") + ")")
+    return sorted(found)
+
+
+def _untyped_run_params(trees: dict[str, ast.Module] = TREES) -> list[str]:
+    """Parameters named ``run`` that are unannotated or annotated `Any`."""
+    found = []
+    for m, tree in trees.items():
+        for fn in (n for n in ast.walk(tree) if isinstance(n, _FUNCS)):
+            for p in _params(fn):
+                ann = None if p.annotation is None else ast.unparse(p.annotation).strip("'\"")
+                if p.arg == "run" and ann in (None, "Any", "typing.Any", "t.Any"):
+                    found.append(f"{m}:{fn.lineno} {fn.name}(run{'' if ann is None else ': ' + ann})")
+    return sorted(found)
+
+
+_BEING_REMOVED = pytest.mark.xfail(strict=False, reason="#38: being removed by the controller refactor")
+
+
+@_BEING_REMOVED
+def test_only_run_py_writes_a_runs_state():
+    """A part owns its state: nothing outside forgelab/run.py assigns to an attribute of a `Run`."""
+    found = _run_writes()
+    assert not found, f"{len(found)} writes into a Run outside forgelab/run.py:\n" + "\n".join(found)
+
+
+@_BEING_REMOVED
+def test_no_controller_part_receives_the_run():
+    """Controller parts receive the narrow collaborators they use at construction, never the whole `Run`."""
+    found = _receives_run(TREES)
+    assert not found, f"{len(found)} controller functions receive the Run:\n" + "\n".join(found)
+
+
+@_BEING_REMOVED
+def test_every_run_parameter_is_typed():
+    """A parameter named ``run`` says what it is (`Run` or a Protocol), never nothing or `Any`."""
+    found = _untyped_run_params()
+    assert not found, f"{len(found)} parameters `run` unannotated or Any:\n" + "\n".join(found)
+
+
+def test_the_run_state_checks_can_fail():
+    planted = {"forgelab.controller.probe": ast.parse(
+        "from typing import Any\n"
+        "def step(run):\n"                                   # (b) named run, (c) unannotated
+        "    run.step = 1\n"                                 # (a) 3
+        "    run.version += 1\n"                             # (a) 4
+        "    run.rollout.tokens = 0\n"                       # (a) 5
+        "    a, (run.loss_name, b) = 1, (2, 3)\n"            # (a) 6, tuple target
+        "    run.metrics['x'] = 1\n"                         # (a) 7
+        "    run.emit('x')\n"                                # a call: not a write
+        "    other.step = 2\n"                               # not a run
+        "async def save(r: 'Run', run: Any = None):\n"      # (b) twice, (c) Any
+        "    r.step = 3\n"                                   # (a) 11: annotated Run
+        "    r2: Run = make()\n"
+        "    r2.version = 4\n"                               # (a) 13: a variable annotated Run
+        "def typed(run: RunView):\n"                         # (b) named run; typed, so not (c)
+        "    pass\n"),
+        "forgelab.run": ast.parse("def f(run):\n    run.step = 1\n"),  # run.py owns the state
+        "forgelab.lab.probe": ast.parse("def g(run: 'forgelab.run.Run | None'):\n    run.x = 1\n")}
+    assert _run_writes(planted) == sorted([
+        "forgelab.controller.probe:3 writes run.step", "forgelab.controller.probe:4 writes run.version",
+        "forgelab.controller.probe:5 writes run.rollout.tokens", "forgelab.controller.probe:6 writes run.loss_name",
+        "forgelab.controller.probe:7 writes run.metrics['x']", "forgelab.controller.probe:11 writes r.step",
+        "forgelab.controller.probe:13 writes r2.version", "forgelab.lab.probe:2 writes run.x"])
+    assert _receives_run(planted) == sorted([
+        "forgelab.controller.probe:2 step(run)", "forgelab.controller.probe:10 save(r: 'Run')",
+        "forgelab.controller.probe:10 save(run: Any)", "forgelab.controller.probe:14 typed(run: RunView)"])
+    assert _untyped_run_params(planted) == sorted([
+        "forgelab.controller.probe:10 save(run: Any)", "forgelab.controller.probe:2 step(run)",
+        "forgelab.run:1 f(run)"])

@@ -153,7 +153,7 @@ def test_plan_models_lora(model_dir):
     AdamW state, no output-projection gradient, the adapter as the shared file, no reference process."""
     from forgelab.config import RunConfig
     from forgelab.engines.titan import read_hf_config
-    from forgelab.plan import ModelShape, plan_memory
+    from forgelab.memory_plan import ModelShape, plan_memory
 
     shape = ModelShape.from_hf(read_hf_config(model_dir))
     assert shape.lora_params(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 8) == 155_648

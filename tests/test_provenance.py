@@ -91,7 +91,7 @@ def test_event_log_memory_and_file_agree(tmp_path):
 def test_function_records_restore_and_name_what_cannot():
     import threading
 
-    from forgelab.controller.fncode import FunctionRestoreError, fn_record, restore_fn
+    from forgelab.controller.function_code import FunctionRestoreError, fn_record, restore_fn
     from forgelab.rewards.library import REWARDS
 
     rec = fn_record(short_reward, REWARDS)

@@ -405,7 +405,7 @@ def test_plan_counts_the_real_parameters(shape):
     """The planner's parameter count is HF's for each shape (its model built on the meta device; tied counted once)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from forgelab.plan import ModelShape
+    from forgelab.memory_plan import ModelShape
     from forgelab.recipes.real_shapes import real_shape_config
 
     cfg = real_shape_config(shape)
@@ -417,7 +417,7 @@ def test_plan_counts_the_real_parameters(shape):
 
 def test_plan_says_what_does_not_fit(tmp_path):
     from forgelab.config.run_config import RunConfig
-    from forgelab.plan import plan_memory
+    from forgelab.memory_plan import plan_memory
     from forgelab.recipes.real_shapes import real_shape_checkpoint
 
     d = real_shape_checkpoint("qwen3-1.7b", out=str(tmp_path / "q"), config_only=True)

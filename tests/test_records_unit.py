@@ -83,9 +83,9 @@ def _edit_events(run_dir, edit):
     path.write_text("".join(json.dumps(edit(e)) + "\n" for e in events))
 
 
-# ---------------------------------------------------------------- fncode: trust and the pickle's hash
+# ---------------------------------------------------------------- function_code: trust and the pickle's hash
 def test_pickle_hash_recorded_and_restore_needs_trust():
-    from forgelab.controller.fncode import FunctionRestoreError, UntrustedCodeError, fn_record, restore_fn
+    from forgelab.controller.function_code import FunctionRestoreError, UntrustedCodeError, fn_record, restore_fn
     from forgelab.rewards import REWARDS
 
     rec = json.loads(json.dumps(fn_record(short_reward, REWARDS)))  # as read back from a file
@@ -102,7 +102,7 @@ def test_pickle_hash_recorded_and_restore_needs_trust():
 
 
 def test_edited_pickle_is_refused_even_when_trusted():
-    from forgelab.controller.fncode import FunctionRestoreError, fn_record, restore_fn
+    from forgelab.controller.function_code import FunctionRestoreError, fn_record, restore_fn
     from forgelab.rewards import REWARDS
 
     rec = fn_record(short_reward, REWARDS)
@@ -122,7 +122,7 @@ def test_edited_pickle_is_refused_even_when_trusted():
 
 # ---------------------------------------------------------------- replay: trust, versions and code checks
 def test_replay_of_untrusted_dir_refuses_its_pickled_code_before_spawning(tmp_path):
-    from forgelab.controller.fncode import UntrustedCodeError
+    from forgelab.controller.function_code import UntrustedCodeError
     from forgelab.run import replay
 
     run = recorded_run(tmp_path / "runs")
@@ -137,7 +137,7 @@ def test_replay_of_untrusted_dir_refuses_its_pickled_code_before_spawning(tmp_pa
 
 
 def test_replay_refuses_an_edited_pickle_even_when_trusted(tmp_path):
-    from forgelab.controller.fncode import FunctionRestoreError
+    from forgelab.controller.function_code import FunctionRestoreError
     from forgelab.run import replay
 
     run = recorded_run(tmp_path / "runs")
@@ -220,7 +220,7 @@ def test_fork_replays_from_its_fork_point(tmp_path):
     assert "reward/short" in again.columns and again[again["step"] <= k]["reward/short"].isna().all()
     assert again[again["step"] == 6]["reward/short"].notna().all()  # the fork's reward re-applied, from its episodes
     # the fork's code is pickled: replaying it needs trust
-    from forgelab.controller.fncode import UntrustedCodeError
+    from forgelab.controller.function_code import UntrustedCodeError
 
     with pytest.raises(UntrustedCodeError, match="trusted=True"):
         asyncio.run(replay(child.out_dir, out_dir=tmp_path / "replays2", spawn=spawn))

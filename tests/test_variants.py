@@ -1,4 +1,4 @@
-"""LoRA variants on one set of engines (`forgelab.Engines`): slots in the trainer, adapters per slot in vLLM.
+"""LoRA variants on one set of engines (`forgelab.SharedEngines`): slots in the trainer, adapters per slot in vLLM.
 
 The in-process tests drive a `SlotTable` over one `TrainerState`: interleaved slots step exactly as separate
 trainers (the same float32 operations on the same values: compared bit for bit). The integration tests share
@@ -102,10 +102,10 @@ def _config(name: str, out_dir: Path, steps: int = STEPS):
 
 @pytest.fixture(scope="module")
 def engines(loop, tmp_path_factory):
-    from forgelab.experiments.variants import Engines
+    from forgelab.experiments.variants import SharedEngines
 
     out = tmp_path_factory.mktemp("variants")
-    eng = Engines(_config("base", out), slots=4)
+    eng = SharedEngines(_config("base", out), slots=4)
     eng.out = out
     yield eng
     loop.run_until_complete(eng.shutdown())
@@ -265,7 +265,7 @@ def test_detaching_a_variant_frees_its_slot_and_the_next_fork_reuses_it(loop, sw
 
 @integration
 def test_a_variant_whose_reward_raises_is_paused_alone(loop, swept, engines):
-    """Two forks train beside each other; one's reward starts raising on every episode: `Engines.watch` pauses
+    """Two forks train beside each other; one's reward starts raising on every episode: `SharedEngines.watch` pauses
     it alone (its message names the reward), the other trains to its end on the same processes."""
     runs, _, _ = swept
     boom = {"on": False}

@@ -138,30 +138,19 @@ def print_machine(when: str) -> dict[str, Any]:
     return m
 
 
-def plot_curves(panels: list[tuple[str, dict[str, list[list]]]], target: float | None, path: str) -> None:
-    """Held-out accuracy vs training wall time, one subplot per (title, {label: [curve, ...]}).
+def run_children(module: str, *argss: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Run ``python -m module *args`` once per argument tuple, all at once; each child's last stdout line, as JSON.
 
-    A curve is the suites' `[[step, train_s, accuracy], ...]`; repeats of a label share its colour.
+    A benchmark measures in a child process what must not share this one's memory or warm state (each child's
+    VmHWM is its own peak). Concurrent children share the cores, so their timings are only meaningful run one
+    at a time (one tuple per call). A child that fails raises with the tail of its stderr.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    import subprocess
 
-    colours = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")
-    fig = Figure(figsize=(5.2 * len(panels), 3.6), dpi=110)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (title, curves) in zip(axes, panels):
-        for colour, (label, reps) in zip(colours, curves.items()):
-            for i, curve in enumerate(reps):
-                xs, ys = [c[1] for c in curve], [c[2] for c in curve]
-                ax.plot(xs, ys, marker="o", ms=3, lw=1.4, color=colour, alpha=1.0 if i == 0 else 0.55,
-                        ls="-" if i == 0 else "--", label=label if i == 0 else None)
-        if target is not None:
-            ax.axhline(target, color="#555", lw=0.8, ls=":", label=f"target {target}")
-        ax.set_title(title, fontsize=10, loc="left")
-        ax.set_xlabel("wall time since training started, s (evaluations included)")
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.grid(True, lw=0.4, alpha=0.5)
-        ax.legend(fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path)
+    procs = [subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in argss]
+    outs = [(args, p, *p.communicate()) for args, p in zip(argss, procs)]
+    for args, p, _, err in outs:
+        if p.returncode != 0:
+            raise RuntimeError(f"{module} child {args} failed:\n{err[-3000:]}")
+    return [json.loads(out.strip().splitlines()[-1]) for _, _, out, _ in outs]

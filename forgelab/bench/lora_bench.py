@@ -16,7 +16,7 @@ LoRA is rank 8 on all seven projections, the reference taken from the base (no r
    trainer + reference) on the 2-layer shape, the LoRA loop (generator + trainer) at full depth (``--quick``:
    2 layers). ``lora_loop_fits_24gib``: the LoRA loop's processes together peak under 24 GiB;
    ``plan_error``: the largest ``|planned - measured| / measured`` over every process of both loops
-   (`forgelab.plan`, goal <= 0.2).
+   (`forgelab.memory_plan`, goal <= 0.2).
 3. **Push**: ``lora_push_over_full`` (goal <= 0.05) is the median ``weight_sync_ms`` of a LoRA loop over a
    full loop's at the same depth (2 layers; at full depth the full push only grows): gather, shared-memory
    write, and the generator's load (vLLM ``reload_weights`` vs loading the adapter).
@@ -30,12 +30,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from forgelab.bench.common import emit_json, print_machine
+from forgelab.bench.common import emit_json, print_machine, run_children
 from forgelab.bench.realmodel import PssSampler, vm_kib, planned_pss
 
 GiB = 1024**3
@@ -77,14 +76,8 @@ def _trainer_main(model_dir: str, B: int, L: int, steps: int, kind: str) -> None
 
 
 def _children(*argss: tuple[str, ...]) -> list[dict]:
-    """One child process per argument tuple, all at once; each child's last JSON line."""
-    procs = [subprocess.Popen([sys.executable, "-m", "forgelab.bench.lora_bench", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in argss]
-    outs = [(args, p, *p.communicate()) for args, p in zip(argss, procs)]
-    for args, p, _, err in outs:
-        if p.returncode != 0:
-            raise RuntimeError(f"lora bench child {args} failed:\n{err[-3000:]}")
-    return [json.loads(out.strip().splitlines()[-1]) for _, _, out, _ in outs]
+    """One child process of this module per argument tuple, all at once (`forgelab.bench.common.run_children`)."""
+    return run_children("forgelab.bench.lora_bench", *argss)
 
 
 def _child(*args: str) -> dict:

@@ -25,7 +25,7 @@ under the cache dir). Three parts, each in its own process so peaks are clean:
    sync; ``loop_s_per_step`` and ``weight_sync_ms`` are medians over the steps after
    the first; each process's peak PSS is sampled every 50 ms from
    ``/proc/PID/smaps_rollup`` (PSS splits the shared weights file between the
-   processes mapping it, so it is counted once). ``plan`` is `forgelab.plan`'s
+   processes mapping it, so it is counted once). ``plan`` is `forgelab.memory_plan`'s
    estimate for the same config (the shared file's share added to the trainer
    and each generator, as PSS counts it); ``plan_error`` the largest
    ``|planned - measured| / measured`` over the processes (goal <= 0.25).
@@ -37,13 +37,12 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-from forgelab.bench.common import emit_json, print_machine
+from forgelab.bench.common import emit_json, print_machine, run_children
 
 GiB = 1024**3
 
@@ -124,18 +123,8 @@ def _logits_main(model_dir: str, N: int, mode: str) -> None:
 
 
 def _children(*argss: tuple[str, ...]) -> list[dict]:
-    """Run one child process per argument tuple, all at once; each child's last JSON line.
-
-    Concurrent children keep their own peaks (VmHWM is per process) but share the cores, so
-    their timings are only meaningful run one at a time (`_child`).
-    """
-    procs = [subprocess.Popen([sys.executable, "-m", "forgelab.bench.realmodel", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in argss]
-    outs = [(args, p, *p.communicate()) for args, p in zip(argss, procs)]
-    for args, p, _, err in outs:
-        if p.returncode != 0:
-            raise RuntimeError(f"realmodel child {args} failed:\n{err[-3000:]}")
-    return [json.loads(out.strip().splitlines()[-1]) for _, _, out, _ in outs]
+    """One child process of this module per argument tuple, all at once (`forgelab.bench.common.run_children`)."""
+    return run_children("forgelab.bench.realmodel", *argss)
 
 
 def _child(*args: str) -> dict:
@@ -212,8 +201,8 @@ async def _loop(model_dir: str, steps: int, prompts: int = 2) -> dict:
 
 
 def planned_pss(cfg, measured: dict[str, float]) -> dict[str, float]:
-    """`forgelab.plan` per process, with the shared weights file split as PSS splits it (trainer + generators)."""
-    from forgelab.plan import plan_memory
+    """`forgelab.memory_plan` per process, with the shared weights file split as PSS splits it (trainer + generators)."""
+    from forgelab.memory_plan import plan_memory
 
     plan = plan_memory(cfg)
     parts = plan.by_name()

@@ -5,9 +5,9 @@
 Shipped model, LoRA rank 8 on every projection, the demo's batch shape (8 prompts x 8 samples, batch 64,
 8 tokens, staleness bound 1), held-out eval of 8 problems at the start and the end of each run.
 
-1. **One variant**: `forgelab.Engines` (5 slots) are spawned (``engines_spawn_s``, not counted below), one
+1. **One variant**: `forgelab.SharedEngines` (5 slots) are spawned (``engines_spawn_s``, not counted below), one
    LoRA run trains ``STEPS`` steps on them: ``one_s``, from ``start()`` to the end of its training task.
-2. **Four variants at once**: that run is forked into 4 slots (`Engines.sweep`: lr x0.5 / x2, dapo, the
+2. **Four variants at once**: that run is forked into 4 slots (`SharedEngines.sweep`: lr x0.5 / x2, dapo, the
    format reward off), each training ``STEPS`` more steps, all four at once on the same processes:
    ``four_s``, from the sweep's call to the last variant's end (forks included). ``fork_s``: the sweep's
    time over 4 (one fork into a slot: checkpoint of adapter + optimizer, new run directory, restore, push).
@@ -102,10 +102,10 @@ def _trainer_s(run: "Run", after: int = 0) -> float:
 
 
 async def _run(steps: int, quick: bool, out_dir: str) -> dict:
-    from forgelab.experiments.variants import Engines
+    from forgelab.experiments.variants import SharedEngines
     from forgelab.run import Run
 
-    engines = Engines(bench_config("one", steps, out_dir), slots=5)
+    engines = SharedEngines(bench_config("one", steps, out_dir), slots=5)
     t0 = time.perf_counter()
     await engines.start()
     spawn_s = time.perf_counter() - t0

@@ -10,7 +10,7 @@ would have: the trainer's weights, optimizer, schedule, RNG and loss (built-in
 or custom, serialised by the trainer, with its kwargs); the controller's step,
 policy version, data position, replay buffer, episode/group counters, held-out
 accuracy history; and the reward set, each reward with its weight and its code
-(`forgelab.controller.fncode`: a built-in by name, a custom function by value with its
+(`forgelab.controller.function_code`: a built-in by name, a custom function by value with its
 source and hash). Restoring replaces the run's rewards with the saved set (the
 config's rewards describe how the run *started*), and a reward that cannot be
 rebuilt raises `FunctionRestoreError` naming it.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgelab.controller.fncode import FunctionRestoreError, loss_record, restore_fn, reward_record
+from forgelab.controller.function_code import FunctionRestoreError, loss_record, restore_fn, reward_record
 
 log = logging.getLogger("forgelab.controller.checkpoint")
 

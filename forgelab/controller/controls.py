@@ -172,7 +172,7 @@ class RewardControls:
 
     def add(self, name: str, fn: Callable[..., float], weight: float, replace: bool) -> None:
         """Validate `fn` on the latest 64 rollouts (if any), then add it; raises `RewardChangeRefused`."""
-        from forgelab.controller.fncode import reward_record
+        from forgelab.controller.function_code import reward_record
 
         samples = list(self.recent())[-64:]  # episodes: a TRL-style reward also reads their token ids and version
         if samples:

@@ -193,8 +193,8 @@ def _hashes_only(rec: dict[str, Any]) -> dict[str, Any]:
 
 def code_hashes(config) -> dict[str, Any]:
     """What the run starts on: its loss's and each configured reward's name, built-in name and SHA-256
-    (`forgelab.controller.fncode`); a replay compares them with the code it is about to run."""
-    from forgelab.controller.fncode import loss_record, reward_record
+    (`forgelab.controller.function_code`); a replay compares them with the code it is about to run."""
+    from forgelab.controller.function_code import loss_record, reward_record
     from forgelab.controller.reward_runner import reward_weights
     from forgelab.rewards import REWARDS
 
@@ -220,7 +220,7 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
     (`restore_fn`).
     """
     from forgelab.algos import LOSSES
-    from forgelab.controller.fncode import code_sha256, fn_record
+    from forgelab.controller.function_code import code_sha256, fn_record
     from forgelab.rewards import REWARDS
 
     out: list[str] = []
@@ -300,7 +300,7 @@ def functions_used(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     Each entry: step (where recorded), name, sha256, source, and for losses the kwargs.
     Built-ins from the config are listed first, with their registry source.
     """
-    from forgelab.controller.fncode import loss_record, reward_record
+    from forgelab.controller.function_code import loss_record, reward_record
     from forgelab.rewards.library import REWARDS
 
     m = read_manifest(run_dir)

@@ -42,7 +42,7 @@ def config_summary(cfg: dict) -> str:
 
 def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
     """One dict per shown event: step, kind, category, text, diff (a unified diff of code, or '')."""
-    from forgelab.controller.fncode import loss_record, reward_record
+    from forgelab.controller.function_code import loss_record, reward_record
     from forgelab.rewards.library import REWARDS
 
     cfg, events = change_source(run_or_dir)

@@ -7,7 +7,7 @@
 
 A `Run` uses these exactly as its own parts (`forgelab.engines.spawn.Parts`): the controller code does not
 know it shares processes. What a run cannot share is refused where it is attached
-(`forgelab.experiments.variants.Engines`).
+(`forgelab.experiments.variants.SharedEngines`).
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ class SlotParts(Parts):
     """`Parts` lent by shared engines to one run: `shutdown()` detaches it (its slot is freed)."""
 
     pool: Any = None
-    """The `forgelab.experiments.variants.Engines` (a fork of the run attaches to them: `forgelab.experiments.fork`)."""
+    """The `forgelab.experiments.variants.SharedEngines` (a fork of the run attaches to them:
+    `forgelab.experiments.fork`)."""
     slot: str = ""
 
     async def shutdown(self) -> None:

@@ -6,27 +6,18 @@
 - `base`: what an environment is (async `reset(task) -> str`, `step(text) -> (obs, reward, done, info)`);
 - `episode`: the token-in/token-out episode runner (`run_episode`, `ChatFormat`, `EpisodeLimits`);
 - `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv` (and its `tool_use_stats`);
+- `registry`: `ENVS` (name -> factory; adding an environment is adding an entry) and `make_env`;
 - `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process.
 
-`ENVS` maps a name to a factory (a class or function taking keyword arguments,
-`RolloutConfig.env_kwargs`); adding an environment is adding an entry. The
-factory must be importable by name in the env actor's process (define it in a
-module, not in a notebook cell).
+The factory of a registered environment must be importable by name in the env
+actor's process (define it in a module, not in a notebook cell).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
-from forgelab.envs.base import Env, make_env
+from forgelab.envs.base import Env
 from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv, tool_use_stats
 from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, env_metric_means, run_episode
-
-ENVS: dict[str, Callable[..., Any]] = {
-    "echo": EchoEnv,
-    "arithmetic_tutor": ArithmeticTutorEnv,
-    "calculator": CalculatorToolEnv,
-}
-"""Environment name -> factory (see `RolloutConfig.env`)."""
+from forgelab.envs.registry import ENVS, make_env
 
 
 def __getattr__(name: str):

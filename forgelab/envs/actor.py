@@ -38,7 +38,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from monarch.actor import Port, endpoint
 
 from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported
-from forgelab.envs.base import make_env
+from forgelab.envs.registry import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
 from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats

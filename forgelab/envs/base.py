@@ -17,7 +17,7 @@
   `episode.info["env_metrics"]` (a `Run` logs their per-episode means as `env/<name>`).
 
 One object serves one episode: the episode runner builds a fresh one per
-episode (`make_env`), so an environment may keep its state in attributes.
+episode (`forgelab.envs.registry.make_env`), so an environment may keep its state in attributes.
 Both methods are coroutines on a shared event loop (thousands of episodes run
 in one process): never block in them; wrap blocking work in
 `await asyncio.to_thread(...)`. A step that takes longer than
@@ -25,9 +25,9 @@ in one process): never block in them; wrap blocking work in
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["Env", "StepResult", "make_env", "task_prompt"]
+__all__ = ["Env", "StepResult", "task_prompt"]
 
 StepResult = tuple["str | None", float, bool, dict]
 """`(observation, reward, done, info)`."""
@@ -43,24 +43,6 @@ class Env:
     async def step(self, action_text: str) -> StepResult:
         """React to the assistant's turn: `(observation | None, reward, done, info)`."""
         raise NotImplementedError
-
-
-def make_env(env: str | Callable[..., Any], kwargs: dict | None = None, registry: dict | None = None) -> Any:
-    """A fresh environment: `env` is a name in `registry` (default `forgelab.envs.ENVS`) or a factory."""
-    if registry is None:
-        from forgelab.envs import ENVS as registry
-    if isinstance(env, str):
-        if env not in registry:
-            raise KeyError(f"unknown environment {env!r}; known: {', '.join(sorted(registry))} "
-                           "(or pass a factory: a class or function returning an object with async reset/step)")
-        env = registry[env]
-    if not callable(env):
-        raise TypeError(f"environment must be a registry name or a factory, got {env!r}")
-    obj = env(**(kwargs or {}))
-    for name in ("reset", "step"):
-        if not callable(getattr(obj, name, None)):
-            raise TypeError(f"environment {type(obj).__name__} has no {name}() method; see forgelab.envs.base")
-    return obj
 
 
 def task_prompt(task: Any) -> str:

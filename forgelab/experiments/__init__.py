@@ -11,11 +11,13 @@ from forgelab.lazy import lazy_exports
 
 _LAZY = {
     "fork_from": "forgelab.experiments.fork",
-    "Engines": "forgelab.experiments.variants",
+    "SharedEngines": "forgelab.experiments.variants",
     "compare_losses": "forgelab.experiments.loss_ab",
     "LossComparison": "forgelab.experiments.loss_ab",
     "ReplayReport": "forgelab.experiments.replay",
     "compare_metrics": "forgelab.experiments.replay",
 }
 __all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+#: old public names, still resolved with a DeprecationWarning for one release (issue #38)
+_DEPRECATED = {"Engines": ("forgelab.experiments.variants", "SharedEngines")}
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, _DEPRECATED)

@@ -153,7 +153,7 @@ async def fork(run: RunFacade, *, name: str | None = None, pause_parent: bool = 
                pool: Any = None, through_disk: bool = False, **overrides: Any):
     """`Run.fork`: the child `Run` (started unless ``start=False``) forked from `run` at its next quiet step boundary.
 
-    A run on shared engines (`forgelab.experiments.variants.Engines`) forks into a free slot of them: the
+    A run on shared engines (`forgelab.experiments.variants.SharedEngines`) forks into a free slot of them: the
     trainer's state (adapter, optimizer, schedule, loss) is copied in memory, only the controller's goes
     through the fork checkpoint (``through_disk=True``: the trainer's too, as for other runs)."""
     if run.parts is None or run.trainer is None:

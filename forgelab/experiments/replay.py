@@ -35,11 +35,10 @@ code of every built-in loss and reward (SHA-256). A difference raises
 report's notes then list. Custom code recorded in the directory (pickles in the
 event log, a checkpoint's trainer state) is run only with ``trusted=True``
 (``--trust``), and a pickle that does not match its recorded hash is refused even
-then (`forgelab.controller.fncode`).
+then (`forgelab.controller.function_code`).
 """
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from typing import Any
 from forgelab.controller.events import EventLog
 from forgelab.controller.facade import RunFacade
 from forgelab.controller.rollout import episode_seed  # noqa: F401 -- one owner: the rollout part
-from forgelab.controller.fncode import UntrustedCodeError, restore_fn
+from forgelab.controller.function_code import UntrustedCodeError, restore_fn
 
 __all__ = ["episode_seed", "Replayer", "ReplayReport", "ReplayRefused", "replay", "compare_metrics",
            "learning_columns"]
@@ -152,7 +151,7 @@ class Replayer:
     """Re-applies a recorded run's live changes where they took effect; a `Run` calls it at its hook points.
 
     Every recorded function is rebuilt here, before anything runs: code that may not run (``trusted`` False)
-    or whose pickle does not match its recorded hash is refused at once (`forgelab.controller.fncode`).
+    or whose pickle does not match its recorded hash is refused at once (`forgelab.controller.function_code`).
     """
 
     def __init__(self, events: list[dict[str, Any]], *, trusted: bool = False):
@@ -296,8 +295,3 @@ def _check_before_running(run_dir: Path, manifest: dict, trusted: bool, allow_mi
     if recorded and here and recorded != here:
         notes.append(f"forgelab commit {here[:12]} here, {recorded[:12]} when recorded")
     return ckpt, replayer, notes
-
-
-def replay_sync(run_dir: str | Path, **kwargs: Any) -> ReplayReport:
-    """`replay` for scripts and the CLI (runs its own event loop); pass run_cls= as for `replay`."""
-    return asyncio.run(replay(run_dir, **kwargs))

@@ -1,6 +1,6 @@
 """Many LoRA runs on one set of engines: variants that share the generator and the trainer, forked live.
 
-    engines = Engines(cfg, slots=4)                  # processes start with the first run attached
+    engines = SharedEngines(cfg, slots=4)            # processes start with the first run attached
     run = Run(cfg, spawn=engines); await run.start() # a LoRA run in slot 0
     kids = await engines.sweep(run, {"lr_hi": {"lr": 4e-3}, "dapo": {"loss": "dapo"}})   # forks into slots
     child = await run.fork(loss="dapo")             # also into a slot: run.parts.pool is the engines
@@ -32,12 +32,12 @@ import time
 from typing import Any
 from forgelab.controller.facade import RunFacade
 
-__all__ = ["Engines"]
+__all__ = ["SharedEngines"]
 
 _ids = itertools.count(1)
 
 
-class Engines:
+class SharedEngines:
     """Processes shared by up to ``slots`` LoRA runs; pass it as ``Run(cfg, spawn=engines)``.
 
     Args:
@@ -50,7 +50,7 @@ class Engines:
         from forgelab.config.run_config import RunConfig
 
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"Engines(slots=...): a positive integer, got {slots!r}")
+            raise ValueError(f"SharedEngines(slots=...): a positive integer, got {slots!r}")
         cfg = config if isinstance(config, RunConfig) else (
             RunConfig.from_dict(config) if isinstance(config, dict) else RunConfig.from_yaml(config))
         self.slots = slots
@@ -84,7 +84,7 @@ class Engines:
             raise ValueError(f"{who} runs on a monarch.job (hosts.job): shared engines run on this host")
 
     # ------------------------------------------------------------------ processes
-    async def start(self) -> "Engines":
+    async def start(self) -> "SharedEngines":
         """Spawn the shared processes (if not yet): SlotGenerator service, SlotTrainer, reference if configured."""
         async with self._lock:
             if self.parts is None:
@@ -156,7 +156,7 @@ class Engines:
             if not free:
                 raise RuntimeError(f"{self.name}: all {self.slots} slots are in use ("
                                    + ", ".join(f"{s}: {n}" for s, n in sorted(self.run_names.items()))
-                                   + "); detach a run (await run.shutdown()) or make Engines(slots=...) larger")
+                                   + "); detach a run (await run.shutdown()) or make SharedEngines(slots=...) larger")
             self.attached[free[0]] = None  # reserved
             return free[0]
 
@@ -251,7 +251,7 @@ class Engines:
                              "Run(cfg, spawn=engines)")
         if len(variants) > len(self.free_slots()):
             raise RuntimeError(f"sweep: {len(variants)} variants but {len(self.free_slots())} free slots of "
-                               f"{self.slots}; detach runs or make Engines(slots=...) larger")
+                               f"{self.slots}; detach runs or make SharedEngines(slots=...) larger")
         was_running = parent.state == "running"
         if parent not in self.watched:
             self.watched.append(parent)
@@ -316,15 +316,16 @@ class Engines:
             await parts.shutdown()
 
     def __repr__(self) -> str:
-        return f"<Engines {self.name} {len(self.run_names)}/{self.slots} slots {'up' if self.parts else 'not started'}>"
+        state = "up" if self.parts else "not started"
+        return f"<SharedEngines {self.name} {len(self.run_names)}/{self.slots} slots {state}>"
 
 
 class ReservedSlot:
-    """What `Engines.copy_slot` returns: the ``spawn`` a fork's child attaches to its reserved slot with
+    """What `SharedEngines.copy_slot` returns: the ``spawn`` a fork's child attaches to its reserved slot with
     (``await reserved(cfg)``), and ``await reserved.release()`` to give the slot back if the child never
     attaches (its constructor or spawn failed before)."""
 
-    def __init__(self, engines: Engines, slot: str):
+    def __init__(self, engines: SharedEngines, slot: str):
         self.engines, self.slot = engines, slot
 
     async def __call__(self, cfg: Any) -> Any:
@@ -335,3 +336,13 @@ class ReservedSlot:
 
     def __repr__(self) -> str:
         return f"<ReservedSlot {self.slot} of {self.engines.name}>"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Engines":  # the old name read as the package forgelab.engines (issue #38); goes next release
+        import warnings
+
+        warnings.warn("forgelab.experiments.variants.Engines is renamed SharedEngines; the old name goes in the "
+                      "next release", DeprecationWarning, stacklevel=2)
+        return SharedEngines
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

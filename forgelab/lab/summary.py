@@ -139,7 +139,7 @@ def pool_line(run: RunFacade) -> str:
     pool = getattr(parts, "pool", None)
     if pool is None:
         return ""
-    if hasattr(pool, "line"):  # shared engines (forgelab.experiments.variants.Engines): runs per slot
+    if hasattr(pool, "line"):  # shared engines (forgelab.experiments.variants.SharedEngines): runs per slot
         return pool.line(parts)
     return (f"pool: these processes served {parts.runs} run(s); pool idle {len(pool.idle)} busy {len(pool.busy)}, "
             f"spawned {pool.spawned} reused {pool.reused}; {pool.last_note}")

@@ -31,7 +31,7 @@ from forgelab.runtime import supervision
 from forgelab.runtime.supervision import pid_alive
 from forgelab.runtime.mesh import ActorHandle, Placement, spawn
 
-log = logging.getLogger("forgelab.service")
+log = logging.getLogger("forgelab.runtime.replicas")
 
 service_ids = itertools.count()
 
