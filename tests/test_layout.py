@@ -429,24 +429,20 @@ def _untyped_run_params(trees: dict[str, ast.Module] = TREES) -> list[str]:
     return sorted(found)
 
 
-_BEING_REMOVED = pytest.mark.xfail(strict=False, reason="#38: being removed by the controller refactor")
 
 
-@_BEING_REMOVED
 def test_only_run_py_writes_a_runs_state():
     """A part owns its state: nothing outside forgelab/run.py assigns to an attribute of a `Run`."""
     found = _run_writes()
     assert not found, f"{len(found)} writes into a Run outside forgelab/run.py:\n" + "\n".join(found)
 
 
-@_BEING_REMOVED
 def test_no_controller_part_receives_the_run():
     """Controller parts receive the narrow collaborators they use at construction, never the whole `Run`."""
     found = _receives_run(TREES)
     assert not found, f"{len(found)} controller functions receive the Run:\n" + "\n".join(found)
 
 
-@_BEING_REMOVED
 def test_every_run_parameter_is_typed():
     """A parameter named ``run`` says what it is (`Run` or a Protocol), never nothing or `Any`."""
     found = _untyped_run_params()
