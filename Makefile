@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo docs test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup browser sshd demo docs screenshot test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -50,6 +50,11 @@ demo: setup
 # The API reference from the docstrings (mkdocs + mkdocstrings, --strict: warnings fail): build/reference/.
 docs: setup
 	$(BIN)/python tools/api_reference.py
+
+# The README's picture of the live lab: a 50-step run in JupyterLab, screenshotted in headless Chromium at
+# step 40 (tools/screenshot_lab.py), written to docs/img/lab.png.
+screenshot: setup
+	$(BIN)/python tools/screenshot_lab.py --out docs/img/lab.png
 
 # Two test workers (pytest-xdist), each running one whole file at a time (`--dist loadfile`: a file's
 # module-scoped processes, fixtures and test order stay on one worker). One file at a time keeps 1.28 of the 2
