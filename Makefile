@@ -57,19 +57,17 @@ screenshot: setup
 	$(BIN)/python tools/screenshot_lab.py --out docs/img/lab.png
 
 # Two test workers (pytest-xdist), each running one whole file at a time (`--dist loadfile`: a file's
-# module-scoped processes, fixtures and test order stay on one worker). One file at a time keeps 1.28 of the 2
-# cores busy (processes starting, engines waiting on each other); two side by side keep 1.83. Measured on this
-# 2-core machine, 2026-11-27, seven integration files and two notebooks, serial / two workers / serial back to
-# back: 348 / 224 / 270 s; the whole suite on a fresh clone with two workers: 911 passed in 2151 s (one at a
-# time, the next hour: 2817 s, with every unchanged test 1.26x slower than in a quiet hour). TEST_WORKERS=0 runs
-# everything in this process, one test at a time; with more cores, give each worker about two.
+# module-scoped processes, fixtures and test order stay on one worker). One file at a time leaves a core idle
+# while processes start and engines wait on each other; two side by side keep both nearly busy (measured:
+# docs/benchmarks.md, History). TEST_WORKERS=0 runs everything in this process, one test at a time; with more
+# cores, give each worker about two.
 TEST_WORKERS ?= 2
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 
 test: setup docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 --nbval-lax tests tutorials notebooks
 
-# The development loop's fast tier (a few minutes here): pure functions, doctests and the controller
+# The development loop's fast tier: pure functions, doctests and the controller
 # against in-process fakes (tests/test_controller_unit.py): every test not marked integration.
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow" --durations=5 tests
