@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo docs test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup browser sshd demo docs screenshot test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -51,20 +51,23 @@ demo: setup
 docs: setup
 	$(BIN)/python tools/api_reference.py
 
+# The README's picture of the live lab: a 50-step run in JupyterLab, screenshotted in headless Chromium at
+# step 40 (tools/screenshot_lab.py), written to docs/img/lab.png.
+screenshot: setup
+	$(BIN)/python tools/screenshot_lab.py --out docs/img/lab.png
+
 # Two test workers (pytest-xdist), each running one whole file at a time (`--dist loadfile`: a file's
-# module-scoped processes, fixtures and test order stay on one worker). One file at a time keeps 1.28 of the 2
-# cores busy (processes starting, engines waiting on each other); two side by side keep 1.83. Measured on this
-# 2-core machine, 2026-11-27, seven integration files and two notebooks, serial / two workers / serial back to
-# back: 348 / 224 / 270 s; the whole suite on a fresh clone with two workers: 911 passed in 2151 s (one at a
-# time, the next hour: 2817 s, with every unchanged test 1.26x slower than in a quiet hour). TEST_WORKERS=0 runs
-# everything in this process, one test at a time; with more cores, give each worker about two.
+# module-scoped processes, fixtures and test order stay on one worker). One file at a time leaves a core idle
+# while processes start and engines wait on each other; two side by side keep both nearly busy (measured:
+# docs/benchmarks.md, History). TEST_WORKERS=0 runs everything in this process, one test at a time; with more
+# cores, give each worker about two.
 TEST_WORKERS ?= 2
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 
 test: setup docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 --nbval-lax tests tutorials notebooks
 
-# The development loop's fast tier (a few minutes here): pure functions, doctests and the controller
+# The development loop's fast tier: pure functions, doctests and the controller
 # against in-process fakes (tests/test_controller_unit.py): every test not marked integration.
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not integration and not slow" --durations=5 tests

@@ -59,6 +59,8 @@ def test_notebook_is_clean(path: Path):
 def test_tutorial_is_listed_in_readme(path: Path):
     readme = (REPO / "tutorials" / "README.md").read_text()
     assert f"({path.name})" in readme, f"tutorials/README.md does not link {path.name}"
+    front = (REPO / "README.md").read_text()
+    assert f"(tutorials/{path.name})" in front, f"README.md's tutorials table does not link tutorials/{path.name}"
 
 
 def test_strip_tool_cleans_an_executed_notebook(tmp_path):
