@@ -74,8 +74,8 @@ async def save(run, path: str | Path | None = None, *, trainer: bool = True) -> 
     path = Path(path) if path else run.out_dir / "checkpoints" / f"step_{run.step:06d}"
     path.mkdir(parents=True, exist_ok=True)
     if trainer:
-        await run.trainer.call("save", str(path / "trainer"))
-    info = (await run.trainer.call("info"))[0] if hasattr(run.trainer, "call") else {}
+        await run.trainer.save(str(path / "trainer"))
+    info = await run.trainer.info()
     state = {
         "step": run.step, "version": run.version, "stream": run.stream.state_dict(),
         "buffer": run.buffer.state_dict(), "reward_weights": run.rewards.weights,
@@ -89,7 +89,7 @@ async def save(run, path: str | Path | None = None, *, trainer: bool = True) -> 
         "zero_variance_kept": run.rollout.zero_variance_kept,  # a teacher run's kept equal-reward episodes
         "accuracy_history": run.accuracy_history,
         # per-rank SHA-256 of parameters and optimizer state: a restore is checked against it
-        "trainer_fingerprint": await run.trainer.call("fingerprint"),
+        "trainer_fingerprint": await run.trainer.fingerprint(),
     }
     (path / "controller.json").write_text(json.dumps(state))
     (path.parent / "LATEST").write_text(path.name)
@@ -105,8 +105,7 @@ async def restore(run, path: str | Path) -> None:
     # rebuild the rewards first: a reward that cannot be restored fails before the trainer is touched
     rewards = rewards_from_state(state["rewards"]) if "rewards" in state else None
     on_disk = (path / "trainer").is_dir()
-    loaded = await (run.trainer.call("load", str(path / "trainer")) if on_disk else run.trainer.call("info"))
-    info = loaded[0] if isinstance(loaded, (list, tuple)) and loaded else (loaded or {})
+    info = await (run.trainer.load(str(path / "trainer")) if on_disk else run.trainer.info())
     run.step, run.version = state["step"], state["version"]
     run.stream.load_state_dict(state["stream"])
     run.buffer.load_state_dict(state["buffer"])
@@ -124,7 +123,7 @@ async def restore(run, path: str | Path) -> None:
         run.loss_name = info["loss"]
     if run.version > 0:
         await run.push_weights()
-    saved_fp, fp = state.get("trainer_fingerprint"), await run.trainer.call("fingerprint")
+    saved_fp, fp = state.get("trainer_fingerprint"), await run.trainer.fingerprint()
     # world size may differ on resume (shards differ then): compare only like with like
     match = fp == saved_fp if saved_fp is not None and len(saved_fp) == len(fp) else None
     if not on_disk and not match:

@@ -111,7 +111,7 @@ def prepare_loss(config: Any, loss: str | Callable, loss_kwargs: dict) -> tuple[
             raise LossSwapRefused(str(e)) from None
         if note is not None:
             log.warning("forgelab: %s", note)
-    from forgelab.engines.trainer_support import shipped_loss
+    from forgelab.engines.loss_specs import shipped_loss
 
     # a built-in travels by name; a function, or a LOSSES entry only this process has, by value
     return name, shipped_loss(loss), loss_kwargs
@@ -124,13 +124,13 @@ async def swap_loss(run: Any, loss: str | Callable, loss_kwargs: dict) -> dict:
     from forgelab.controller.fncode import loss_record
 
     if run.last_batch is not None:
-        report = (await run.trainer.call("dry_run_loss", packed, run.last_batch, loss_kwargs))[0]
-        if not report.get("ok"):
-            run.emit("loss_refused", loss=name, reason=report.get("reason"))
-            raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.get('reason')}; "
+        report = await run.trainer.dry_run_loss(packed, run.last_batch, loss_kwargs)
+        if not report.ok:
+            run.emit("loss_refused", loss=name, reason=report.reason)
+            raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.reason}; "
                                   "the old loss keeps training")
     applies_at = run.step + (2 if run.training_in_flight else 1)
-    await run.trainer.call("set_loss", packed, loss_kwargs)
+    await run.trainer.set_loss(packed, loss_kwargs)
     run.loss_name = name
     run.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
     return {"loss": name, "applies_at_step": applies_at}

@@ -20,6 +20,7 @@ from typing import Any
 
 from forgelab.algos.batching import collate
 from forgelab.controller.generator_meter import GeneratorMeter
+from forgelab.engines.contracts import StepMetrics, TokenValues
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
@@ -55,14 +56,14 @@ async def train_on(run: Any, batch_eps: list[Episode], meter: GeneratorMeter | N
     run.last_batch = batch
     run.training_in_flight = True
     try:
-        m = dict((await run.trainer.call("train_step", batch))[0])
+        m = await run.trainer.train_step(batch)
         # the trainer's view of each token it trained; fetched while the step still counts as in flight, so a
         # loss swap made meanwhile is promised to the step after this one (no await between here and step += 1)
-        token_values = None if m.get("skipped") else (await run.trainer.call("token_values"))[0]
+        token_values = None if m.skipped else await run.trainer.token_values()
     finally:
         run.training_in_flight = False
-    if m.get("skipped"):
-        reason = str(m.get("skip_reason", "skipped"))
+    if m.skipped:
+        reason = m.skip_reason or "skipped"
         async with gate.changed:  # frees admission slots: wake the rollout workers
             run.buffer.mark_dropped(batch_eps, "step_skipped")
             gate.changed.notify_all()
@@ -96,7 +97,7 @@ _TOKEN_COLUMNS = {"trainer_logprobs": "trainer_logprobs_B_T", "entropy": "entrop
                   "clipped": "clipped_B_T"}
 
 
-def attach_token_values(episodes: list[Episode], token_values: dict, step: int) -> None:
+def attach_token_values(episodes: list[Episode], token_values: TokenValues, step: int) -> None:
     """Each episode's slice of the trainer's per-token values (rows in batch order, as `collate` built them),
     and the step that trained it."""
     from forgelab.algos.token_truth import per_episode
@@ -126,7 +127,7 @@ class TokenRate:
         return total / dt if dt > 0 else float("nan")
 
 
-def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: float, t_step: float) -> dict:
+def metrics_row(run: Any, eps: list[Episode], m: StepMetrics, t_train: float, sync_ms: float, t_step: float) -> dict:
     """The per-step metrics row: rewards (total and per part), policy age, lengths, the trainer's metrics,
     throughput, times and the episode counters. Columns are stable: widgets, CSVs and tests read them."""
     now = time.time()
@@ -149,11 +150,10 @@ def metrics_row(run: Any, eps: list[Episode], m: dict, t_train: float, sync_ms: 
     row["policy_age_max"] = max(ages)
     row["completion_len"] = sum(len(ep.completion_ids) for ep in eps) / len(eps)
     row.update(distill_metrics(eps))
-    for k, v in m.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            row[k if k not in row else f"train/{k}"] = float(v)
+    for k, v in m.scalars().items():
+        row[k if k not in row else f"train/{k}"] = v
     # the loss the trainer actually used for this step (a swap applies at a step boundary)
-    row["loss_name"] = str(m.get("loss_name") or run.loss_name)
+    row["loss_name"] = str(m.loss_name or run.loss_name)
     row["tokens_per_s"] = run.token_rate.add(tokens, now)
     row["step_time_s"] = t_step
     row["train_time_s"] = t_train
