@@ -249,12 +249,14 @@ class Run:
     async def spawn(self) -> None:
         """Spawn the processes (and restore `resume_from`) without starting training; `start` calls it."""
         from forgelab.engines.spawn import spawn_parts
+        from forgelab.engines.trainer_client import as_trainer
 
         cfg, loop = self.config, self.loop
         # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
         tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
         try:
             self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
+            parts.trainer = as_trainer(parts.trainer)  # typed calls (forgelab.engines.trainer_client)
         finally:
             await asyncio.gather(tokenizer, return_exceptions=True)
         if tokenizer.exception() is not None:

@@ -809,7 +809,7 @@ def halved_dapo(logprobs_B_T, **kwargs):
 
 def test_a_run_starts_on_a_loss_function_which_reaches_the_trainer_by_value(tmp_path):
     from forgelab.config import ConfigError
-    from forgelab.engines.trainer_support import PackedLoss
+    from forgelab.engines.loss_specs import PackedLoss
 
     cfg = config(tmp_path, steps=2)
     cfg.train.loss = halved_dapo
@@ -835,7 +835,7 @@ def test_a_losses_entry_only_the_notebook_has_is_shipped_not_lost(monkeypatch, t
     from forgelab.algos import LOSSES
     from forgelab.controller.controls import prepare_loss
     from forgelab.engines.spawn import component_configs
-    from forgelab.engines.trainer_support import PackedLoss
+    from forgelab.engines.loss_specs import PackedLoss
 
     monkeypatch.setitem(LOSSES, "halved", halved_dapo)
     cfg = config(tmp_path)

@@ -66,7 +66,7 @@ def test_the_trainer_gives_exactly_the_per_sequence_result_for_a_row_constant_pe
 
     from forgelab.algos.losses import BUILTIN_LOSSES
     from forgelab.config.components import TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     per_seq, per_tok = collate(_episodes(False), pad_id=0), collate(_episodes(True), pad_id=0)
     assert per_seq["advantages_B"].dim() == 1 and per_tok["advantages_B"].dim() == 2

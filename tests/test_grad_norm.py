@@ -1,8 +1,8 @@
-"""forgelab.engines.trainer_support.sum_of_squares: the trainer's gradient norm, checked against float64."""
+"""forgelab.engines.trainer_dist.sum_of_squares: the trainer's gradient norm, checked against float64."""
 import pytest
 import torch
 
-from forgelab.engines.trainer_support import sum_of_squares
+from forgelab.engines.trainer_dist import sum_of_squares
 from numerics import check, fp32_tol
 
 

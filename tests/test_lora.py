@@ -175,7 +175,7 @@ def test_adapter_on_fused_qkv_is_peft_per_projection(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from forgelab.config.components import LoraConfig
-    from forgelab.engines.lora import adapter_config, adapters, add_adapters, adapters_disabled, peft_tensors
+    from forgelab.engines.lora_adapters import adapter_config, adapters, add_adapters, adapters_disabled, peft_tensors
     from forgelab.engines.titan import build_from_hf, to_hf_state_dict
     from forgelab.engines.titan_forward import model_logprobs
     from forgelab.weights.adapter import merge_adapter, write_adapter
@@ -228,7 +228,7 @@ def test_adapter_dropout_is_seeded_and_off_outside_training(model_dir):
     backward pass 2 of a micro-batch agree bit for bit), another seed another; without a seed (rollouts,
     the reference, evaluation) the forward is the plain LoRA forward."""
     from forgelab.config.components import LoraConfig
-    from forgelab.engines.lora import adapters, add_adapters, dropout_seed, step_dropout
+    from forgelab.engines.lora_adapters import adapters, add_adapters, dropout_seed, step_dropout
     from forgelab.engines.titan import build_from_hf
     from forgelab.engines.titan_forward import model_logprobs
 
@@ -260,7 +260,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(model_dir):
     import torch.distributed as dist
 
     from forgelab.config.components import LoraConfig, TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     created = not dist.is_initialized()
     batches = random_batches(105, 2, B=8, seed=0, with_ref=False, shared_prompts=True)

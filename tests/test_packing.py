@@ -146,7 +146,7 @@ def test_auto_packs_only_when_it_runs_fewer_tokens(llama_dir):  # noqa: F811
 
 
 def test_bad_spans_are_named():
-    from forgelab.engines.trainer_support import check_spans
+    from forgelab.engines.contracts import check_spans
 
     tokens = torch.zeros(2, 6, dtype=torch.long)
     with pytest.raises(ValueError, match=r"row 1 has span \(3, 3\)"):
@@ -166,7 +166,7 @@ def test_trainer_step_is_the_same_packed_or_not(llama_dir, tmp_path):  # noqa: F
     import torch.distributed as dist
 
     from forgelab.config.components import TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     created = not dist.is_initialized()
     tokens, spans = _groups(100, seed=4, groups=3, size=4, empty_row=False)

@@ -41,8 +41,8 @@ def test_interleaved_slots_step_exactly_as_separate_trainers(tmp_path):
     import torch.distributed as dist
 
     from forgelab.config.components import LoraConfig, TrainerConfig
-    from forgelab.engines.lora_slots import SlotTable
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_slots import SlotTable
+    from forgelab.engines.trainer_state import TrainerState
 
     created = not dist.is_initialized()
     lora = LoraConfig(enabled=True, rank=4, alpha=8.0)

@@ -14,11 +14,11 @@ distillation); then it is ``[B, T]`` on target positions (0 off the mask), a
 row without them holding its sequence advantage on every trained token. The
 losses take either shape.
 
-    >>> from forgelab.types import Episode
+    >>> from forgelab.types import Episode, TrainBatch
     >>> ep = Episode(id=0, group_id=0, prompt_ids=[1, 2], completion_ids=[3, 4],
     ...              generator_logprobs=[-0.5, -0.25], policy_version=0, advantage=1.0)
     >>> batch = collate([ep], pad_id=0)
-    >>> batch["tokens_B_L"].tolist(), batch["mask_B_T"].tolist(), batch["generator_logprobs_B_T"].tolist()
+    >>> batch.tokens_B_L.tolist(), batch.mask_B_T.tolist(), batch.generator_logprobs_B_T.tolist()
     ([[1, 2, 3, 4]], [[0.0, 1.0, 1.0]], [[0.0, -0.5, -0.25]])
 """
 
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from forgelab.types import Episode
+from forgelab.types import Episode, TrainBatch
 
 __all__ = ["collate"]
 
@@ -49,7 +49,7 @@ def _check(ep: Episode) -> None:
             )
 
 
-def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = None) -> dict[str, torch.Tensor | None]:
+def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = None) -> TrainBatch:
     """Stack episodes into right-padded tensors.
 
     Args:
@@ -59,10 +59,9 @@ def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = No
         pad_to: pad ``L`` up to at least this length (fixed shapes help compiled models).
 
     Returns:
-        ``tokens_B_L`` (int64), ``mask_B_T``, ``generator_logprobs_B_T``,
+        A `forgelab.types.TrainBatch`: ``tokens_B_L`` (int64), ``mask_B_T``, ``generator_logprobs_B_T``,
         ``ref_logprobs_B_T`` (fp32, or None), ``advantages_B`` (fp32, ``[B]``, or ``[B, T]`` when an episode
-        has ``token_advantages``),
-        ``policy_version_B`` and ``episode_id_B`` (int64); ``T = L - 1``.
+        has ``token_advantages``), ``policy_version_B`` and ``episode_id_B`` (int64); ``T = L - 1``.
     """
     if len(episodes) == 0:
         raise ValueError("collate: no episodes; sample a batch from the buffer first")
@@ -100,13 +99,13 @@ def collate(episodes: Sequence[Episode], pad_id: int, *, pad_to: int | None = No
             adv_C = (torch.tensor(ep.token_advantages, dtype=torch.float32) if ep.token_advantages is not None
                      else torch.full((C,), float(ep.advantage)))
             advantages_B_T[b, span] = torch.where(on_C, adv_C, 0.0)
-    return {
-        "tokens_B_L": tokens_B_L,
-        "mask_B_T": mask_B_T,
-        "generator_logprobs_B_T": generator_logprobs_B_T,
-        "ref_logprobs_B_T": ref_logprobs_B_T,
-        "advantages_B": advantages_B_T if advantages_B_T is not None
+    return TrainBatch(
+        tokens_B_L=tokens_B_L,
+        mask_B_T=mask_B_T,
+        generator_logprobs_B_T=generator_logprobs_B_T,
+        ref_logprobs_B_T=ref_logprobs_B_T,
+        advantages_B=advantages_B_T if advantages_B_T is not None
         else torch.tensor([float(ep.advantage) for ep in episodes], dtype=torch.float32),
-        "policy_version_B": torch.tensor([int(ep.policy_version) for ep in episodes], dtype=torch.long),
-        "episode_id_B": torch.tensor([int(ep.id) for ep in episodes], dtype=torch.long),
-    }
+        policy_version_B=torch.tensor([int(ep.policy_version) for ep in episodes], dtype=torch.long),
+        episode_id_B=torch.tensor([int(ep.id) for ep in episodes], dtype=torch.long),
+    )

@@ -61,7 +61,7 @@ def _resolve(loss: Any) -> tuple[str, Callable]:
         if loss not in LOSSES:
             raise LossError(f"unknown loss {loss!r}; registered losses: {sorted(LOSSES)} (or pass a function)")
         return loss, LOSSES[loss]
-    if hasattr(loss, "unpack") and hasattr(loss, "payload"):  # a PackedLoss (forgelab.engines.trainer_core)
+    if hasattr(loss, "unpack") and hasattr(loss, "payload"):  # a PackedLoss (forgelab.engines.trainer_state)
         return getattr(loss, "name", "loss"), loss.unpack()
     if callable(loss):
         return getattr(loss, "__name__", type(loss).__name__), loss

@@ -489,4 +489,4 @@ LOSSES.update({
 
 BUILTIN_LOSSES: dict[str, LossFn] = dict(LOSSES)
 """The losses every forgelab process knows by name. An entry added to (or replaced in) `LOSSES` in one process
-exists there only: it reaches the trainer by value (`forgelab.engines.trainer_support.shipped_loss`)."""
+exists there only: it reaches the trainer by value (`forgelab.engines.loss_specs.shipped_loss`)."""

@@ -151,7 +151,7 @@ async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None, p
     real = statistics.median(int((b["tokens_B_L"] != run.pad_id).sum()) / t for t, b in rows)
     # The same batches through the same step in this process (1 thread), timed by its CPU time too.
     from forgelab.engines.trainer import TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     state = TrainerState.create(TrainerConfig(model_dir=run.config.model.path, lr=run.config.train.lr), 0, 1)
     state.train_step(batches[0])  # warm-up

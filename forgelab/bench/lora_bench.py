@@ -49,7 +49,7 @@ def _trainer_main(model_dir: str, B: int, L: int, steps: int, kind: str) -> None
     torch.set_num_threads(1)
     from forgelab.config.components import LoraConfig
     from forgelab.engines.trainer import TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     lora = kind.startswith("lora")
     cfg = TrainerConfig(model_dir=model_dir, lr=1e-5, device="cpu", lora=LoraConfig(**LORA) if lora else LoraConfig(),

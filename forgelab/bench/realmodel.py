@@ -79,7 +79,7 @@ def _trainer_main(model_dir: str, B: int, L: int, steps: int) -> None:
 
     torch.set_num_threads(2)
     from forgelab.engines.trainer import TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     st = TrainerState.create(TrainerConfig(model_dir=model_dir, lr=1e-5, device="cpu"), 0, 1)
     g = torch.Generator().manual_seed(0)

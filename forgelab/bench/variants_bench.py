@@ -190,7 +190,7 @@ def shared_pass_bound(batch: dict, copies: int = 4, repeats: int = 3) -> dict:
     from forgelab.config.components import LoraConfig
     from forgelab.config.run_config import RunConfig
     from forgelab.engines.trainer import TrainerConfig
-    from forgelab.engines.trainer_core import TrainerState
+    from forgelab.engines.trainer_state import TrainerState
 
     torch.set_num_threads(1)
     big = {k: (torch.cat([v] * copies) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}

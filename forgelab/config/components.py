@@ -66,7 +66,7 @@ def vllm_lora_rank(rank: int) -> int:
 
 @dataclass(kw_only=True)
 class LoraConfig:
-    """LoRA adapters instead of full fine-tuning (forgelab.engines.lora); off unless ``enabled``.
+    """LoRA adapters instead of full fine-tuning (forgelab.engines.lora_adapters); off unless ``enabled``.
 
     With LoRA the trainer trains (and checkpoints) only the adapters, a weight push sends only the adapter
     (PEFT format) and the generator serves it with vLLM's LoRA support on top of the unchanged base.
@@ -327,7 +327,7 @@ class TrainerConfig:
     """Folder (a tmpfs) for ``"auto"``'s per-trainer weights directory; None: ``/dev/shm`` (no fast path
     when it is missing). The directory is removed when the trainer process exits."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """With ``lora.enabled``: train LoRA adapters on the frozen base (forgelab.engines.lora)."""
+    """With ``lora.enabled``: train LoRA adapters on the frozen base (forgelab.engines.lora_adapters)."""
     activation_checkpointing: bool | str = "auto"
     """Keep only each decoder block's input for backward and recompute the block there: activation memory
     drops from every layer's intermediates to one block's, for about one more forward pass per step.

@@ -107,8 +107,8 @@ async def save(p: CheckpointParts, path: str | Path | None = None, *, trainer: b
     path = Path(path) if path else p.out_dir / "checkpoints" / f"step_{loop.step:06d}"
     path.mkdir(parents=True, exist_ok=True)
     if trainer:
-        await p.trainer.call("save", str(path / "trainer"))
-    info = (await p.trainer.call("info"))[0] if hasattr(p.trainer, "call") else {}
+        await p.trainer.save(str(path / "trainer"))
+    info = await p.trainer.info()
     state = {
         "step": loop.step, "version": loop.version, "stream": p.stream.state_dict(),
         "buffer": p.buffer.state_dict(), "reward_weights": p.rewards.composer.weights,
@@ -121,7 +121,7 @@ async def save(p: CheckpointParts, path: str | Path | None = None, *, trainer: b
         **p.rollouts.counters(),  # next episode/group ids; a teacher run's kept equal-reward episodes
         "accuracy_history": p.evaluator.history,
         # per-rank SHA-256 of parameters and optimizer state: a restore is checked against it
-        "trainer_fingerprint": await p.trainer.call("fingerprint"),
+        "trainer_fingerprint": await p.trainer.fingerprint(),
     }
     (path / "controller.json").write_text(json.dumps(state))
     (path.parent / "LATEST").write_text(path.name)
@@ -137,8 +137,7 @@ async def restore(p: CheckpointParts, path: str | Path) -> None:
     # rebuild the rewards first: a reward that cannot be restored fails before the trainer is touched
     rewards = rewards_from_state(state["rewards"]) if "rewards" in state else None
     on_disk = (path / "trainer").is_dir()
-    loaded = await (p.trainer.call("load", str(path / "trainer")) if on_disk else p.trainer.call("info"))
-    info = loaded[0] if isinstance(loaded, (list, tuple)) and loaded else (loaded or {})
+    info = await (p.trainer.load(str(path / "trainer")) if on_disk else p.trainer.info())
     # the trainer restored its own loss (name, function, kwargs); the controller only mirrors the name
     loss = info.get("loss") if isinstance(info, dict) else None
     p.loop.restore_position(state["step"], state["version"], loss or None)
@@ -150,7 +149,7 @@ async def restore(p: CheckpointParts, path: str | Path) -> None:
     p.evaluator.restore(state.get("accuracy_history", []))
     if p.loop.version > 0:
         await p.loop.push_weights()
-    saved_fp, fp = state.get("trainer_fingerprint"), await p.trainer.call("fingerprint")
+    saved_fp, fp = state.get("trainer_fingerprint"), await p.trainer.fingerprint()
     # world size may differ on resume (shards differ then): compare only like with like
     match = fp == saved_fp if saved_fp is not None and len(saved_fp) == len(fp) else None
     if not on_disk and not match:

@@ -113,7 +113,7 @@ def prepare_loss(config: Any, loss: str | Callable, loss_kwargs: dict) -> tuple[
             raise LossSwapRefused(str(e)) from None
         if note is not None:
             log.warning("forgelab: %s", note)
-    from forgelab.engines.trainer_support import shipped_loss
+    from forgelab.engines.loss_specs import shipped_loss
 
     # a built-in travels by name; a function, or a LOSSES entry only this process has, by value
     return name, shipped_loss(loss), loss_kwargs

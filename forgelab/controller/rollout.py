@@ -425,6 +425,7 @@ class Rollouts:
 
     async def _service_logprobs(self, service: Any, eps: list[Episode], what: str) -> list[list[float]]:
         """Each episode's completion-token logprobs under `service` (the reference or the teacher)."""
+        from forgelab.engines.trainer_client import ReferenceClient
         from forgelab.runtime.service import NoHealthyReplicaError, ReplicaFailedError
 
         rows = [ep.prompt_ids + ep.completion_ids for ep in eps]
@@ -435,12 +436,12 @@ class Rollouts:
         spans_B_2 = torch.tensor([[len(ep.prompt_ids), len(x)] if ep.completion_ids else [0, 0]
                                   for ep, x in zip(eps, rows)], dtype=torch.long)
         try:
-            lp = await service.route("logprobs", tokens_B_L, spans_B_2)
+            lp = await ReferenceClient(service).logprobs(tokens_B_L, spans_B_2)
         except (NoHealthyReplicaError, ReplicaFailedError) as e:
             # the service died and is being respawned: wait for it rather than lose these episodes
             self.bus.emit(f"{what}_wait", message=f"{type(e).__name__}: {str(e)[:300]}")
             await service.wait_healthy(count=1, timeout=600)
-            lp = await service.route("logprobs", tokens_B_L, spans_B_2)
+            lp = await ReferenceClient(service).logprobs(tokens_B_L, spans_B_2)
         lp_B_L = torch.as_tensor(lp)
         return [lp_B_L[i, len(ep.prompt_ids) - 1: len(ep.prompt_ids) - 1 + len(ep.completion_ids)].tolist()
                 for i, ep in enumerate(eps)]

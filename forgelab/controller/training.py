@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from forgelab.algos.batching import collate
 from forgelab.controller.generator_meter import GeneratorMeter
+from forgelab.engines.contracts import StepMetrics, TokenValues
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.training")
@@ -98,13 +99,13 @@ class TrainingLoop:
         if not self._bound:
             raise RuntimeError("set_loss: the run has no processes yet (await run.start() or run.spawn() first)")
         if self.last_batch is not None:
-            report = (await self.trainer.call("dry_run_loss", packed, self.last_batch, loss_kwargs))[0]
-            if not report.get("ok"):
-                self.bus.emit("loss_refused", loss=name, reason=report.get("reason"))
-                raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.get('reason')}; "
+            report = await self.trainer.dry_run_loss(packed, self.last_batch, loss_kwargs)
+            if not report.ok:
+                self.bus.emit("loss_refused", loss=name, reason=report.reason)
+                raise LossSwapRefused(f"loss {name!r} refused on the last batch: {report.reason}; "
                                       "the old loss keeps training")
         applies_at = self.step + (2 if self.training_in_flight else 1)
-        await self.trainer.call("set_loss", packed, loss_kwargs)
+        await self.trainer.set_loss(packed, loss_kwargs)
         self.loss_name = name
         return applies_at
 
@@ -148,14 +149,14 @@ class TrainingLoop:
         self.last_batch = batch
         self.training_in_flight = True
         try:
-            m = dict((await self.trainer.call("train_step", batch))[0])
+            m = await self.trainer.train_step(batch)
             # the trainer's view of each token it trained; fetched while the step still counts as in flight, so
             # a loss swap made meanwhile is promised to the step after this one (no await between here and step += 1)
-            token_values = None if m.get("skipped") else (await self.trainer.call("token_values"))[0]
+            token_values = None if m.skipped else await self.trainer.token_values()
         finally:
             self.training_in_flight = False
-        if m.get("skipped"):
-            reason = str(m.get("skip_reason", "skipped"))
+        if m.skipped:
+            reason = m.skip_reason or "skipped"
             async with gate.changed:  # frees admission slots: wake the rollout workers
                 self.buffer.mark_dropped(batch_eps, "step_skipped")
                 gate.changed.notify_all()
@@ -193,7 +194,7 @@ _TOKEN_COLUMNS = {"trainer_logprobs": "trainer_logprobs_B_T", "entropy": "entrop
                   "clipped": "clipped_B_T"}
 
 
-def attach_token_values(episodes: list[Episode], token_values: dict, step: int) -> None:
+def attach_token_values(episodes: list[Episode], token_values: TokenValues, step: int) -> None:
     """Each episode's slice of the trainer's per-token values (rows in batch order, as `collate` built them),
     and the step that trained it."""
     from forgelab.algos.token_truth import per_episode
@@ -236,7 +237,7 @@ class StepFacts:
         self.env, self.tokens, self.counts, self.zero_variance_kept = env, tokens, counts, zero_variance_kept
 
 
-def metrics_row(f: StepFacts, eps: list[Episode], m: dict, token_rate: TokenRate, t_train: float, sync_ms: float,
+def metrics_row(f: StepFacts, eps: list[Episode], m: StepMetrics, token_rate: TokenRate, t_train: float, sync_ms: float,
                 t_step: float) -> dict:
     """The per-step metrics row: rewards (total and per part), policy age, lengths, the trainer's metrics,
     throughput, times and the episode counters. Columns are stable: widgets, CSVs and tests read them."""
@@ -258,11 +259,10 @@ def metrics_row(f: StepFacts, eps: list[Episode], m: dict, token_rate: TokenRate
     row["policy_age_max"] = max(ages)
     row["completion_len"] = sum(len(ep.completion_ids) for ep in eps) / len(eps)
     row.update(distill_metrics(eps))
-    for k, v in m.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            row[k if k not in row else f"train/{k}"] = float(v)
+    for k, v in m.scalars().items():
+        row[k if k not in row else f"train/{k}"] = v
     # the loss the trainer actually used for this step (a swap applies at a step boundary)
-    row["loss_name"] = str(m.get("loss_name") or f.loss_name)
+    row["loss_name"] = str(m.loss_name or f.loss_name)
     row["tokens_per_s"] = token_rate.add(f.tokens, now)
     row["step_time_s"] = t_step
     row["train_time_s"] = t_train

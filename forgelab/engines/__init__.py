@@ -1,9 +1,19 @@
 """Engines: the processes a run uses and the actors in them.
 
     Generator (vLLM)            forgelab.engines.generator
-    Trainer, ReferenceModel     forgelab.engines.trainer  (torchtitan: titan, trainer_core, trainer_support)
+    Trainer, ReferenceModel     forgelab.engines.trainer  (the actors)
+      their contract            forgelab.engines.contracts (TrainBatch, StepMetrics, AdamParams, ...),
+                                forgelab.engines.trainer_client (TrainerClient, ReferenceClient, TrainerAPI)
+      the state and the step    forgelab.engines.trainer_state (torchtitan: titan*), trainer_optim (schedule,
+                                AdamW hyperparameters), trainer_dist (process group, norms, RNG), loss_specs
+                                (losses by name or by value), loss_compare (a loss A/B on one batch)
+      adapter slots             forgelab.engines.trainer_slots (SlotTable, SlotTrainer)
     spawn_parts, ProcessPool    forgelab.engines.spawn, forgelab.engines.pool
-    LoRA adapters, export       forgelab.engines.lora, forgelab.engines.export (export_checkpoint)
+    LoRA adapters, export       forgelab.engines.lora_adapters, forgelab.engines.export (export_checkpoint)
+
+Renamed in issue #38 (the old paths import with a DeprecationWarning for one release): trainer_core ->
+trainer_state, trainer_support -> loss_specs / trainer_optim / trainer_dist / contracts, lora -> lora_adapters,
+lora_slots -> trainer_slots, loss_eval -> loss_compare.
 
 Actors are thin: an endpoint validates its input and calls an engine (vLLM, a `TrainerState`); placement
 is decided by `spawn_parts` from the config, never inside an actor. Names load lazily (vLLM, torchtitan).
@@ -15,7 +25,12 @@ _LAZY = {
     "VLLMEngine": "forgelab.engines.generator",
     "Trainer": "forgelab.engines.trainer",
     "ReferenceModel": "forgelab.engines.trainer",
-    "TrainerState": "forgelab.engines.trainer_core",
+    "TrainerState": "forgelab.engines.trainer_state",
+    "TrainerClient": "forgelab.engines.trainer_client",
+    "ReferenceClient": "forgelab.engines.trainer_client",
+    "TrainBatch": "forgelab.engines.contracts",
+    "StepMetrics": "forgelab.engines.contracts",
+    "AdamParams": "forgelab.engines.contracts",
     "Parts": "forgelab.engines.spawn",
     "spawn_parts": "forgelab.engines.spawn",
     "ProcessPool": "forgelab.engines.pool",

@@ -55,7 +55,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from forgelab.engines.lora import adapter_config, adapter_state_dict, add_adapters, base_hash, merged_hf_state_dict, peft_tensors
+    from forgelab.engines.lora_adapters import adapter_config, adapter_state_dict, add_adapters, base_hash, merged_hf_state_dict, peft_tensors
     from forgelab.engines.titan import build_from_hf, save_hf, to_hf_state_dict
     from forgelab.weights.adapter import write_adapter
 

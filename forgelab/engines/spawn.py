@@ -87,7 +87,7 @@ async def _shutdown_job_hosts(job: Any, timeout: float = 30.0) -> None:
 def component_configs(cfg: RunConfig) -> dict[str, Any]:
     """The config object each component is spawned with: {"generator", "trainer", "reference", "envs"}."""
     from forgelab.algos.loss_checks import completion_budget, with_completion_budget, without_reference
-    from forgelab.engines.trainer_support import shipped_loss
+    from forgelab.engines.loss_specs import shipped_loss
 
     cc = {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
     t = cc["trainer"]  # dr_grpo normalises by the completion budget unless loss_kwargs set max_tokens

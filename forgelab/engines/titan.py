@@ -408,7 +408,7 @@ def titan_to_hf(titan_sd: dict[str, torch.Tensor], ckpt: TitanCheckpoint) -> dic
         if not mapped:
             unmapped.append(key)
     if unmapped:
-        hint = (" (LoRA adapters: export them with forgelab.engines.lora.peft_tensors, or merge them with "
+        hint = (" (LoRA adapters: export them with forgelab.engines.lora_adapters.peft_tensors, or merge them with "
                 "merged_hf_state_dict)" if any(".lora." in k for k in unmapped) else "")
         raise ValueError(f"{len(unmapped)} torchtitan parameters have no HF name in the {ckpt.family} adapter, "
                          f"e.g. {unmapped[:4]}; refusing to export part of the model{hint}")

@@ -1,11 +1,14 @@
 """Trainer and reference model: torchtitan models in Monarch actors, FSDP2 across the trainer's processes.
 
-    trainer = await Trainer.options(procs=2).as_actor(TrainerConfig(model_dir=..., lr=1e-5))
-    metrics = (await trainer.call("train_step", batch))[0]   # every rank gets the global batch
-    await trainer.call("set_loss", my_loss, {"eps_high": 0.28})  # live from the next step
-    await trainer.call("push_weights", version, [gen.actor for gen in healthy])
-    ref = await ReferenceModel.options(procs=1).as_actor(ReferenceConfig(model_dir=...))
-    ref_logprobs_B_T = await ref.call_one("logprobs", batch["tokens_B_L"])
+    trainer = TrainerClient(await Trainer.options(procs=2).as_actor(TrainerConfig(model_dir=..., lr=1e-5)))
+    metrics = await trainer.train_step(batch)                 # StepMetrics; every rank gets the global TrainBatch
+    await trainer.forward_backward(batch); await trainer.optim_step(AdamParams(lr=1e-5))   # the same, in pieces
+    await trainer.set_loss(my_loss, {"eps_high": 0.28})       # live from the next step
+    await trainer.push_weights(version, [gen.actor for gen in healthy])
+    ref = ReferenceClient(await ReferenceModel.options(procs=1).as_actor(ReferenceConfig(model_dir=...)))
+    ref_logprobs_B_T = await ref.logprobs(batch.tokens_B_L)
+
+The typed objects are in `forgelab.engines.contracts`, the typed clients in `forgelab.engines.trainer_client`.
 
 **One global loss, whatever its normalisation.** Every rank receives the
 whole batch (``forgelab.algos.batching.collate``) and runs the model on its
@@ -30,8 +33,13 @@ the LR schedule do not step, and the metrics are
 ``{"skipped": 1, "skip_reason": ...}``. The ranks all-reduce the decision, so
 they stay in lock step and FSDP never waits on a rank that bailed out.
 
-**Loss hot swap.** ``set_loss`` stores the new loss; ``train_step`` picks it
-up at its start, so a step never mixes two losses. Monarch pickles arguments
+**The step in pieces.** ``forward_backward`` (gradients accumulate across calls), ``optim_step`` (per-call
+AdamW hyperparameters or the schedule) and ``forward_logprobs``; ``train_step`` is the two first in
+sequence in one call, bit for bit (`forgelab.engines.trainer_state`). A skipped ``forward_backward``
+discards the whole accumulation window; an ``optim_step`` with nothing accumulated is skipped.
+
+**Loss hot swap.** ``set_loss`` stores the new loss; ``train_step`` (or the first ``forward_backward``
+after an optimizer step) picks it up at its start, so a step never mixes two losses. Monarch pickles arguments
 with cloudpickle, which sends functions defined in ``__main__`` (a notebook
 cell, a script) by value: passing the function itself works. ``pack_loss`` is
 there for callers that want the bytes explicitly (e.g. to store them).
@@ -44,13 +52,12 @@ only a handle, maps the file and reloads from it; generators that cannot see the
 file get the tensors in a Monarch message, which pickles the whole state dict
 once per generator (``weight_transport="message"`` does that for all).
 
-The state and the step itself (no actors) live in ``forgelab.engines.trainer_core``.
+The state and the step itself (no actors) live in ``forgelab.engines.trainer_state``.
 """
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -60,16 +67,14 @@ from monarch.actor import endpoint
 from forgelab.config.components import WEIGHT_TRANSPORTS, ReferenceConfig, TrainerConfig  # noqa: F401 -- re-exported
 from forgelab.runtime.component import ActorHandle, Component, Configured, Placement
 from forgelab.weights.sender import WeightSender
-from forgelab.engines.trainer_core import (
-    PackedLoss,
-    TrainerState,
-    WarmupCosine,
-    check_spans,
+from forgelab.engines.contracts import (
+    AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, WeightPush, check_spans,
     check_tokens,
-    pack_loss,
-    resolve_device,
-    resolve_loss,
 )
+from forgelab.engines.loss_specs import LossSpec, PackedLoss, pack_loss, resolve_loss
+from forgelab.engines.trainer_dist import resolve_device
+from forgelab.engines.trainer_optim import WarmupCosine, set_schedule_peak
+from forgelab.engines.trainer_state import TrainerState
 
 __all__ = [
     "TrainerConfig",
@@ -82,6 +87,9 @@ __all__ = [
     "WarmupCosine",
     "free_port",
     "resolve_loss",
+    "TrainBatch",
+    "StepMetrics",
+    "AdamParams",
 ]
 
 # --- configuration ------------------------------------------------------------
@@ -168,10 +176,7 @@ class Trainer(Component):
         """Make ``lr`` the peak learning rate from now on, keeping the schedule's position; returns the current lr."""
         s = self.state
         self.config = s.config = replace(s.config, lr=float(lr))
-        s.scheduler.base_lrs = [float(lr)] * len(s.optimizer.param_groups)
-        for g, f in zip(s.optimizer.param_groups, s.scheduler.lr_lambdas):
-            g["initial_lr"], g["lr"] = float(lr), float(lr) * f(s.scheduler.last_epoch)
-        return float(s.optimizer.param_groups[0]["lr"])
+        return set_schedule_peak(s.optimizer, s.scheduler, lr)
 
     @endpoint
     async def info(self) -> dict[str, Any]:
@@ -181,27 +186,44 @@ class Trainer(Component):
     # -- training --------------------------------------------------------------
 
     @endpoint
-    async def train_step(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """One optimizer step on the global ``batch`` (this rank trains its block of rows); returns metrics."""
+    async def train_step(self, batch: TrainBatch) -> StepMetrics:
+        """One optimizer step on the global ``batch`` (this rank trains its block of rows): `forward_backward`
+        with the current loss, then `optim_step` with the schedule, in one call."""
         return self.state.train_step(batch)
 
     @endpoint
-    async def set_loss(self, fn_or_name: str | Callable | PackedLoss, loss_kwargs: dict | None = None) -> str:
+    async def forward_backward(self, batch: TrainBatch, loss: LossSpec | None = None,
+                               loss_kwargs: dict[str, Any] | None = None) -> LossReport:
+        """Add ``loss``'s gradient on ``batch`` to the accumulated gradients (None: the current loss); see
+        `TrainerState.forward_backward`."""
+        return self.state.forward_backward(batch, loss, loss_kwargs)
+
+    @endpoint
+    async def optim_step(self, adam: AdamParams | None = None) -> OptimReport:
+        """AdamW step on the accumulated gradients with ``adam``'s hyperparameters (None: the schedule's)."""
+        return self.state.optim_step(adam)
+
+    @endpoint
+    async def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The current policy's ``logprobs_B_T`` on ``batch``'s trained positions (float32, CPU, no grad)."""
+        return self.state.forward_logprobs(batch)
+
+    @endpoint
+    async def set_loss(self, fn_or_name: LossSpec, loss_kwargs: dict[str, Any] | None = None) -> str:
         """Make ``fn_or_name`` (with ``loss_kwargs``, default none) the loss from the next ``train_step``; returns its name."""
         return self.state.set_loss(fn_or_name, loss_kwargs)
 
     @endpoint
-    async def dry_run_loss(
-        self, fn_or_name: str | Callable | PackedLoss, batch: dict[str, Any], loss_kwargs: dict | None = None
-    ) -> dict[str, Any]:
-        """Forward + loss + backward on ``batch`` with nothing changed after; ``{"ok", "reason", "loss", "metrics"}``."""
+    async def dry_run_loss(self, fn_or_name: LossSpec, batch: TrainBatch,
+                           loss_kwargs: dict[str, Any] | None = None) -> DryRunReport:
+        """Forward + loss + backward on ``batch`` with nothing changed after."""
         return self.state.dry_run_loss(fn_or_name, batch, loss_kwargs)
 
     @endpoint
     async def compare_losses(self, specs: list, batch: dict[str, Any]) -> dict[str, Any]:
         """Each loss's value, grad norm and metrics on ``batch`` and the pairwise gradient cosines; nothing changes
-        (see `forgelab.engines.loss_eval.compare_on_state`)."""
-        from forgelab.engines.loss_eval import compare_on_state
+        (see `forgelab.engines.loss_compare.compare_on_state`)."""
+        from forgelab.engines.loss_compare import compare_on_state
 
         return compare_on_state(self.state, specs, batch)
 
@@ -223,7 +245,7 @@ class Trainer(Component):
         return sd if self.state.rank == 0 else {}
 
     @endpoint
-    async def push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> dict[str, Any]:
+    async def push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> WeightPush:
         """Gather the HF weights (with LoRA: the adapter only, PEFT names) and load them into each generator mesh
         as ``version``.
 
@@ -233,15 +255,13 @@ class Trainer(Component):
         once to shared memory and calls each generator's
         ``update_weights_shared(handle)``; a generator that cannot see the file (or
         has no such endpoint) gets ``update_weights(version, weights)`` instead, as
-        every generator does with ``"message"``. Returns ``{"version", "gather_ms",
-        "write_ms", "send_ms", "bytes", "sent", "failed": {index: error}, "transport":
-        "shm" | "message" | "mixed" | "none", "transports": [per generator: "shm",
-        "message" or None when failed], "fallback": {index: why not shm}}``.
+        every generator does with ``"message"``. Returns a `WeightPush` (times, bytes, per-generator transports,
+        failures by position in ``generators``).
         """
         out = await self._sender.push(self.state.push_state_dict, self.state.rank == 0, int(version), generators,
                                       transport or self.config.weight_transport)
         self.state.policy_version = int(version)
-        return out
+        return WeightPush.of(out)
 
     @endpoint
     async def export_hf(self, path: str) -> str:
@@ -276,10 +296,10 @@ class Trainer(Component):
         return self.state.fingerprint()
 
     @endpoint
-    async def token_values(self) -> dict[str, Any] | None:
-        """The last trained batch's per-token values (`forgelab.engines.trainer_support.token_values_of`: trainer
+    async def token_values(self) -> TokenValues | None:
+        """The last trained batch's per-token values (`forgelab.engines.contracts.token_values_of`: trainer
         logprobs before the update, entropy, IS weights, clipped, mask; CPU ``[B, T]``); None before any step."""
-        return getattr(self.state, "token_values", None)
+        return self.state.token_values
 
 
 class ReferenceModel(Component):

@@ -4,7 +4,7 @@
     report.table                      # one row per loss: loss, grad_norm, clip_frac, ... (pandas)
     report.cosine                     # pairwise cosine similarity of the parameter gradients (pandas)
 
-The trainer computes it (`Trainer.compare_losses` -> `forgelab.engines.loss_eval.compare_on_state`): for
+The trainer computes it (`Trainer.compare_losses` -> `forgelab.engines.loss_compare.compare_on_state`): for
 each loss, the same forward/loss/backward the train step runs
 (`TrainerState.forward_loss_backward`, so a multi-process trainer gives the
 global-batch gradient), a copy of the resulting gradient, then the gradients are
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from forgelab.engines.loss_eval import CURRENT_LOSS, loss_spec
+from forgelab.engines.loss_compare import CURRENT_LOSS, loss_spec
 from forgelab.controller.facade import RunFacade
 
 __all__ = ["compare_losses", "LossComparison"]

@@ -12,7 +12,7 @@ What is shared and what is not. The processes: one generator service (`SlotGener
 and one trainer (`SlotTrainer`), plus the reference service when the config has one. Each attached `Run`
 keeps everything else of its own (buffer, rewards, loss, schedule, data position, event log, run
 directory, tracker), and in the processes its own slot: adapter weights, optimizer state, schedule and
-loss in the trainer (`forgelab.engines.lora_slots`), adapter and version in the generator
+loss in the trainer (`forgelab.engines.trainer_slots`), adapter and version in the generator
 (`forgelab.weights.adapter_slots`). The generator batches all runs' requests together; a run's weight push
 replaces its own adapter only and stops no one's generation. The trainer steps one run's batch at a time
 (N runs: N trainer steps, the base forward/backward is not shared between runs).
@@ -92,7 +92,7 @@ class SharedEngines:
         return self
 
     async def _spawn(self) -> None:
-        from forgelab.engines.lora_slots import SlotTrainer
+        from forgelab.engines.trainer_slots import SlotTrainer
         from forgelab.engines.slot_generator import SlotGenerator
         from forgelab.engines.spawn import Parts, component_configs, reference_process, start_all
         from forgelab.engines.trainer import ReferenceModel

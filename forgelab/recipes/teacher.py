@@ -43,7 +43,7 @@ def teacher_cache_dir(cache: str | os.PathLike | None = None) -> Path:
 
 
 def _key(base: str, steps: int, seed: int) -> str:
-    from forgelab.engines.lora import base_hash
+    from forgelab.engines.lora_adapters import base_hash
 
     spec = {"base": base_hash(base), "steps": steps, "seed": seed, "task": "addition", "recipe": RECIPE_VERSION}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

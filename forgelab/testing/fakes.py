@@ -9,10 +9,11 @@
   replicas whose `generate(prompt_ids_P, n, sampling, seeds)` answers
   `Completion`s stamped with the weights version the replica serves. Like the real
   service, a `generate` that hits a dead replica is retried on a healthy one.
-- `FakeTrainer` answers `call(endpoint, ...)` like the trainer actor (one result per
-  rank): `train_step` (metrics with the loss it used; a swap lands between steps),
+- `FakeTrainer` implements the trainer's typed API (`forgelab.engines.trainer_client.TrainerAPI`):
+  `train_step` (`StepMetrics` with the loss it used; a swap lands between steps),
   `push_weights` (sets each replica's version), `set_loss`, `dry_run_loss`, `save`,
-  `load`, `fingerprint`, `info`. `hold()` / `release()` keep a step in flight.
+  `load`, `fingerprint`, `info`; `call(endpoint, ...)` answers like an actor handle.
+  `hold()` / `release()` keep a step in flight.
 - `FakeReference` answers `route("logprobs", tokens_B_L, spans_B_2)` with zeros.
 
 The real actors are tested on real processes (tests/test_generator.py, test_trainer.py, ...).
@@ -24,12 +25,17 @@ import functools
 import random
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Awaitable, Callable
 
 import torch
 
+from forgelab.engines.loss_specs import LossSpec
+from forgelab.engines.trainer_client import Fingerprint, TrainerAPI, TrainerInfo
 from forgelab.runtime.replicas import NoHealthyReplicaError, ReplicaStatus, ServiceEvent
-from forgelab.types import Completion
+from forgelab.types import (
+    AdamParams, Completion, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, WeightPush,
+)
 
 __all__ = ["FakeGenerator", "FakeGenerators", "FakeTrainer", "FakeReference", "FakeEnvs", "FakeParts", "fake_generators", "fake_spawn"]
 
@@ -158,15 +164,20 @@ class FakeGenerators:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class FakeTrainer:
-    """The trainer actor's endpoints, in process. `skip_when(loss_name)` -> True makes a step skipped."""
+class FakeTrainer(TrainerAPI):
+    """The trainer's typed endpoints (`forgelab.engines.trainer_client.TrainerAPI`), in process.
+
+    A step's loss is ``-mean|advantage|``; a loss named in ``skip_losses`` skips its steps. ``call(endpoint, ...)``
+    answers like an actor handle (one result per rank) for callers that still name endpoints."""
 
     def __init__(self, loss: str = "grpo", skip_losses: tuple[str, ...] = ()):
-        self.loss, self.loss_kwargs = loss, {}
-        self._pending: tuple[Any, dict] | None = None
+        self.loss: LossSpec = loss
+        self.loss_kwargs: dict[str, object] = {}
+        self._pending: tuple[LossSpec, dict[str, object]] | None = None
         self.skip_losses = skip_losses
-        self.steps: list[dict] = []  # per train_step: the loss used and the batch's episode count
+        self.steps: list[dict[str, object]] = []  # per train_step: the loss used and the batch's episode count
         self.pushes: list[tuple[int, list[int]]] = []  # (version, replica indices)
+        self.restored_steps = 0
         self.in_step = asyncio.Event()
         self._gate = asyncio.Event()
         self._gate.set()
@@ -179,9 +190,12 @@ class FakeTrainer:
         self._gate.set()
 
     async def call(self, endpoint: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [await getattr(self, "_" + endpoint)(*args, **kwargs)]
+        return [await getattr(self, endpoint)(*args, **kwargs)]
 
-    async def _train_step(self, batch: dict) -> dict:
+    def _loss_name(self) -> str:
+        return self.loss if isinstance(self.loss, str) else getattr(self.loss, "name", "custom")
+
+    async def train_step(self, batch: TrainBatch) -> StepMetrics:
         if self._pending is not None:  # a swap lands between steps
             self.loss, self.loss_kwargs = self._pending
             self._pending = None
@@ -190,55 +204,77 @@ class FakeTrainer:
             await self._gate.wait()
         finally:
             self.in_step.clear()
-        name = self.loss if isinstance(self.loss, str) else getattr(self.loss, "name", "custom")
-        self.steps.append({"loss": name, "episodes": int(batch["tokens_B_L"].shape[0])})
+        batch = TrainBatch.coerce(batch)
+        name = self._loss_name()
+        self.steps.append({"loss": name, "episodes": int(batch.tokens_B_L.shape[0])})
+        step = self.restored_steps + len([s for s in self.steps if s["loss"] not in self.skip_losses])
         if name in self.skip_losses:
-            return {"skipped": True, "skip_reason": f"loss {name} is non-finite", "loss_name": name}
-        adv = batch["advantages_B"].float()
-        return {"loss": float(-adv.abs().mean()), "grad_norm": 1.0, "loss_name": name}
+            return StepMetrics(step=step, lr=0.0, step_time_s=0.0, skipped=True,
+                               skip_reason=f"loss {name} is non-finite", loss_name=name)
+        adv = batch.advantages_B.float()
+        return StepMetrics(step=step, lr=0.0, step_time_s=0.0, loss=float(-adv.abs().mean()), grad_norm=1.0,
+                           loss_name=name)
 
-    async def _push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> dict:
-        failed = {}
+    async def forward_backward(self, batch: TrainBatch, loss: LossSpec | None = None,
+                               loss_kwargs: Mapping[str, object] | None = None) -> LossReport:
+        adv = TrainBatch.coerce(batch).advantages_B.float()
+        return LossReport(loss=float(-adv.abs().mean()), loss_name=self._loss_name(), grad_norm=1.0, accumulated=1)
+
+    async def optim_step(self, adam: AdamParams | None = None) -> OptimReport:
+        return OptimReport(step=self.restored_steps + len(self.steps), lr=0.0 if adam is None else adam.lr,
+                           grad_norm=1.0, scheduled=adam is None)
+
+    async def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return torch.zeros_like(TrainBatch.coerce(batch).mask_B_T)
+
+    async def logprobs(self, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.zeros(tokens_B_L.shape, dtype=torch.float32)
+
+    async def push_weights(self, version: int, generators: Sequence[Any], transport: str | None = None) -> WeightPush:
+        failed: dict[int, str] = {}
         for g in generators:
             g.version = int(version)
             g.loaded.append(int(version))
         self.pushes.append((int(version), [getattr(g, "index", -1) for g in generators]))
-        return {"version": int(version), "gather_ms": 1.0, "write_ms": 0.5, "send_ms": 2.0, "bytes": 1024,
-                "sent": len(generators) - len(failed), "failed": failed, "transport": "shm"}
+        return WeightPush(version=int(version), gather_ms=1.0, write_ms=0.5, send_ms=2.0, bytes=1024,
+                          sent=len(generators) - len(failed), failed=failed, transport="shm")
 
-    async def _set_loss(self, loss: Any, loss_kwargs: dict | None = None) -> str:
+    async def set_loss(self, loss: LossSpec, loss_kwargs: Mapping[str, object] | None = None) -> str:
         self._pending = (loss, dict(loss_kwargs or {}))
         return loss if isinstance(loss, str) else "custom"
 
-    async def _dry_run_loss(self, loss: Any, batch: dict, loss_kwargs: dict | None = None) -> dict:
-        return {"ok": "fail" not in (loss_kwargs or {}), "reason": "asked to fail"}
+    async def dry_run_loss(self, loss: LossSpec, batch: TrainBatch,
+                           loss_kwargs: Mapping[str, object] | None = None) -> DryRunReport:
+        ok = "fail" not in (loss_kwargs or {})
+        return DryRunReport(ok=ok, reason="" if ok else "asked to fail")
 
-    async def _info(self) -> dict:
-        return {"loss": self.loss if isinstance(self.loss, str) else "custom", "loss_kwargs": self.loss_kwargs}
+    async def info(self) -> TrainerInfo:
+        return TrainerInfo(loss=self.loss if isinstance(self.loss, str) else "custom",
+                           loss_kwargs=dict(self.loss_kwargs))
 
-    async def _token_values(self) -> None:
+    async def token_values(self) -> TokenValues | None:
         return None  # the fake computes no logprobs: no per-token view
 
-    async def _fingerprint(self) -> dict:
-        return {"steps": getattr(self, "restored_steps", 0) + len(self.steps)}
+    async def fingerprint(self) -> list[Fingerprint]:
+        return [Fingerprint(step=self.restored_steps + len(self.steps))]
 
-    async def _save(self, path: str) -> str:
+    async def save(self, path: str) -> str:
         """Write the fake's state (its step count) as the real trainer writes its DCP directory."""
         import json
         import os
 
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "fake_trainer.json"), "w") as f:
-            json.dump({"steps": getattr(self, "restored_steps", 0) + len(self.steps)}, f)
+            json.dump({"steps": self.restored_steps + len(self.steps)}, f)
         return path
 
-    async def _load(self, path: str) -> dict:
+    async def load(self, path: str) -> TrainerInfo:
         import json
         import os
 
         with open(os.path.join(path, "fake_trainer.json")) as f:
             self.restored_steps = int(json.load(f)["steps"]) - len(self.steps)
-        return await self._info()
+        return await self.info()
 
     async def shutdown(self) -> None:
         pass
@@ -255,7 +291,7 @@ class FakeReference:
 
     async def route(self, endpoint: str, tokens_B_L: torch.Tensor, spans_B_2: torch.Tensor | None = None
                     ) -> torch.Tensor:
-        from forgelab.engines.trainer_support import check_spans
+        from forgelab.engines.contracts import check_spans
 
         check_spans(spans_B_2, tokens_B_L)
         self.calls += 1

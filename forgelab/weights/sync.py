@@ -12,10 +12,20 @@ long each part took.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-__all__ = ["PushReport", "WeightSync"]
+from forgelab.types import WeightPush
+
+__all__ = ["PushReport", "WeightSync", "PushesWeights"]
+
+
+class PushesWeights(Protocol):
+    """The part of the trainer a weight sync uses (`forgelab.engines.trainer_client.TrainerAPI` has it)."""
+
+    async def push_weights(self, version: int, generators: Sequence[object],
+                           transport: str | None = None) -> WeightPush: ...
 
 
 @dataclass(frozen=True)
@@ -40,34 +50,35 @@ class PushReport:
         return self.gather_ms + self.write_ms + self.send_ms
 
     @classmethod
-    def from_trainer(cls, raw: dict | None, version: int, replicas: tuple[int, ...] = ()) -> "PushReport":
-        """From the trainer's `push_weights` answer (failed keys are positions in the list it was sent)."""
-        raw = raw or {}
-        failed = {replicas[int(k)] if int(k) < len(replicas) else int(k): str(v)
-                  for k, v in (raw.get("failed") or {}).items()}
-        return cls(version=int(raw.get("version", version)), gather_ms=float(raw.get("gather_ms", 0.0)),
-                   write_ms=float(raw.get("write_ms", 0.0)), send_ms=float(raw.get("send_ms", 0.0)),
-                   bytes=int(raw.get("bytes", 0)), sent=int(raw.get("sent", 0)),
-                   transport=str(raw.get("transport", "none")), failed=failed, replicas=tuple(replicas))
+    def from_trainer(cls, raw: "WeightPush | Mapping[str, Any] | None", version: int,
+                     replicas: tuple[int, ...] = ()) -> "PushReport":
+        """From the trainer's `push_weights` answer (a `WeightPush`; failed keys are positions in the list it
+        was sent)."""
+        push = WeightPush(version=version) if raw is None else WeightPush.of(raw, version)
+        failed = {replicas[int(k)] if int(k) < len(replicas) else int(k): str(v) for k, v in push.failed.items()}
+        return cls(version=int(push.version), gather_ms=float(push.gather_ms), write_ms=float(push.write_ms),
+                   send_ms=float(push.send_ms), bytes=int(push.bytes), sent=int(push.sent),
+                   transport=str(push.transport), failed=failed, replicas=tuple(replicas))
 
 
 class WeightSync:
     """Pushes the trainer's weights to the generator replicas and keeps their served version.
 
     Args:
-        trainer: the trainer actor handle (`call("push_weights", version, meshes)`).
+        trainer: the trainer (`forgelab.engines.trainer_client.TrainerAPI`: ``push_weights(version, meshes)``).
         generators: the generator service (`handles()`, `set_replica_info(i, version=...)`).
         emit: ``emit(kind, **fields)`` records an event in the run's log.
         current_version: returns the run's policy version now (a respawn catches up to it).
     """
 
-    def __init__(self, trainer: Any, generators: Any, emit: Callable[..., None], current_version: Callable[[], int]):
+    def __init__(self, trainer: PushesWeights | None, generators: Any, emit: Callable[..., None],
+                 current_version: Callable[[], int]):
         self.trainer, self.generators, self.emit, self.current_version = trainer, generators, emit, current_version
 
     async def push(self, version: int) -> PushReport:
         """Send `version` to every healthy replica; a replica that fails is respawned and caught up later."""
         live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
-        raw = (await self.trainer.call("push_weights", version, [h.actor for _, h in live]))[0]
+        raw = await self.trainer.push_weights(version, [h.actor for _, h in live])
         report = PushReport.from_trainer(raw, version, tuple(i for i, _ in live))
         for i, _ in live:
             if i in report.failed:
@@ -82,7 +93,7 @@ class WeightSync:
         pushed = 0
         while self.trainer is not None and self.current_version() > pushed:
             version = self.current_version()
-            report = PushReport.from_trainer((await self.trainer.call("push_weights", version, [handle.actor]))[0], version)
+            report = PushReport.from_trainer(await self.trainer.push_weights(version, [handle.actor]), version)
             if report.failed:
                 # raising fails this respawn attempt: the service tears the replica down and tries again
                 raise RuntimeError(f"weights v{version} could not be pushed to the respawned generator: "

@@ -1,0 +1,240 @@
+"""Adapter slots in the trainer: several runs' LoRA adapters, optimizer states and run states in one process.
+
+    table = SlotTable(state)                  # the trainer's fresh adapters become the template of new slots
+    table.new("a", trainer_config)            # a run attaches: its own adapters (fresh), optimizer, schedule, loss
+    table.copy("a", "b")                      # a fork: b starts from a's exact state (no disk)
+    await slot_call(actor, "b", "train_step", (batch,), {})   # b's tensors in the model, then the step
+    await TrainerClient(SlotTrainerHandle(handle, "b")).train_step(batch)   # the same, typed, from the controller
+    table.free("b")
+
+What it really is: one model, one AdamW, one LR schedule (`TrainerState`); a slot is a saved copy of
+everything that belongs to one run: the adapter parameters (the base is frozen and shared), the AdamW
+moments and step counts, the schedule's position and its shape (lr, warmup, total steps), the loss (with a
+pending swap), step, policy version, the trainer config (seed, clipping, IS cap), the last step's token
+values, and the gradients a `forward_backward` accumulated (a slot's window stays open across other slots' calls). `activate` swaps a slot in: the active slot's tensors are copied out, the requested one's copied in
+(adapter-sized copies: 0.4 MiB per slot on the shipped model's rank-8 adapters). The trainer actor delivers
+one call at a time, so a call runs entirely in its slot; a NaN loss or a raising loss skips that slot's step
+only (`TrainerState.train_step`'s fault rule), the others' state is untouched.
+
+Steps run one slot after another (N slots: N trainer steps); the base forward and backward are not shared
+between slots in one pass (mLoRA-style per-row adapters are not implemented here).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from monarch.actor import endpoint
+
+from forgelab.engines.contracts import WeightPush
+from forgelab.engines.trainer import Trainer
+from forgelab.engines.trainer_optim import set_schedule_peak
+
+__all__ = ["SlotTable", "SlotTrainer", "slot_call", "set_peak_lr", "SLOT_CALLS"]
+
+#: Trainer endpoints that run inside a slot (`Trainer.in_slot`); anything else is refused.
+SLOT_CALLS = frozenset({"train_step", "forward_backward", "optim_step", "forward_logprobs", "token_values", "set_loss", "dry_run_loss", "compare_losses", "logprobs",
+                        "base_logprobs", "info", "fingerprint", "save", "load", "set_lr", "export_adapter",
+                        "export_hf", "push_weights"})
+
+
+def set_peak_lr(state: Any, lr: float) -> float:
+    """Make ``lr`` the peak learning rate of ``state`` (a `TrainerState`) from now on, keeping the schedule's
+    position; returns the current lr."""
+    from dataclasses import replace
+
+    state.config = replace(state.config, lr=float(lr))
+    return set_schedule_peak(state.optimizer, state.scheduler, lr)
+
+
+def _capture(state: Any) -> dict[str, Any]:
+    """A deep copy of the active slot's tensors and run fields."""
+    run = state.swap_run_state(None)
+    return {"params": [p.detach().clone() for p in state.params],
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in state.params],
+            "optim": copy.deepcopy(state.optimizer.state_dict()),
+            "sched": copy.deepcopy(state.scheduler.state_dict()),
+            "run": {**run, "loss_kwargs": dict(run["loss_kwargs"] or {}), "config": copy.deepcopy(run["config"])}}
+
+
+def _install(state: Any, saved: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for p, t in zip(state.params, saved["params"]):
+            p.copy_(t)
+    state.optimizer.load_state_dict(saved["optim"])  # copies: the saved slot stays as it was
+    for p, g in zip(state.params, saved.get("grads") or [None] * len(state.params)):
+        p.grad = None if g is None else g.clone()  # an open forward_backward window goes on
+    state.scheduler.load_state_dict(copy.deepcopy(saved["sched"]))
+    state.swap_run_state({**saved["run"], "loss_kwargs": dict(saved["run"]["loss_kwargs"] or {}),
+                          "config": copy.deepcopy(saved["run"]["config"])})
+
+
+class SlotTable:
+    """The slots of one trainer process. Args: state: its `TrainerState` (LoRA), whose current adapters (fresh,
+    as `add_adapters` drew them) are the template every new slot starts from."""
+
+    def __init__(self, state: Any):
+        if getattr(state, "lora", None) is None:
+            raise ValueError("LoRA slots need a LoRA trainer (lora.enabled): a full-parameter run keeps its own "
+                             "processes")
+        self.state = state
+        self.fresh = _capture(state)
+        self.saved: dict[str, dict[str, Any]] = {}
+        self.active: str | None = None
+        self.swaps = 0
+        self.swap_s = 0.0
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({*self.saved, *([self.active] if self.active else [])})
+
+    def _check(self, slot: str, exists: bool = True) -> None:
+        present = slot == self.active or slot in self.saved
+        if exists and not present:
+            raise KeyError(f"LoRA slot {slot!r} does not exist (slots: {self.names}); attach a run to create it")
+        if not exists and present:
+            raise ValueError(f"LoRA slot {slot!r} is in use; free it first")
+
+    def activate(self, slot: str) -> None:
+        """Put ``slot``'s adapters, optimizer, schedule and run state into the trainer (no-op if it is there)."""
+        self._check(slot)
+        if slot == self.active:
+            return
+        t0 = time.perf_counter()
+        if self.active is not None:
+            self.saved[self.active] = _capture(self.state)
+        _install(self.state, self.saved.pop(slot))
+        self.active = slot
+        self.swaps += 1
+        self.swap_s += time.perf_counter() - t0
+
+    def new(self, slot: str, config: Any) -> dict[str, Any]:
+        """A new slot from the fresh adapters, with ``config``'s (a `TrainerConfig`) loss, lr and schedule."""
+        from forgelab.engines.loss_specs import resolve_loss
+        from forgelab.engines.trainer_optim import WarmupCosine
+
+        self._check(slot, exists=False)
+        if config.lora != self.state.config.lora:
+            raise ValueError(f"LoRA slot {slot!r}: lora config {config.lora} differs from the shared trainer's "
+                             f"{self.state.config.lora}; variants on shared engines use the same adapter shape")
+        saved = copy.deepcopy(self.fresh)
+        sched = torch.optim.lr_scheduler.LambdaLR(  # a throwaway optimizer: only the schedule's state is kept
+            torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=config.lr),
+            WarmupCosine(config.warmup_steps, config.total_steps, config.min_lr_ratio))
+        saved["sched"] = sched.state_dict()
+        for g in saved["optim"]["param_groups"]:
+            g.update(lr=float(sched.get_last_lr()[0]), initial_lr=float(config.lr), betas=tuple(config.betas),
+                     eps=config.eps, weight_decay=config.weight_decay)
+        name, fn = resolve_loss(config.loss)
+        saved["run"] = {**saved["run"], "loss_spec": config.loss, "loss_name": name, "loss_fn": fn,
+                        "loss_kwargs": dict(config.loss_kwargs), "pending": None, "step": 0, "policy_version": 0,
+                        "config": copy.deepcopy(config), "token_values": None,
+                        "accumulated": 0, "accum_norm": float("nan"), "total_norm": None}
+        saved["grads"] = [None] * len(saved["params"])
+        self.saved[slot] = saved
+        return {"slot": slot, "slots": self.names}
+
+    def copy(self, src: str, dst: str) -> dict[str, Any]:
+        """``dst`` becomes an exact copy of ``src`` (adapters, optimizer, schedule, loss, step, version)."""
+        self._check(src)
+        self._check(dst, exists=False)
+        self.saved[dst] = _capture(self.state) if src == self.active else copy.deepcopy(self.saved[src])
+        return {"slot": dst, "slots": self.names}
+
+    def free(self, slot: str) -> dict[str, Any]:
+        """Forget ``slot`` (its run detached)."""
+        self._check(slot)
+        if slot == self.active:
+            self.active = None  # the model keeps its tensors until another slot is activated
+        else:
+            del self.saved[slot]
+        return {"slot": slot, "slots": self.names}
+
+    def stats(self) -> dict[str, Any]:
+        return {"slots": self.names, "active": self.active, "swaps": self.swaps, "swap_s": self.swap_s}
+
+
+async def _push_slot(actor: Any, slot: str, version: int, generators: list[Any], transport: str | None = None
+                     ) -> WeightPush:
+    """The active slot's adapter (PEFT names) to each generator mesh's ``update_adapter_slot(slot, version, ...)``:
+    only this slot's adapter changes there; the other slots' requests go on. Adapters travel as messages."""
+    import asyncio
+
+    state = actor.state
+    t0 = time.perf_counter()
+    sd = state.push_state_dict()
+    out: dict[str, Any] = {"version": int(version), "gather_ms": (time.perf_counter() - t0) * 1e3, "write_ms": 0.0,
+                           "send_ms": 0.0, "bytes": sum(v.numel() * v.element_size() for v in sd.values()),
+                           "sent": 0, "failed": {}, "transport": "none", "transports": [], "fallback": {}}
+    if state.rank == 0 and generators:
+        t1 = time.perf_counter()
+        meshes = [getattr(g, "actor", g) for g in generators]
+        results = await asyncio.gather(*(m.update_adapter_slot.call(slot, int(version), sd) for m in meshes),
+                                       return_exceptions=True)
+        out["send_ms"] = (time.perf_counter() - t1) * 1e3
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                out["failed"][i] = f"{type(r).__name__}: {str(r)[-800:]}"
+                out["transports"].append(None)
+            else:
+                out["sent"] += 1
+                out["transports"].append("message")
+        out["transport"] = "message" if out["sent"] else "none"
+    state.policy_version = int(version)
+    return WeightPush.of(out)
+
+
+async def slot_call(actor: Any, slot: str, name: str, args: tuple, kwargs: dict) -> Any:
+    """Trainer endpoint ``name`` run with ``slot`` active (`Trainer.in_slot`); ``actor`` is the Trainer actor."""
+    if name not in SLOT_CALLS:
+        raise ValueError(f"Trainer.in_slot: {name!r} does not run in a LoRA slot (those that do: {sorted(SLOT_CALLS)})")
+    actor.slot_table().activate(slot)
+    state = actor.state
+    if name == "token_values":
+        return state.token_values
+    if name == "set_lr":
+        return set_peak_lr(state, *args)
+    if name == "compare_losses":
+        from forgelab.engines.loss_compare import compare_on_state
+
+        return compare_on_state(state, *args, **kwargs)
+    if name == "push_weights":
+        return await _push_slot(actor, slot, *args, **kwargs)
+    return getattr(state, name)(*args, **kwargs)
+
+
+class SlotTrainer(Trainer):
+    """A `Trainer` holding several runs in LoRA slots (`SlotTable`); a run's calls go through `in_slot`."""
+
+    def slot_table(self) -> SlotTable:
+        """This process's slots (made on first use; a `reinit` starts a new table from its fresh adapters)."""
+        table = getattr(self, "slots", None)
+        if table is None or table.state is not self.state:
+            self.slots = table = SlotTable(self.state)
+        return table
+
+    @endpoint
+    async def in_slot(self, slot: str, name: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Endpoint ``name`` (one of `SLOT_CALLS`) run with ``slot``'s adapters, optimizer and run state."""
+        return await slot_call(self, slot, name, tuple(args), dict(kwargs or {}))
+
+    @endpoint
+    async def slot_new(self, slot: str, config: Any) -> dict[str, Any]:
+        """A new slot from the fresh adapters with ``config``'s (a `TrainerConfig`) loss, lr and schedule."""
+        config.validate()
+        return self.slot_table().new(slot, config)
+
+    @endpoint
+    async def slot_copy(self, src: str, dst: str) -> dict[str, Any]:
+        """``dst`` becomes an exact copy of ``src`` (a fork into a slot, no disk)."""
+        return self.slot_table().copy(src, dst)
+
+    @endpoint
+    async def slot_free(self, slot: str) -> dict[str, Any]:
+        return self.slot_table().free(slot)
+
+    @endpoint
+    async def slot_stats(self) -> dict[str, Any]:
+        return self.slot_table().stats()
