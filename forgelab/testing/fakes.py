@@ -26,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, cast
 
 import torch
 
@@ -164,6 +164,18 @@ class FakeGenerators:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FakeStepMetrics(StepMetrics):
+    """The fake's step answer: the real type, with the fake's flat metrics as they have always been (loss,
+    grad norm and loss name; a skipped step's reason), so fake runs' metrics.csv columns stay what they were
+    (run directories written by earlier fakes replay and resume equal)."""
+
+    def as_row(self) -> dict[str, float | int | str]:
+        if self.skipped:
+            return {"skipped": True, "skip_reason": self.skip_reason, "loss_name": self.loss_name}
+        return {"loss": self.loss, "grad_norm": self.grad_norm, "loss_name": self.loss_name}
+
+
 class FakeTrainer(TrainerAPI):
     """The trainer's typed endpoints (`forgelab.engines.trainer_client.TrainerAPI`), in process.
 
@@ -209,10 +221,10 @@ class FakeTrainer(TrainerAPI):
         self.steps.append({"loss": name, "episodes": int(batch.tokens_B_L.shape[0])})
         step = self.restored_steps + len([s for s in self.steps if s["loss"] not in self.skip_losses])
         if name in self.skip_losses:
-            return StepMetrics(step=step, lr=0.0, step_time_s=0.0, skipped=True,
+            return FakeStepMetrics(step=step, lr=0.0, step_time_s=0.0, skipped=True,
                                skip_reason=f"loss {name} is non-finite", loss_name=name)
         adv = batch.advantages_B.float()
-        return StepMetrics(step=step, lr=0.0, step_time_s=0.0, loss=float(-adv.abs().mean()), grad_norm=1.0,
+        return FakeStepMetrics(step=step, lr=0.0, step_time_s=0.0, loss=float(-adv.abs().mean()), grad_norm=1.0,
                            loss_name=name)
 
     async def forward_backward(self, batch: TrainBatch, loss: LossSpec | None = None,
@@ -256,7 +268,8 @@ class FakeTrainer(TrainerAPI):
         return None  # the fake computes no logprobs: no per-token view
 
     async def fingerprint(self) -> list[Fingerprint]:
-        return [Fingerprint(step=self.restored_steps + len(self.steps))]
+        # the fake's own format since 893000f ({"steps": N}): run directories written by it still compare equal
+        return [cast(Fingerprint, {"steps": self.restored_steps + len(self.steps)})]
 
     async def save(self, path: str) -> str:
         """Write the fake's state (its step count) as the real trainer writes its DCP directory."""
