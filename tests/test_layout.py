@@ -21,7 +21,7 @@ PKG = ROOT / "forgelab"
 #: The layers, bottom to top, written once: a module imports only from its own layer and the layers below.
 #: Within a layer, modules of the same subpackage import each other freely (no cycle is checked separately).
 LAYERS: list[set[str]] = [
-    {"forgelab.quiet", "forgelab.types", "forgelab.progress", "forgelab.lazy"},
+    {"forgelab.quiet", "forgelab.types", "forgelab.generation", "forgelab.progress", "forgelab.lazy"},
     {"forgelab.algos"},
     {"forgelab.rewards"},
     {"forgelab.data"},

@@ -18,7 +18,7 @@ Generators without these counters (fakes, another engine) give no columns; a fai
 """
 from __future__ import annotations
 
-from typing import Any
+from forgelab.generation import Generators
 
 __all__ = ["GeneratorMeter"]
 
@@ -59,13 +59,10 @@ class GeneratorMeter:
             "generator/preemptions_per_request": d["preemptions"] / d["requests"] if d["requests"] > 0 else 0.0,
         }
 
-    async def row(self, generators: Any) -> dict[str, float]:
+    async def row(self, generators: Generators) -> dict[str, float]:
         """Read every healthy replica's counters (one `stats` call each) and return the row's columns."""
-        fanout = getattr(generators, "fanout", None)
-        if fanout is None:
-            return {}
         try:
-            stats = await fanout("stats")
+            stats = await generators.engine_stats()
         except Exception:  # noqa: BLE001 -- a metric never fails a step (a dying replica, a respawn)
             return {}
-        return self.deltas([s[0] if isinstance(s, list) and s else s for s in stats])
+        return self.deltas([s.counters() for s in stats])

@@ -43,6 +43,7 @@ from forgelab.algos import ADVANTAGES
 from forgelab.controller.buffer import ReplayBuffer
 from forgelab.quiet import RepeatLimiter
 from forgelab.controller.reward_runner import RewardRunner
+from forgelab.generation import Envs, Generators
 from forgelab.types import Episode
 
 log = logging.getLogger("forgelab.controller.rollout")
@@ -156,7 +157,7 @@ class SingleTurn:
     #: Rendered prompts kept (`prompt_ids`); past this the oldest are forgotten (re-rendered if met again).
     PROMPT_CACHE = 65536
 
-    def __init__(self, generators: Any, tokenizer: Any, sampling: Any = None):
+    def __init__(self, generators: Generators, tokenizer: Any, sampling: Any = None):
         self.generators, self.tokenizer, self.sampling = generators, tokenizer, sampling
         self._prompt_cache: dict[Any, list[int]] = {}
 
@@ -176,13 +177,11 @@ class SingleTurn:
         return list(ids)
 
     async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
-        kwargs: dict[str, Any] = {"sampling": sampling} if sampling is not None else {}
-        if seeds is not None:
-            kwargs["seeds"] = seeds
         from forgelab.data.prompts import problem_chat
+        from forgelab.generation import GenerateRequest
 
-        groups = await self.generators.route("generate", [self.prompt_ids(problem_chat(p)) for p in problems], n=n,
-                                             **kwargs)
+        groups = await self.generators.generate(GenerateRequest(
+            prompts_P=[self.prompt_ids(problem_chat(p)) for p in problems], n=n, sampling=sampling, seeds_P_G=seeds))
         return [[Episode(id=0, group_id=0, prompt_ids=list(c.prompt_ids), completion_ids=list(c.completion_ids),
                          generator_logprobs=list(c.logprobs), policy_version=c.policy_version, prompt=p.prompt,
                          completion=c.text, finish_reason=c.finish_reason,
@@ -196,7 +195,7 @@ class EnvEpisodes:
     """Multi-turn episodes of `rollout.env`, played by the EnvActor service against the healthy generator replicas
     (the env actors call them directly: no turn passes through the controller)."""
 
-    def __init__(self, envs: Any, generators: Any, config: Any):
+    def __init__(self, envs: Envs, generators: Generators, config: Any):
         self.envs, self.generators, self.config = envs, generators, config
 
     async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
@@ -204,11 +203,14 @@ class EnvEpisodes:
 
         r = self.config.rollout
         sampling = sampling or SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
+        from forgelab.generation import EnvGroupsRequest
+
         gens = [h.actor for h in self.generators.handles() if h is not None]
-        return await self.envs.route(
-            "run_groups", r.env, problems, n, gens, sampling, env_kwargs=dict(r.env_kwargs), max_turns=r.max_turns,
-            max_total_tokens=self.config.model.max_model_len, step_timeout_s=r.env_step_timeout_s,
-        )
+        return await self.envs.run_groups(EnvGroupsRequest(
+            env=r.env, tasks_P=problems, n=n, generators=gens, sampling=sampling, env_kwargs=dict(r.env_kwargs),
+            max_turns=r.max_turns, max_total_tokens=self.config.model.max_model_len,
+            step_timeout_s=r.env_step_timeout_s,
+        ))
 
 
 class Rollouts:

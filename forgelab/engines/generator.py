@@ -1,8 +1,13 @@
 """The rollout generator: a vLLM engine inside a Monarch actor, token-in/token-out.
 
     gen = await Generator.options(procs=1).as_actor(GeneratorConfig(model_dir=...))
-    groups_P_G = await gen.generate.call_one(prompts, n=8)     # list[list[Completion]]
-    await gen.update_weights.call_one(version=1, weights=hf_state_dict)
+    groups_P_G = await gen.generate.call_one(GenerateRequest(prompts_P=prompts, n=8))   # list[list[Completion]]
+    await gen.update_weights.call_one(WeightUpdate(version=1, weights=hf_state_dict))
+    gens = await Generator.options(num_replicas=2).as_service(config)   # typed methods: GeneratorService
+
+The endpoints take and answer the typed objects of `forgelab.generation` (`GenerateRequest`, `WeightUpdate`,
+`EngineStats`, `EngineStatus`); the positional forms they took before (``generate(prompts, n, sampling, seeds)``,
+``update_weights(version, weights)``) are still accepted for one release.
 
 What it really is: one in-process vLLM v1 engine (`vllm.LLM`, no engine
 subprocess) driven by an asyncio loop in the actor. Every `generate` call adds
@@ -40,6 +45,8 @@ from typing import Any, Sequence
 from monarch.actor import Port, endpoint
 
 from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, SamplingConfig, vllm_lora_rank  # noqa: F401 -- re-exported
+from forgelab.engines.generator_service import GeneratorService
+from forgelab.generation import EngineStats, EngineStatus, GenerateRequest, Prompt, SamplingSettings, WeightUpdate
 from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
@@ -371,9 +378,10 @@ class VLLMEngine:
         s["kv_cache_usage_mean"] = s["kv_cache_usage_sum"] / max(1, s["steps"])
         return s
 
-    def status(self) -> dict[str, Any]:
-        return {"version": self.version, "in_flight_requests": len(self._pending), "update_mode": self.config.update_mode,
-                "admitting": self.admitting.is_set(), "device": self.device, "stats": self.stats()}
+    def status(self) -> EngineStatus:
+        return EngineStatus(version=self.version, in_flight_requests=len(self._pending),
+                            update_mode=self.config.update_mode, admitting=self.admitting.is_set(), device=self.device,
+                            stats=EngineStats.from_counters(self.stats()))
 
 
 def _count_at_least(x: Any, values: Any) -> Any:
@@ -403,9 +411,11 @@ def _scheduler_of(llm_engine: Any) -> Any:
 
 
 class Generator(Component):
-    """vLLM rollout generator. Endpoints: generate, update_weights, version, status, stats."""
+    """vLLM rollout generator. Endpoints: generate, update_weights, update_weights_shared, version, reset_version,
+    status, stats (typed methods of its service: `GeneratorService`)."""
 
     IDEMPOTENT = frozenset({"generate"})
+    SERVICE = GeneratorService
 
     def __init__(self, config: GeneratorConfig):
         config.validate()
@@ -427,15 +437,29 @@ class Generator(Component):
 
     @endpoint(explicit_response_port=True)
     async def generate(
-        self, port: Port, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None,
-        seeds: Sequence[Sequence[int]] | None = None,
+        self, port: Port, request: GenerateRequest | Sequence[Prompt], n: int = 1,
+        sampling: SamplingSettings | None = None, seeds: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """`list[list[Completion]]`: `n` completions per prompt (text or token ids), in order; `seeds` per sample."""
-        answer_in_task(port, lambda: self._engine().generate(prompts, n, sampling, seeds), "Generator.generate")
+        """`CompletionGroups` (list[list[Completion]]): ``request.n`` completions per prompt, in prompt order.
+
+        ``n``, ``sampling``, ``seeds``: the positional form (``request`` then is the prompts), deprecated."""
+        req = GenerateRequest.coerce(request, n, sampling, seeds)
+        answer_in_task(port, lambda: self._serve(req), "Generator.generate")
+
+    async def _serve(self, req: GenerateRequest) -> Any:
+        if req.lora_slot is not None:
+            raise ValueError(f"generate: lora_slot={req.lora_slot!r} but this generator has no LoRA slots "
+                             "(SlotGenerator serves them: forgelab.engines.generator_slots)")
+        return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G)
 
     @endpoint(explicit_response_port=True)
-    async def update_weights(self, port: Port, version: int, weights: dict) -> None:
-        """Load HF-named `weights` as `version` (strictly increasing); answers the new version."""
+    async def update_weights(self, port: Port, update: WeightUpdate | int, weights: dict | None = None) -> None:
+        """Load `update.weights` (HF names) as `update.version` (strictly increasing); answers the new version.
+        ``update_weights(version, weights)``: the positional form, still accepted (the trainer's weight sender)."""
+        if isinstance(update, WeightUpdate):
+            version, weights = update.version, dict(update.weights)
+        else:
+            version = update
         answer_in_task(port, lambda: receive(self._engine(), version, weights), "Generator.update_weights")
 
     @endpoint(explicit_response_port=True)
@@ -457,7 +481,7 @@ class Generator(Component):
         return self._engine().version
 
     @endpoint
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> EngineStatus:
         return self._engine().status()
 
     @endpoint
@@ -467,9 +491,9 @@ class Generator(Component):
         self._engine().logprob_shift = (int(index), float(delta))
 
     @endpoint
-    async def stats(self) -> dict[str, float]:
-        return self._engine().stats()
+    async def stats(self) -> EngineStats:
+        return EngineStats.from_counters(self._engine().stats())
 
 
-__all__ = ["Generator", "GeneratorConfig", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",
+__all__ = ["Generator", "GeneratorConfig", "GeneratorService", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",
            "checkpoint_shapes"]

@@ -1,103 +1,11 @@
-"""A run's view of shared engines: the trainer and the generator service, seen through its LoRA slot.
-
-    parts = SlotParts(generators=SlotGenerators(service, "b"), trainer=SlotTrainerHandle(trainer, "b"), ...)
-    await parts.trainer.call("train_step", batch)      # = trainer.in_slot("b", "train_step", (batch,))
-    await parts.generators.route("generate", prompts)  # = service.route("generate_slot", "b", prompts)
-    await parts.shutdown()                             # detaches the run: its slot is freed, processes stay
-
-A `Run` uses these exactly as its own parts (`forgelab.engines.spawn.Parts`): the controller code does not
-know it shares processes. What a run cannot share is refused where it is attached
-(`forgelab.experiments.variants.SharedEngines`).
-"""
+"""Deprecated alias (one release): a run's view of shared engines moved to `forgelab.engines.shared_parts`."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Awaitable, Callable
+import warnings
 
-from forgelab.engines.spawn import Parts
+from forgelab.engines.shared_parts import SlotGenerators, SlotParts, SlotTrainerHandle
 
-__all__ = ["SlotTrainerHandle", "SlotGenerators", "SlotParts"]
+warnings.warn("forgelab.engines.slot_parts is deprecated: import from forgelab.engines.shared_parts",
+              DeprecationWarning, stacklevel=2)
 
-
-class SlotTrainerHandle:
-    """The shared trainer actor as one run sees it: every ``call`` runs in the run's slot (`Trainer.in_slot`)."""
-
-    def __init__(self, handle: Any, slot: str):
-        self.handle, self.slot = handle, slot
-
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await self.handle.call("in_slot", self.slot, name, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:  # pids(), alive, failed, ...: the process itself
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.handle, name)
-
-    def __repr__(self) -> str:
-        return f"<slot {self.slot} of {self.handle!r}>"
-
-
-class SlotGenerators:
-    """The shared generator service as one run sees it: its generate calls carry its slot; its pushes reach
-    only its slot; the served version per replica is the run's own (`set_replica_info`)."""
-
-    def __init__(self, service: Any, slot: str):
-        self.service, self.slot = service, slot
-        self.versions: dict[int, int] = {}
-        self.on_respawn: Callable[[Any], Awaitable[None]] | None = None
-        """The run's hook for a respawned replica (its WeightSync.catch_up); the engines call it."""
-        self.listeners: list[Callable] = []
-
-    async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        if endpoint == "generate":
-            return await self.service.route("generate_slot", self.slot, *args, **kwargs)
-        return await self.service.route(endpoint, *args, **kwargs)
-
-    def handles(self) -> list[Any]:
-        return self.service.handles()
-
-    def set_replica_info(self, index: int, **fields: Any) -> None:
-        if "version" in fields:
-            self.versions[index] = int(fields["version"])
-
-    def status(self) -> list[Any]:
-        """The shared replicas' status, each with this run's served version and its slot in ``info``."""
-        return [dataclasses.replace(st, info={**st.info, "version": self.versions.get(st.index, 0), "slot": self.slot})
-                for st in self.service.status()]
-
-    def add_listener(self, fn: Callable) -> None:
-        self.listeners.append(fn)
-        self.service.add_listener(fn)
-
-    def remove_listener(self, fn: Callable) -> None:
-        if fn in self.listeners:
-            self.listeners.remove(fn)
-        self.service.remove_listener(fn)
-
-    def detach(self) -> None:
-        """Stop hearing the service's events (the run detached)."""
-        for fn in list(self.listeners):
-            self.remove_listener(fn)
-        self.on_respawn = None
-
-    def __getattr__(self, name: str) -> Any:  # status(), fanout(), ...: the shared service
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.service, name)
-
-    def __repr__(self) -> str:
-        return f"<slot {self.slot} of {self.service!r}>"
-
-
-@dataclasses.dataclass
-class SlotParts(Parts):
-    """`Parts` lent by shared engines to one run: `shutdown()` detaches it (its slot is freed)."""
-
-    pool: Any = None
-    """The `forgelab.experiments.variants.SharedEngines` (a fork of the run attaches to them:
-    `forgelab.experiments.fork`)."""
-    slot: str = ""
-
-    async def shutdown(self) -> None:
-        if self.pool is not None:
-            await self.pool.detach(self)
+__all__ = ["SlotGenerators", "SlotParts", "SlotTrainerHandle"]

@@ -1,8 +1,12 @@
 """`EnvActor`: many multi-turn episodes as asyncio tasks inside one process.
 
-    envs = await EnvActor.options(num_replicas=2).as_service(EnvActorConfig(model_dir=...))
+    envs = await EnvActor.options(num_replicas=2).as_service(EnvActorConfig(model_dir=...))   # an EnvService
     gens = [h.actor for h in generators.handles() if h is not None]
-    groups_P_G = await envs.route("run_groups", "calculator", problems, 8, gens, sampling)
+    groups_P_G = await envs.run_groups(EnvGroupsRequest(env="calculator", tasks_P=problems, n=8, generators=gens,
+                                                        sampling=sampling))
+
+`run_groups` takes an `EnvGroupsRequest` and `stats` answers `EnvStats` (`forgelab.generation`); the positional
+form ``run_groups(env, tasks, n, generators, sampling, ...)`` is still accepted for one release.
 
 Where generation goes: the caller passes the generator replicas' actor
 meshes, and each episode calls `generate` on one of them directly (picked
@@ -40,6 +44,8 @@ from monarch.actor import Port, endpoint
 from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported
 from forgelab.envs.registry import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
+from forgelab.envs.env_service import EnvService
+from forgelab.generation import EnvGroupsRequest, EnvStats, GenerateRequest, GeneratorMesh, SamplingSettings, generate_on
 from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Episode
@@ -61,7 +67,7 @@ class _Coalescer:
     the next is sent, and the generator's continuous batching merges them.
     """
 
-    def __init__(self, mesh: Any, window_s: float, max_batch: int):
+    def __init__(self, mesh: GeneratorMesh, window_s: float, max_batch: int):
         self.mesh, self.window_s, self.max_batch = mesh, window_s, max_batch
         self.queue: list[tuple[list[int], Any, asyncio.Future]] = []
         self.flusher: asyncio.Task | None = None
@@ -88,7 +94,8 @@ class _Coalescer:
 
     async def _call(self, items: list) -> None:
         try:
-            groups = await self.mesh.generate.call_one([ids for ids, _, _ in items], n=1, sampling=items[0][1])
+            groups = await generate_on(self.mesh, GenerateRequest(prompts_P=[ids for ids, _, _ in items], n=1,
+                                                                  sampling=items[0][1]))
         except Exception as e:
             for _, _, fut in items:
                 if not fut.done():
@@ -106,7 +113,7 @@ class _Generators:
     merged per replica by a `_Coalescer`.
     """
 
-    def __init__(self, meshes: Sequence[Any], coalesce_ms: float | None = None, max_batch: int = 256):
+    def __init__(self, meshes: Sequence[GeneratorMesh], coalesce_ms: float | None = None, max_batch: int = 256):
         if not meshes:
             raise ValueError("run_groups: no generator given; pass the healthy generator replicas' actor meshes")
         self.meshes = list(meshes)
@@ -129,7 +136,7 @@ class _Generators:
             try:
                 if co is not None:
                     return await co.generate(ids, sampling)
-                return (await mesh.generate.call_one([ids], n=1, sampling=sampling))[0][0]
+                return (await generate_on(mesh, GenerateRequest(prompts_P=[ids], n=1, sampling=sampling)))[0][0]
             finally:
                 self.in_flight[index] -= 1
 
@@ -169,7 +176,10 @@ async def run_groups_local(
 
 
 class EnvActor(Component):
-    """Runs episodes of any environment against the generator. Endpoints: run_groups, stats."""
+    """Runs episodes of any environment against the generator. Endpoints: run_groups, stats (typed methods of
+    its service: `EnvService`)."""
+
+    SERVICE = EnvService
 
     def __init__(self, config: EnvActorConfig):
         config.validate()
@@ -188,26 +198,28 @@ class EnvActor(Component):
         freeze_startup_objects()  # the tokenizer's and libraries' objects: never scanned by later collections
         gc_stats()  # start timing garbage-collection pauses
 
-    async def _run(self, env, tasks, n, generators, sampling, env_kwargs, max_turns, max_total_tokens, step_timeout_s):
-        if self.fmt is None:
+    async def _run(self, req: EnvGroupsRequest) -> list[list[Episode]]:
+        if self.fmt is None or self._semaphore is None:
             raise RuntimeError("EnvActor.setup() has not run; spawn it with EnvActor.options(...).as_service(config)")
+        n = req.n
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"run_groups: n (episodes per task) must be a positive integer, got {n!r}")
         d = self.config.limits
         limits = EpisodeLimits(
-            max_turns=d.max_turns if max_turns is None else max_turns,
-            max_total_tokens=d.max_total_tokens if max_total_tokens is None else max_total_tokens,
-            step_timeout_s=d.step_timeout_s if step_timeout_s is None else step_timeout_s,
+            max_turns=d.max_turns if req.max_turns is None else req.max_turns,
+            max_total_tokens=d.max_total_tokens if req.max_total_tokens is None else req.max_total_tokens,
+            step_timeout_s=d.step_timeout_s if req.step_timeout_s is None else req.step_timeout_s,
         )
         limits.validate("run_groups limits")
-        gens = _Generators(generators, self.config.coalesce_ms, self.config.max_batch)
-        total = len(tasks) * n
+        gens = _Generators(req.generators, self.config.coalesce_ms, self.config.max_batch)
+        total = len(req.tasks_P) * n
         s = self._stats
         s["running"] += total
         s["max_running"] = max(s["max_running"], s["running"])
         try:
-            groups = await run_groups_local(env, tasks, n, lambda: gens.bind(gens.pick()), self.fmt, sampling,
-                                            limits, self._semaphore, env_kwargs)
+            groups = await run_groups_local(req.env, req.tasks_P, n, lambda: gens.bind(gens.pick()), self.fmt,
+                                            req.sampling, limits, self._semaphore,
+                                            None if req.env_kwargs is None else dict(req.env_kwargs))
         finally:
             s["running"] -= total
         s["episodes"] += total
@@ -219,16 +231,19 @@ class EnvActor(Component):
 
     @endpoint(explicit_response_port=True)
     async def run_groups(
-        self, port: Port, env: str | Callable[..., Any], tasks: Sequence[Any], n: int, generators: Sequence[Any],
-        sampling: Any, env_kwargs: dict | None = None, max_turns: int | None = None,
-        max_total_tokens: int | None = None, step_timeout_s: float | None = None,
+        self, port: Port, request: EnvGroupsRequest | str | Callable[..., Any], tasks: Sequence[Any] | None = None,
+        n: int | None = None, generators: Sequence[Any] | None = None, sampling: SamplingSettings | None = None,
+        env_kwargs: dict | None = None, max_turns: int | None = None, max_total_tokens: int | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
-        """`list[list[Episode]]`: `n` episodes of `env` per task (ids 0: the caller numbers them)."""
-        answer_in_task(port, lambda: self._run(env, tasks, n, generators, sampling, env_kwargs, max_turns,
-                                       max_total_tokens, step_timeout_s), "EnvActor.run_groups")
+        """`EpisodeGroups` (list[list[Episode]]): ``request.n`` episodes of ``request.env`` per task (ids 0: the
+        caller numbers them). The other arguments: the positional form (``request`` then is the env), deprecated."""
+        req = EnvGroupsRequest.coerce(request, tasks, n, generators, sampling, env_kwargs, max_turns,
+                                      max_total_tokens, step_timeout_s)
+        answer_in_task(port, lambda: self._run(req), "EnvActor.run_groups")
 
     @endpoint
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EnvStats:
         """Episodes finished, running now, most running at once, outcome counts, CPU time and this process's
         resident memory now and at its peak (MiB)."""
         import resource
@@ -239,5 +254,9 @@ class EnvActor(Component):
                 rss_mib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
         except OSError:  # not Linux
             rss_mib = peak_mib
-        return {**self._stats, "outcomes": dict(self._outcomes), "max_concurrent": self.config.max_concurrent,
-                "cpu_time_s": time.process_time(), "rss_mib": rss_mib, "peak_rss_mib": peak_mib, **gc_stats()}
+        gc = gc_stats()
+        return EnvStats(episodes=self._stats["episodes"], running=self._stats["running"],
+                        max_running=self._stats["max_running"], outcomes=dict(self._outcomes),
+                        max_concurrent=self.config.max_concurrent, cpu_time_s=time.process_time(), rss_mib=rss_mib,
+                        peak_rss_mib=peak_mib, gc_pause_s=gc["gc_pause_s"], gc_collections=int(gc["gc_collections"]),
+                        gc_max_pause_s=gc["gc_max_pause_s"])

@@ -93,7 +93,7 @@ class SharedEngines:
 
     async def _spawn(self) -> None:
         from forgelab.engines.trainer_slots import SlotTrainer
-        from forgelab.engines.slot_generator import SlotGenerator
+        from forgelab.engines.generator_slots import SlotGenerator
         from forgelab.engines.spawn import Parts, component_configs, reference_process, start_all
         from forgelab.engines.trainer import ReferenceModel
         from forgelab.engines.pool import engine_key
@@ -133,7 +133,7 @@ class SharedEngines:
         (`forgelab.experiments.fork`)."""
         slot = await self._reserve()
         try:
-            await self.parts.generators.fanout("drop_slot", slot)
+            await self.parts.generators.drop_slot(slot)
             await self.parts.trainer.call("slot_copy", src, slot)
         except BaseException:
             self.attached.pop(slot, None)
@@ -165,7 +165,7 @@ class SharedEngines:
         settings (loss, lr, schedule), or the ``reserved`` slot `copy_slot` filled. Refuses a config that
         cannot share the engines, naming why."""
         from forgelab.engines.pool import engine_key
-        from forgelab.engines.slot_parts import SlotGenerators, SlotParts, SlotTrainerHandle
+        from forgelab.engines.shared_parts import SlotGenerators, SlotParts, SlotTrainerHandle
         from forgelab.engines.spawn import component_configs
 
         try:
@@ -188,7 +188,7 @@ class SharedEngines:
         else:
             slot = await self._reserve()
             try:
-                await self.parts.generators.fanout("drop_slot", slot)  # nothing left from a detached run
+                await self.parts.generators.drop_slot(slot)  # nothing left from a detached run
                 await self.parts.trainer.call("slot_new", slot, component_configs(cfg)["trainer"])
             except BaseException:
                 self.attached.pop(slot, None)
@@ -215,7 +215,7 @@ class SharedEngines:
         try:
             if self.parts is not None:
                 await self.parts.trainer.call("slot_free", slot)
-                await self.parts.generators.fanout("drop_slot", slot)
+                await self.parts.generators.drop_slot(slot)
         finally:
             self.attached.pop(slot, None)
             self.last_note = f"{self.run_names.pop(slot, '?')} detached from {slot}"
@@ -302,7 +302,7 @@ class SharedEngines:
     async def slot_stats(self) -> dict[str, Any]:
         """The trainer's slot table (slots, active, swaps and their time) and the generator's adapters per slot."""
         t = (await self.parts.trainer.call("slot_stats"))[0]
-        g = await self.parts.generators.fanout("slot_status")
+        g = await self.parts.generators.slot_status()
         return {"trainer": t, "generators": g}
 
     async def shutdown(self) -> None:

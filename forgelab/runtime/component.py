@@ -41,8 +41,10 @@ class Configured:
     async def as_actor(self, *args: Any, **kwargs: Any) -> ActorHandle:
         return await spawn(self.cls, self.placement, args, kwargs)
 
-    async def as_service(self, *args: Any, **kwargs: Any):
-        return await Service.start(self.cls, self.placement, args, kwargs)
+    async def as_service(self, *args: Any, **kwargs: Any) -> Service:
+        """Replicas behind the component's service class (`Component.SERVICE`: its typed methods)."""
+        service: type[Service] = getattr(self.cls, "SERVICE", Service)
+        return await service.start(self.cls, self.placement, args, kwargs)
 
     def __repr__(self) -> str:
         return f"{self.cls.__name__}.options({self.placement})"
@@ -59,6 +61,9 @@ class Component(Actor):
     #: Endpoints a service may retry once on another replica after a crash.
     IDEMPOTENT: ClassVar[frozenset[str]] = frozenset()
 
+    #: The service class `as_service` returns: a `Service` subclass with this component's typed endpoint methods.
+    SERVICE: ClassVar[type[Service]] = Service
+
     @classmethod
     def options(cls, **kwargs: Any) -> Configured:
         return Configured(cls, Placement(**kwargs))
@@ -68,7 +73,7 @@ class Component(Actor):
         return await Configured(cls, Placement()).as_actor(*args, **kwargs)
 
     @classmethod
-    async def as_service(cls, *args: Any, **kwargs: Any):
+    async def as_service(cls, *args: Any, **kwargs: Any) -> Service:
         return await Configured(cls, Placement()).as_service(*args, **kwargs)
 
     @endpoint

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import itertools
 import logging
 import math
@@ -352,13 +353,16 @@ class ReplicaPool:
         self._replicas[index].info.update(fields)
 
     async def refresh_info(self, endpoint: str = "status") -> None:
-        """Merge each healthy replica's `endpoint()` dict result into its info."""
+        """Merge each healthy replica's `endpoint()` result (a dict, or a dataclass's top-level fields) into its
+        info."""
         for rep in list(self._healthy):
             try:
                 result = await self._call_all(rep, rep.handle, endpoint, (), {})
             except SupervisionError as err:
                 self._fail(rep, rep.handle, f"process died during {endpoint}(): {first_line(err)}")
                 continue
+            if dataclasses.is_dataclass(result) and not isinstance(result, type):
+                result = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
             if isinstance(result, dict):
                 rep.info.update(result)
 
@@ -384,6 +388,10 @@ class ReplicaPool:
     def remove_listener(self, fn: Callable[[ServiceEvent], None]) -> None:
         if fn in self._listeners:
             self._listeners.remove(fn)
+
+    def clear_listeners(self) -> None:
+        """Forget every listener (a pooled service's finished run must not hear the next run's events)."""
+        self._listeners.clear()
 
     def _record(self, kind: str, index: int, detail: str) -> None:
         event = ServiceEvent(kind, index, time.time(), detail)

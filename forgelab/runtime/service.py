@@ -8,6 +8,12 @@
     svc.status()                                          # list[ReplicaStatus]
     await svc.shutdown()
 
+Typed calls: an `Endpoint[Req, Res]` names an endpoint that takes one request object and answers a `Res`;
+`svc.call(endpoint, request)`, `svc.call_each(endpoint, request)` and `session.call(...)` are `route`,
+`fanout` and `Session.route` with the request and the answer typed, so a type checker sees a wrong request
+where it is written. A component's typed methods live on its service class (`Component.SERVICE`, e.g.
+`forgelab.engines.generator_service.GeneratorService.generate`); the string forms stay for the rest.
+
 Routing picks the healthy replica with the fewest calls in flight (ties go
 round robin). A replica whose process dies is noticed three ways: a call
 fails with Monarch's `SupervisionError`, the supervision hook reports its
@@ -31,7 +37,8 @@ endpoint on every rank of the chosen replica and returns rank 0's value;
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Generic, TypeVar, cast
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
@@ -48,6 +55,24 @@ from forgelab.runtime.replicas import (  # noqa: F401  (re-exported: this module
     service_ids,
     log,
 )
+
+ReqT = TypeVar("ReqT")
+ResT = TypeVar("ResT")
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[ReqT, ResT]):
+    """An endpoint that takes one request object (`ReqT`; None: no argument) and answers a `ResT`.
+
+        GENERATE: Endpoint[GenerateRequest, CompletionGroups] = Endpoint("generate")
+        groups = await svc.call(GENERATE, GenerateRequest(prompts_P=[ids]))
+    """
+
+    name: str
+
+    def args(self, request: ReqT) -> tuple[object, ...]:
+        """The positional arguments the endpoint receives for `request`."""
+        return () if request is None else (request,)
 
 
 class Session:
@@ -76,6 +101,10 @@ class Session:
             rep = self.service.pick(endpoint)
             self._rep, self._handle = rep, rep.handle
         return await self.service.route_on(rep, endpoint, args, kwargs)
+
+    async def call(self, endpoint: Endpoint[ReqT, ResT], request: ReqT) -> ResT:
+        """`route` typed: `endpoint` with `request` on this session's replica."""
+        return cast(ResT, await self.route(endpoint.name, *endpoint.args(request)))
 
     def close(self) -> None:
         self.service.forget_session(self.key)
@@ -114,6 +143,19 @@ class Service(ReplicaPool):
     async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
         """Call `endpoint` on the least-loaded healthy replica."""
         return await self.route_on(self.pick(endpoint), endpoint, args, kwargs)
+
+    async def call(self, endpoint: Endpoint[ReqT, ResT], request: ReqT) -> ResT:
+        """`route` typed: `endpoint` with `request` on the least-loaded healthy replica (retried once on
+        another if the replica dies and the endpoint is in the component's ``IDEMPOTENT``)."""
+        return cast(ResT, await self.route(endpoint.name, *endpoint.args(request)))
+
+    async def call_each(self, endpoint: Endpoint[ReqT, ResT], request: ReqT) -> list[ResT]:
+        """`fanout` typed: `endpoint` with `request` on every healthy replica, answers in replica order (rank 0's
+        answer for a multi-process replica)."""
+        answers = await self.fanout(endpoint.name, *endpoint.args(request))
+        if self.placement.procs * self.placement.hosts > 1:  # SPMD replicas: one answer per rank
+            answers = [ranks[0] for ranks in answers]
+        return cast(list[ResT], answers)
 
     def forget_session(self, key: Any) -> None:
         """Drop the sticky session for `key` (`Session.close`); a later `session(key)` starts a new one."""

@@ -4,10 +4,10 @@
     await run.start(); await run.until(step=3)
     run.parts.generators.kill(1)              # a replica dies; the fake service respawns it
 
-- `FakeGenerators` is a service (`route`, `handles`, `status`, `set_replica_info`,
-  `add_listener`, `on_respawn`, `wait_healthy`, `shutdown`) over `FakeGenerator`
-  replicas whose `generate(prompt_ids_P, n, sampling, seeds)` answers
-  `Completion`s stamped with the weights version the replica serves. Like the real
+- `FakeGenerators` is a service (`generate(GenerateRequest)`, `engine_stats`, `route`, `handles`, `status`,
+  `set_replica_info`, `add_listener`, `on_respawn`, `wait_healthy`, `shutdown`; it satisfies
+  `forgelab.generation.Generators`) over `FakeGenerator` replicas whose `generate(prompt_ids_P, n, sampling,
+  seeds)` answers `Completion`s stamped with the weights version the replica serves. Like the real
   service, a `generate` that hits a dead replica is retried on a healthy one.
 - `FakeTrainer` implements the trainer's typed API (`forgelab.engines.trainer_client.TrainerAPI`):
   `train_step` (`StepMetrics` with the loss it used; a swap lands between steps),
@@ -32,6 +32,7 @@ import torch
 
 from forgelab.engines.loss_specs import LossSpec
 from forgelab.engines.trainer_client import Fingerprint, TrainerAPI, TrainerInfo
+from forgelab.generation import CompletionGroups, EngineStats, EnvGroupsRequest, EpisodeGroups, GenerateRequest
 from forgelab.runtime.replicas import NoHealthyReplicaError, ReplicaStatus, ServiceEvent
 from forgelab.types import (
     AdamParams, Completion, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, WeightPush,
@@ -107,7 +108,19 @@ class FakeGenerators:
     def handles(self) -> list[_Handle | None]:
         return [_Handle(r, i) if r.alive else None for i, r in enumerate(self.replicas)]
 
+    async def generate(self, request: GenerateRequest) -> CompletionGroups:
+        """`request` on the next live replica (round robin; retried on another if that one died)."""
+        if request.lora_slot is not None:
+            raise ValueError(f"fake generators: no LoRA slots (lora_slot={request.lora_slot!r})")
+        return await self.route("generate", list(request.prompts_P), request.n, request.sampling,
+                                None if request.seeds_P_G is None else [list(s) for s in request.seeds_P_G])
+
+    async def engine_stats(self) -> list[EngineStats]:
+        """The fakes keep no engine counters: none (the generator meter adds no columns)."""
+        return []
+
     async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        """The string form (the typed `generate` goes through it): ``endpoint`` on the next live replica."""
         for _ in range(2 * len(self.replicas) + 1):
             live = [r for r in self.replicas if r.alive]
             if not live:
@@ -325,8 +338,9 @@ class FakeReference:
 
 
 class FakeEnvs:
-    """The EnvActor service in process: `route("run_groups", ...)` plays the episodes with the real episode
-    loop (`forgelab.envs.actor.run_groups_local`, the real environments) against the fake generator replicas."""
+    """The EnvActor service in process: `run_groups(EnvGroupsRequest)` (or the string form `route("run_groups",
+    ...)`) plays the episodes with the real episode loop (`forgelab.envs.actor.run_groups_local`, the real
+    environments) against the fake generator replicas. Satisfies `forgelab.generation.Envs`."""
 
     def __init__(self, model_dir: str, max_concurrent: int = 64):
         from transformers import AutoTokenizer
@@ -336,6 +350,11 @@ class FakeEnvs:
         self.fmt = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
         self.max_concurrent = max_concurrent
         self.calls = 0
+
+    async def run_groups(self, request: EnvGroupsRequest) -> EpisodeGroups:
+        return await self.route("run_groups", request.env, list(request.tasks_P), request.n, list(request.generators),
+                                request.sampling, None if request.env_kwargs is None else dict(request.env_kwargs),
+                                request.max_turns, request.max_total_tokens, request.step_timeout_s)
 
     async def route(self, endpoint: str, env: Any, tasks: list, n: int, generators: list, sampling: Any,
                     env_kwargs: dict | None = None, max_turns: int | None = None, max_total_tokens: int | None = None,
