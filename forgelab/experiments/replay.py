@@ -168,7 +168,7 @@ class Replayer:
                 at = next((x["first_episode"] for x in effective if rev is not None and x["rev"] >= rev), None)
                 self.reward_changes.append({**e, "first_episode": at})
         self.applied: list[dict] = []
-        self.run: Any = None  # the run it re-applies the changes to (`bind`)
+        self.run: RunFacade | None = None  # the run it re-applies the changes to (`bind`)
         self.functions: dict[int, Any] = {}  # id(event) -> the function it records
         for e in self.loss_changes:
             self.functions[id(e)] = (e["loss"] if (e.get("code") or {}).get("builtin") else
@@ -187,9 +187,14 @@ class Replayer:
         """The run whose public commands re-apply the changes (`Run.attach_replayer` calls this)."""
         self.run = run
 
+    def _bound(self) -> RunFacade:
+        if self.run is None:
+            raise RuntimeError("Replayer: not attached to a run (Run.attach_replayer(replayer) binds it)")
+        return self.run
+
     async def before_step(self, step: int) -> None:
         """Before the trainer runs `step`: a fork's lr override (first), then every loss recorded to apply at `step`."""
-        run = self.run
+        run = self._bound()
         if self.lr is not None and not any(e.get("kind") == "lr_set" for e in self.applied):
             await run.trainer.call("set_lr", float(self.lr))
             self.applied.append({"kind": "lr_set", "lr": float(self.lr), "step": step})
@@ -201,7 +206,7 @@ class Replayer:
 
     def before_scoring(self, first_episode: int) -> None:
         """Before the rollout whose first episode is `first_episode` is scored: apply the reward changes due."""
-        run = self.run
+        run = self._bound()
         for e in self.reward_changes:
             if e["first_episode"] is None or e["first_episode"] > first_episode or e in self.applied:
                 continue
