@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built, not by every reader of these types
     import torch
@@ -76,7 +76,7 @@ class Episode:
     completion: str = ""
     target: str = ""
     task: str = ""
-    info: dict = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = ""
     loss_mask: list[int] | None = None
     teacher_logprobs: list[float] | None = None
@@ -84,7 +84,7 @@ class Episode:
     token_advantages: list[float] | None = None
     """A per-token advantage, one per completion token (None: `advantage` for every token). Distillation sets
     ``advantage + coef * (teacher_logprob - generator_logprob)`` (`forgelab.algos.advantages.distill_advantages`)."""
-    train_values: dict[str, list | None] | None = None
+    train_values: dict[str, Any] | None = None
     """The trainer's per-token view once trained (`forgelab.algos.token_truth`): ``trainer_logprobs``,
     ``entropy``, ``is_weight`` (None: no IS), ``clipped`` (None: the loss's rule is unknown), one value per
     completion token, and ``step``, the step that trained it."""

@@ -25,7 +25,8 @@ class PackedLoss:
     def unpack(self) -> Callable[..., object]:
         import cloudpickle
 
-        return cloudpickle.loads(self.payload)
+        fn: Callable[..., object] = cloudpickle.loads(self.payload)
+        return fn
 
 
 def pack_loss(fn: Callable[..., object]) -> PackedLoss:

@@ -18,7 +18,7 @@ its shard).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypedDict
+from typing import Protocol, TypedDict, cast
 
 import torch
 
@@ -71,6 +71,13 @@ class LossComparison(TypedDict):
 
     losses: list[dict[str, object]]
     cosine: list[list[float]]
+
+
+def _mapping(answer: object) -> dict[str, object]:
+    """An endpoint's dict answer (info, fingerprint, slot lists), checked at run time."""
+    if not isinstance(answer, dict):
+        raise TypeError(f"the trainer answered {type(answer).__name__}, expected a dict")
+    return answer
 
 
 class EndpointHandle(Protocol):
@@ -210,25 +217,25 @@ class TrainerClient(TrainerAPI):
         return str(await self._one("save", str(path)))
 
     async def load(self, path: str) -> TrainerInfo:
-        return TrainerInfo(**await self._one("load", str(path)))  # type: ignore[typeddict-item]
+        return cast(TrainerInfo, _mapping(await self._one("load", str(path))))
 
     async def info(self) -> TrainerInfo:
-        return TrainerInfo(**await self._one("info"))  # type: ignore[typeddict-item]
+        return cast(TrainerInfo, _mapping(await self._one("info")))
 
     async def fingerprint(self) -> list[Fingerprint]:
-        return [Fingerprint(**fp) for fp in await self.call("fingerprint")]  # type: ignore[typeddict-item]
+        return [cast(Fingerprint, _mapping(fp)) for fp in await self.call("fingerprint")]
 
     # -- LoRA slots (a `forgelab.engines.trainer_slots.SlotTrainer`) ------------------------------
 
     async def slot_new(self, slot: str, config: object) -> SlotList:
         """A new slot from the fresh adapters with ``config``'s (a `TrainerConfig`) loss, lr and schedule."""
-        return SlotList(**await self._one("slot_new", slot, config))  # type: ignore[typeddict-item]
+        return cast(SlotList, _mapping(await self._one("slot_new", slot, config)))
 
     async def slot_copy(self, src: str, dst: str) -> SlotList:
-        return SlotList(**await self._one("slot_copy", src, dst))  # type: ignore[typeddict-item]
+        return cast(SlotList, _mapping(await self._one("slot_copy", src, dst)))
 
     async def slot_free(self, slot: str) -> SlotList:
-        return SlotList(**await self._one("slot_free", slot))  # type: ignore[typeddict-item]
+        return cast(SlotList, _mapping(await self._one("slot_free", slot)))
 
     async def slot_stats(self) -> dict[str, object]:
         out = await self._one("slot_stats")

@@ -5,6 +5,7 @@ Stateless helpers of `forgelab.engines.trainer_state`; importable without buildi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 import random
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
 
 
-def sha256_hex(tensors) -> str:
+def sha256_hex(tensors: Sequence[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
         t = t.detach().cpu().contiguous()
@@ -34,7 +35,7 @@ def sha256_hex(tensors) -> str:
     return h.hexdigest()
 
 
-def sum_of_squares(tensors: list[torch.Tensor], piece: int = 1 << 16) -> torch.Tensor:
+def sum_of_squares(tensors: Sequence[torch.Tensor], piece: int = 1 << 16) -> torch.Tensor:
     """``sum(t**2)`` over ``tensors`` (their local shards for DTensors) as a float64 scalar, without float64 copies.
 
     A single fp32 norm of a real vocabulary's embedding gradient (155 M elements) is ~7e-5 off (the grad_norm
@@ -68,7 +69,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, backend: str):
+def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, backend: str
+               ) -> tuple[Any, Any]:  # (torch TCPStore, gloo options or None): torch types them loosely
     """The process group's TCPStore and options, listening on `addr` only (docs/security.md).
 
     torch's TCPStore server binds every interface whatever host name it is

@@ -77,6 +77,8 @@ class WeightSync:
 
     async def push(self, version: int) -> PushReport:
         """Send `version` to every healthy replica; a replica that fails is respawned and caught up later."""
+        if self.trainer is None:
+            raise RuntimeError("WeightSync.push: no trainer (the run's parts were shut down)")
         live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
         raw = await self.trainer.push_weights(version, [h.actor for _, h in live])
         report = PushReport.from_trainer(raw, version, tuple(i for i, _ in live))
