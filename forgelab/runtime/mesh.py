@@ -14,22 +14,15 @@ from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar, cast, o
 from forgelab.runtime import supervision
 
 if TYPE_CHECKING:  # Monarch loads lazily: importing forgelab stays cheap
-    from monarch.actor import BootstrapCommand, Endpoint, HostMesh, Point, ProcMesh, ValueMesh
+    from monarch.actor import Actor, BootstrapCommand, Endpoint, HostMesh, Point, ProcMesh, ValueMesh
     from monarch.job import JobTrait
-
-
-class Lifecycle(Protocol):
-    """The endpoints `spawn` and `ActorHandle.shutdown` call on every component (`Component` has them)."""
-
-    @property
-    def setup(self) -> Endpoint[[], None]: ...
-    @property
-    def prepare_exit(self) -> Endpoint[[], None]: ...
 
 
 P = ParamSpec("P")
 R = TypeVar("R")
-A = TypeVar("A", bound=Lifecycle)
+A = TypeVar("A", bound="Actor")
+"""The component class (`forgelab.runtime.component.Component`, whose ``setup`` and ``prepare_exit`` endpoints
+`spawn` and `ActorHandle.shutdown` call by name)."""
 
 _counter = itertools.count()
 _gpu_cursor = itertools.count()
@@ -291,7 +284,7 @@ class ActorHandle(Generic[A]):
         self.alive = False
         if not self.failed:  # release and flush, then exit without finalising the interpreter (Component.prepare_exit)
             try:
-                await asyncio.wait_for(self.actor.prepare_exit.call(), timeout=10)
+                await asyncio.wait_for(self._untyped("prepare_exit").call(), timeout=10)
             except Exception:  # noqa: BLE001 -- an actor without it, or a dying process: the plain stop follows
                 pass
         # A mesh with a dead process never acknowledges stop(): don't wait long for it.
@@ -352,7 +345,8 @@ async def spawn(
     procs = host.spawn_procs(per_host=per_host, bootstrap_command=cmd)
     try:
         actor = procs.spawn(actor_name, cls, *args, **kwargs)
-        await actor.setup.call()
+        setup: _NamedEndpoint = getattr(actor, "setup")
+        await setup.call()
     except BaseException as err:
         try:
             await asyncio.wait_for(procs.stop(), timeout=30)

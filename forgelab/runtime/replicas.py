@@ -23,15 +23,18 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Generic, NamedTuple, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, Generic, NamedTuple, Protocol, Self, TypeVar
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from forgelab.runtime import supervision
 from forgelab.runtime.supervision import pid_alive
-from forgelab.runtime.mesh import ActorHandle, Lifecycle, Placement, spawn
+from forgelab.runtime.mesh import ActorHandle, Placement, spawn
 
-C = TypeVar("C", bound=Lifecycle)
+if TYPE_CHECKING:
+    from monarch.actor import Actor
+
+C = TypeVar("C", bound="Actor")
 
 log = logging.getLogger("forgelab.service")
 

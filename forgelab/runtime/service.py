@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar, overload
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from forgelab.runtime.mesh import ActorHandle, Lifecycle, Placement, endpoint_name
+from forgelab.runtime.mesh import ActorHandle, Placement, endpoint_name
 # re-exported: this module's names before the split
 from forgelab.runtime.replicas import NoHealthyReplicaError as NoHealthyReplicaError
 from forgelab.runtime.replicas import Replica as Replica
@@ -50,10 +50,10 @@ from forgelab.runtime.supervision import pid_alive as pid_alive
 from forgelab.runtime.replicas import service_ids as service_ids
 
 if TYPE_CHECKING:
-    from monarch.actor import Endpoint
+    from monarch.actor import Actor, Endpoint
 
 
-C = TypeVar("C", bound=Lifecycle)
+C = TypeVar("C", bound="Actor")
 P = ParamSpec("P")
 R = TypeVar("R")
 

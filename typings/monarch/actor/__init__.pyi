@@ -47,27 +47,20 @@ class EndpointProperty(Generic[P, R]):
     # On the class and on a mesh alike an endpoint reads as an Endpoint (Monarch's own typing does the same).
     def __get__(self, instance: object, owner: object) -> Endpoint[P, R]: ...
 
+# forgelab's endpoints are all ``async def`` (Monarch also takes plain methods): the stubs accept only those. One
+# overload per form also keeps an endpoint typed when its signature mentions ``Any`` (two matching overloads
+# with different results would make mypy infer ``Any`` for the endpoint).
 class EndpointIfy:
-    @overload
     def __call__(self, function: Callable[Concatenate[Any, P], Awaitable[R]]) -> EndpointProperty[P, R]: ...
-    @overload
-    def __call__(self, function: Callable[Concatenate[Any, P], R]) -> EndpointProperty[P, R]: ...
 
 class PortedEndpointIfy:
-    @overload
     def __call__(
         self, function: Callable[Concatenate[Any, Port[R], P], Awaitable[None]]
     ) -> EndpointProperty[P, R]: ...
-    @overload
-    def __call__(self, function: Callable[Concatenate[Any, Port[R], P], None]) -> EndpointProperty[P, R]: ...
 
 @overload
 def endpoint(
     method: Callable[Concatenate[Any, P], Awaitable[R]], *, explicit_response_port: Literal[False] = False
-) -> EndpointProperty[P, R]: ...
-@overload
-def endpoint(
-    method: Callable[Concatenate[Any, P], R], *, explicit_response_port: Literal[False] = False
 ) -> EndpointProperty[P, R]: ...
 @overload
 def endpoint(*, explicit_response_port: Literal[False] = False) -> EndpointIfy: ...
