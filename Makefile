@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo docs screenshot test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup browser sshd demo docs screenshot typecheck test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -55,6 +55,11 @@ docs: setup
 # step 40 (tools/screenshot_lab.py), written to docs/img/lab.png.
 screenshot: setup
 	$(BIN)/python tools/screenshot_lab.py --out docs/img/lab.png
+
+# The type checker over the packages held to the strict contract (pyproject.toml's [tool.mypy]; forgelab's own
+# stubs of Monarch under typings/). `make test` and `make test-fast` run it too (tests/test_typecheck.py).
+typecheck: setup
+	$(BIN)/python -m mypy
 
 # Two test workers (pytest-xdist), each running one whole file at a time (`--dist loadfile`: a file's
 # module-scoped processes, fixtures and test order stay on one worker). One file at a time leaves a core idle

@@ -18,32 +18,59 @@ import asyncio
 import atexit
 import os
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypedDict, TypeVar, Unpack
 
 from monarch.actor import Actor, Port, endpoint
 
-from forgelab.runtime.mesh import (DEFAULT_PROCESS_ENV, ActorHandle, ComponentStartError, Placement,  # noqa: F401
-                                   spawn)
+from forgelab.runtime.mesh import DEFAULT_PROCESS_ENV as DEFAULT_PROCESS_ENV
+from forgelab.runtime.mesh import ActorHandle as ActorHandle
+from forgelab.runtime.mesh import ComponentStartError as ComponentStartError
+from forgelab.runtime.mesh import Placement as Placement
+from forgelab.runtime.mesh import spawn
 from forgelab.runtime.service import Service
 
+if TYPE_CHECKING:
+    from monarch.job import JobTrait
 
-class Configured:
-    """A component class with a placement: what `Component.options(...)` returns."""
+C = TypeVar("C", bound="Component")
+R = TypeVar("R")
 
-    def __init__(self, cls: type, placement: Placement):
+
+class PlacementOptions(TypedDict, total=False):
+    """The keyword arguments of `Component.options`: `Placement`'s fields (documented there)."""
+
+    procs: int
+    hosts: int
+    with_gpus: bool
+    gpus: tuple[int, ...] | None
+    num_replicas: int
+    threads: int
+    env: dict[str, str]
+    job: JobTrait | None
+    mesh: str | None
+
+
+class Configured(Generic[C]):
+    """A component class with a placement: what `Component.options(...)` returns.
+
+    The constructor arguments of `as_actor` / `as_service` go to the component's ``__init__`` in its own
+    processes; they are checked there, not here (Monarch's ``spawn`` takes them untyped)."""
+
+    def __init__(self, cls: type[C], placement: Placement):
         self.cls = cls
         self.placement = placement
 
-    def options(self, **kwargs: Any) -> "Configured":
+    def options(self, **kwargs: Unpack[PlacementOptions]) -> Configured[C]:
         return Configured(self.cls, replace(self.placement, **kwargs))
 
-    async def as_actor(self, *args: Any, **kwargs: Any) -> ActorHandle:
+    async def as_actor(self, *args: object, **kwargs: object) -> ActorHandle[C]:
         return await spawn(self.cls, self.placement, args, kwargs)
 
-    async def as_service(self, *args: Any, **kwargs: Any) -> Service:
+    async def as_service(self, *args: object, **kwargs: object) -> Service[C]:
         """Replicas behind the component's service class (`Component.SERVICE`: its typed methods)."""
-        service: type[Service] = getattr(self.cls, "SERVICE", Service)
+        service: type[Service[C]] = getattr(self.cls, "SERVICE", Service)
         return await service.start(self.cls, self.placement, args, kwargs)
 
     def __repr__(self) -> str:
@@ -62,18 +89,18 @@ class Component(Actor):
     IDEMPOTENT: ClassVar[frozenset[str]] = frozenset()
 
     #: The service class `as_service` returns: a `Service` subclass with this component's typed endpoint methods.
-    SERVICE: ClassVar[type[Service]] = Service
+    SERVICE: ClassVar[type[Service[Component]]] = Service
 
     @classmethod
-    def options(cls, **kwargs: Any) -> Configured:
+    def options(cls, **kwargs: Unpack[PlacementOptions]) -> Configured[Self]:
         return Configured(cls, Placement(**kwargs))
 
     @classmethod
-    async def as_actor(cls, *args: Any, **kwargs: Any) -> ActorHandle:
+    async def as_actor(cls, *args: object, **kwargs: object) -> ActorHandle[Self]:
         return await Configured(cls, Placement()).as_actor(*args, **kwargs)
 
     @classmethod
-    async def as_service(cls, *args: Any, **kwargs: Any) -> Service:
+    async def as_service(cls, *args: object, **kwargs: object) -> Service[Self]:
         return await Configured(cls, Placement()).as_service(*args, **kwargs)
 
     @endpoint
@@ -102,7 +129,7 @@ class Component(Actor):
         # what multiprocessing's own exit handler does (the fast exit skips it): unlink the semaphores and other
         # resources registered with its resource tracker (vLLM's), which otherwise warns of "leaked semaphore
         # objects" on stderr as the process ends
-        multiprocessing.util._exit_function()
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined]  # private in the stdlib; typeshed omits it
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -111,15 +138,15 @@ class Component(Actor):
         atexit.register(os._exit, 0)  # handlers run last-registered first: this one ends the process
 
     @endpoint
-    async def received_config(self) -> Any:
+    async def received_config(self) -> object:
         """The config object this actor was constructed with (`self.config`; None if it keeps none)."""
         return getattr(self, "config", None)
 
 
-_replies: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+_replies: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
 
 
-def answer_in_task(port: Port, start: Callable[[], Awaitable[Any]], what: str) -> None:
+def answer_in_task(port: Port[R], start: Callable[[], Awaitable[R]], what: str) -> None:
     """Run `start()` in its own task (it copies the caller's context) and answer `port` with its value or its
     error. For endpoints that answer through an explicit response port: Monarch delivers one call at a time per
     actor, so an endpoint that awaited its work would block every other caller; every error goes to the port

@@ -22,7 +22,7 @@ import time
 _state = {"installed": False, "t0": 0.0, "total_s": 0.0, "collections": 0, "max_s": 0.0}
 
 
-def _hook(phase: str, info: dict) -> None:
+def _hook(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
         _state["t0"] = time.perf_counter()
     elif _state["t0"]:

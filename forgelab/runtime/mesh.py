@@ -7,11 +7,22 @@ import asyncio
 import itertools
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
-
+from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 from forgelab.runtime import supervision
+
+if TYPE_CHECKING:  # Monarch loads lazily: importing forgelab stays cheap
+    from monarch.actor import Actor, BootstrapCommand, Endpoint, HostMesh, Point, ProcMesh, ValueMesh
+    from monarch.job import JobTrait
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+A = TypeVar("A", bound="Actor")
+"""The component class (`forgelab.runtime.component.Component`, whose ``setup`` and ``prepare_exit`` endpoints
+`spawn` and `ActorHandle.shutdown` call by name)."""
 
 _counter = itertools.count()
 _gpu_cursor = itertools.count()
@@ -56,7 +67,7 @@ class Placement:
     """torch / OpenMP threads per process."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every process."""
-    job: Any = None
+    job: JobTrait | None = None
     """Optional `monarch.job` job (ProcessJob, SlurmJob, ...) providing hosts."""
     mesh: str | None = None
     """Name of the host mesh inside `job` (e.g. "generators")."""
@@ -139,26 +150,27 @@ def _loopback_admin() -> None:
         configure(mesh_admin_addr="127.0.0.1:1729")
 
 
-def _host_mesh(placement: Placement, first_host: int = 0):
+def _host_mesh(placement: Placement, first_host: int = 0) -> HostMesh:
     """The host mesh to spawn on: this host, or `placement.hosts` hosts of a job mesh.
 
     With a job, hosts `first_host .. first_host + hosts - 1` of the named mesh
     are used (wrapping to 0 when they run past its end), so a service can put
     its replicas on different hosts.
     """
-    if placement.job is None:
+    job = placement.job
+    if job is None:
         from monarch.actor import this_host
 
         return this_host()
     from forgelab.runtime.placement import job_mesh_names
 
-    names = job_mesh_names(placement.job)
+    names = job_mesh_names(job)
     name = placement.mesh or (names[0] if names else None)
     if name is None:
-        raise ValueError(f"placement job {placement.job!r} declares no host mesh; pass mesh=...")
-    state = placement.job.state(cached_path=None)
+        raise ValueError(f"placement job {job!r} declares no host mesh; pass mesh=...")
+    state = job.state(cached_path=None)
     try:
-        host = getattr(state, name)
+        host: HostMesh = getattr(state, name)
     except AttributeError:
         raise ValueError(
             f"placement asks for mesh={name!r} but the job has only {names}; "
@@ -182,14 +194,35 @@ class ComponentStartError(RuntimeError):
     """A component's process died (or its actor aborted) before `setup()` finished."""
 
 
-class ActorHandle:
+def endpoint_name(endpoint: Endpoint[P, R] | str) -> str:
+    """The name of an endpoint given as the component's method (``Trainer.train_step``) or as a string."""
+    if isinstance(endpoint, str):
+        return endpoint
+    # Read from the class, a Monarch endpoint is its `EndpointProperty`, which keeps the decorated method.
+    name = getattr(getattr(endpoint, "_method", None), "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"{endpoint!r} is not an endpoint of a component class (e.g. Trainer.train_step)")
+    return name
+
+
+class _NamedEndpoint(Protocol):
+    """An endpoint looked up by name: what the checker knows of its arguments and result is nothing."""
+
+    def call(self, *args: object, **kwargs: object) -> Awaitable[ValueMesh[object]]: ...
+    def call_one(self, *args: object, **kwargs: object) -> Awaitable[object]: ...
+
+
+class ActorHandle(Generic[A]):
     """A spawned component: its proc mesh and the actor mesh on it.
 
-    Endpoints are reachable as attributes (`handle.generate.call_one(...)`),
-    as on a Monarch actor mesh; `call`/`call_one` take the endpoint by name.
+    Typed calls name the endpoint by the component's method, so the checker sees its arguments and result:
+    ``await handle.call_one(Trainer.train_step, batch)`` (or ``await handle.actor.train_step.call_one(batch)``,
+    the Monarch mesh itself, typed as the component class). The older forms still run: endpoints by name
+    (``handle.call_one("train_step", batch)``, whose result the checker sees as ``object``) and endpoints as
+    attributes of the handle (``handle.train_step.call_one(...)``, invisible to the checker).
     """
 
-    def __init__(self, cls: type, placement: Placement, name: str, procs: Any, actor: Any):
+    def __init__(self, cls: type[A], placement: Placement, name: str, procs: ProcMesh, actor: A):
         self.cls = cls
         self.placement = placement
         self.name = name
@@ -197,25 +230,52 @@ class ActorHandle:
         self.actor = actor
         self.alive = True
         self.failed = False  # set when one of its processes died
+        self.pids_list: list[int] = []
+        """The processes' pids (set by a service when it spawns a replica)."""
+        self.replica_index: int | None = None
+        """Which replica of a service this is (None outside a service)."""
 
-    def __getattr__(self, item: str) -> Any:
-        if item.startswith("_"):
-            raise AttributeError(item)
-        return getattr(self.actor, item)
+    if not TYPE_CHECKING:  # untyped: the checker makes callers go through `actor` or `call`/`call_one`
 
-    async def call(self, endpoint_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        def __getattr__(self, item):
+            if item.startswith("_"):
+                raise AttributeError(item)
+            return getattr(self.actor, item)
+
+    def endpoint(self, endpoint: Endpoint[P, R] | str) -> Endpoint[P, R]:
+        """The endpoint of this handle's actor mesh (``Trainer.train_step`` -> the mesh's ``train_step``)."""
+        return cast("Endpoint[P, R]", getattr(self.actor, endpoint_name(endpoint)))
+
+    def _untyped(self, endpoint: Endpoint[P, R] | str) -> _NamedEndpoint:
+        """The endpoint for a call whose arguments the overloads below have already typed."""
+        ep: _NamedEndpoint = getattr(self.actor, endpoint_name(endpoint))
+        return ep
+
+    @overload
+    async def call(self, endpoint: Endpoint[P, R], /, *args: P.args, **kwargs: P.kwargs) -> list[R]: ...
+    @overload
+    async def call(self, endpoint: str, /, *args: object, **kwargs: object) -> list[object]: ...
+
+    async def call(self, endpoint: Endpoint[P, R] | str, /, *args: object, **kwargs: object) -> list[R] | list[object]:
         """Call an endpoint on every rank; returns the values in rank order."""
-        mesh = await getattr(self.actor, endpoint_name).call(*args, **kwargs)
+        mesh = await self._untyped(endpoint).call(*args, **kwargs)
         return [value for _, value in mesh.items()]
 
-    async def call_one(self, endpoint_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Call an endpoint of a single-process component."""
+    @overload
+    async def call_one(self, endpoint: Endpoint[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def call_one(self, endpoint: str, /, *args: object, **kwargs: object) -> object: ...
+
+    async def call_one(self, endpoint: Endpoint[P, R] | str, /, *args: object, **kwargs: object) -> R | object:
+        """Call an endpoint of a single-process component (rank 0's value on a multi-process one)."""
         if self.placement.procs * self.placement.hosts == 1:
-            return await getattr(self.actor, endpoint_name).call_one(*args, **kwargs)
-        return (await self.call(endpoint_name, *args, **kwargs))[0]
+            return await self._untyped(endpoint).call_one(*args, **kwargs)
+        return (await self.call(endpoint_name(endpoint), *args, **kwargs))[0]
 
     async def pids(self) -> list[int]:
-        return await self.call("_forgelab_pid")
+        """The pid of each rank's process."""
+        pids = await self.call("_forgelab_pid")
+        return [pid if isinstance(pid, int) else int(str(pid)) for pid in pids]
 
     async def shutdown(self) -> None:
         """Stop the processes. Safe to call twice and on a dead mesh."""
@@ -224,7 +284,7 @@ class ActorHandle:
         self.alive = False
         if not self.failed:  # release and flush, then exit without finalising the interpreter (Component.prepare_exit)
             try:
-                await asyncio.wait_for(self.actor.prepare_exit.call(), timeout=10)
+                await asyncio.wait_for(self._untyped("prepare_exit").call(), timeout=10)
             except Exception:  # noqa: BLE001 -- an actor without it, or a dying process: the plain stop follows
                 pass
         # A mesh with a dead process never acknowledges stop(): don't wait long for it.
@@ -238,13 +298,13 @@ class ActorHandle:
 
 
 async def spawn(
-    cls: type,
+    cls: type[A],
     placement: Placement,
-    args: tuple,
-    kwargs: dict,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     name: str | None = None,
     first_host: int = 0,
-) -> ActorHandle:
+) -> ActorHandle[A]:
     """Spawn `cls` on a new proc mesh described by `placement` and run `setup()`.
 
     `first_host` picks where in a job's host mesh the hosts start (services
@@ -264,6 +324,7 @@ async def spawn(
         await workers_listening(placement.job)
     host = _host_mesh(placement, first_host)
     per_host: dict[str, int] = {"procs": placement.procs}
+    cmd: BootstrapCommand | Callable[[Point], BootstrapCommand]
     if placement.with_gpus:
         per_host = {"gpus": placement.procs}
         # Meshes on this host must not share GPUs: the generator, the reference and each trainer rank
@@ -271,16 +332,21 @@ async def spawn(
         gpus = list(placement.gpus) if placement.gpus else (
             list(range(placement.procs)) if placement.job is not None else _take_gpus(placement.procs)
         )
-        cmd = lambda point: default_bootstrap_cmd().with_env(  # noqa: E731
-            {**env, "CUDA_VISIBLE_DEVICES": str(gpus[point.rank % placement.procs])}
-        )
+
+        def gpu_cmd(point: Point) -> BootstrapCommand:
+            return default_bootstrap_cmd().with_env(
+                {**env, "CUDA_VISIBLE_DEVICES": str(gpus[point.rank % placement.procs])}
+            )
+
+        cmd = gpu_cmd
     else:
         cmd = default_bootstrap_cmd().with_env(env)
     actor_name = name or f"{cls.__name__.lower()}{next(_counter)}"
     procs = host.spawn_procs(per_host=per_host, bootstrap_command=cmd)
     try:
         actor = procs.spawn(actor_name, cls, *args, **kwargs)
-        await actor.setup.call()
+        setup: _NamedEndpoint = getattr(actor, "setup")
+        await setup.call()
     except BaseException as err:
         try:
             await asyncio.wait_for(procs.stop(), timeout=30)

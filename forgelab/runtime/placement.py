@@ -56,9 +56,15 @@ import inspect
 import os
 import stat
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 from forgelab.runtime.supervision import pid_alive
+
+if TYPE_CHECKING:
+    from monarch.job import JobTrait
+
+J = TypeVar("J", bound="JobTrait")
 
 JOB_KINDS = ("process", "local", "slurm", "ssh", "kubernetes")
 WORKER_LISTEN_TIMEOUT = 300.0  # seconds a ProcessJob's worker may take to start listening
@@ -75,7 +81,7 @@ def _listening(path: str) -> bool:
         return False
 
 
-async def workers_listening(job: Any, timeout: float | None = None, poll: float = 0.05) -> None:
+async def workers_listening(job: JobTrait, timeout: float | None = None, poll: float = 0.05) -> None:
     """Start a local `ProcessJob`'s host workers (once) and wait until each listens on its socket.
 
     Monarch's attach pushes its configuration to each worker once: a message to a unix socket
@@ -117,7 +123,7 @@ async def workers_listening(job: Any, timeout: float | None = None, poll: float 
         await asyncio.sleep(poll)
 
 
-def job_mesh_names(job: Any) -> list[str]:
+def job_mesh_names(job: JobTrait) -> list[str]:
     """Names of the host meshes a `monarch.job` job declares, in order."""
     meshes = getattr(job, "_meshes", None)
     if meshes is not None:
@@ -126,7 +132,7 @@ def job_mesh_names(job: Any) -> list[str]:
     return list(hosts) if hosts is not None else []
 
 
-def _construct(kind: str, factory: Any, kwargs: dict[str, Any]) -> Any:
+def _construct(kind: str, factory: type[J], kwargs: Mapping[str, object]) -> J:
     try:
         return factory(**kwargs)
     except TypeError as err:
@@ -136,7 +142,19 @@ def _construct(kind: str, factory: Any, kwargs: dict[str, Any]) -> Any:
         ) from err
 
 
-def job_from_config(config: dict[str, Any]) -> Any:
+def _mapping(kind: str, meshes: object) -> Mapping[str, object]:
+    if not isinstance(meshes, Mapping):
+        raise ValueError(f"job config kind={kind!r}: 'meshes' must map mesh names to hosts, got {meshes!r}")
+    return meshes
+
+
+def _names(kind: str, name: str, hosts: object) -> list[str]:
+    if isinstance(hosts, str) or not isinstance(hosts, (list, tuple)):
+        raise ValueError(f"job config kind={kind!r}: mesh {name!r} needs a list of host names, got {hosts!r}")
+    return [str(h) for h in hosts]
+
+
+def job_from_config(config: Mapping[str, object]) -> JobTrait:
     """Build a `monarch.job` job from a dict (see the module docstring for examples).
 
     `kind` is one of "process", "local", "slurm", "ssh", "kubernetes"; `meshes`
@@ -145,7 +163,7 @@ def job_from_config(config: dict[str, Any]) -> Any:
     """
     cfg = dict(config)
     kind = cfg.pop("kind", None)
-    if kind not in JOB_KINDS:
+    if not isinstance(kind, str) or kind not in JOB_KINDS:
         raise ValueError(f"job config: kind must be one of {list(JOB_KINDS)}, got {kind!r}")
     meshes = cfg.pop("meshes", None)
     if not meshes:
@@ -154,22 +172,23 @@ def job_from_config(config: dict[str, Any]) -> Any:
     if kind == "process":
         from monarch.job import ProcessJob
 
-        return _construct(kind, ProcessJob, {"meshes": dict(meshes), **cfg})
+        return _construct(kind, ProcessJob, {"meshes": dict(_mapping(kind, meshes)), **cfg})
     if kind == "local":
         from monarch.job import LocalJob
 
-        return _construct(kind, LocalJob, {"hosts": tuple(meshes), **cfg})
+        host_names = [str(n) for n in meshes] if isinstance(meshes, Mapping) else _names(kind, "meshes", meshes)
+        return _construct(kind, LocalJob, {"hosts": tuple(host_names), **cfg})
     if kind == "slurm":
         from monarch.job import SlurmJob
 
-        return _construct(kind, SlurmJob, {"meshes": dict(meshes), **cfg})
+        return _construct(kind, SlurmJob, {"meshes": dict(_mapping(kind, meshes)), **cfg})
     if kind == "ssh":
         from monarch._src.job.job import SSHJob
 
-        job = _construct(kind, SSHJob, cfg)
-        for name, hosts in meshes.items():
-            job.add_mesh(name, list(hosts))
-        return job
+        ssh = _construct(kind, SSHJob, cfg)
+        for name, hosts in _mapping(kind, meshes).items():
+            ssh.add_mesh(name, _names(kind, name, hosts))
+        return ssh
 
     try:
         from monarch._src.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
@@ -180,12 +199,12 @@ def job_from_config(config: dict[str, Any]) -> Any:
     kubeconfig = cfg.pop("kubeconfig", None)
     if isinstance(kubeconfig, str):
         cfg["kubeconfig"] = KubeConfig.from_path(os.path.expanduser(kubeconfig))
-    job = _construct(kind, KubernetesJob, cfg)
-    for name, spec in meshes.items():
-        spec = dict(spec)
+    kube = _construct(kind, KubernetesJob, cfg)
+    for name, mesh_spec in _mapping(kind, meshes).items():
+        spec = dict(_mapping(kind, mesh_spec))
         image = spec.pop("image", None)
         resources = spec.pop("resources", None)
         if image is not None:
-            spec["image_spec"] = ImageSpec(image, resources=resources)
-        job.add_mesh(name, **spec)
-    return job
+            spec["image_spec"] = ImageSpec(str(image), resources=dict(_mapping(kind, resources or {})))
+        kube.add_mesh(name, **spec)
+    return kube

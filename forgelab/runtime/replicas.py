@@ -24,13 +24,18 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, NamedTuple, Self
+from typing import TYPE_CHECKING, Awaitable, Callable, Generic, NamedTuple, Protocol, Self, TypeVar
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from forgelab.runtime import supervision
 from forgelab.runtime.supervision import pid_alive
 from forgelab.runtime.mesh import ActorHandle, Placement, spawn
+
+if TYPE_CHECKING:
+    from monarch.actor import Actor
+
+C = TypeVar("C", bound="Actor")
 
 log = logging.getLogger("forgelab.runtime.replicas")
 
@@ -66,7 +71,7 @@ class ReplicaStatus:
     restarts: int
     pids: tuple[int, ...]
     last_error: str | None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
     """Fields the controller set with `set_replica_info` / `refresh_info`."""
     name: str | None = None
     calls: int = 0
@@ -108,22 +113,33 @@ class RequestStats:
         return out
 
 
-class Replica:
+class _NamedEndpoint(Protocol):
+    def call_one(self, *args: object, **kwargs: object) -> Awaitable[object]: ...
+
+
+class Replica(Generic[C]):
     __slots__ = ("index", "handle", "state", "in_flight", "restarts", "pids", "last_error", "info", "endpoints", "single",
                  "stats")
 
     def __init__(self, index: int, single: bool):
         self.index = index
-        self.handle: ActorHandle | None = None
+        self.handle: ActorHandle[C] | None = None
         self.state = "starting"
         self.in_flight = 0
         self.restarts = 0
         self.pids: list[int] = []
         self.last_error: str | None = None
-        self.info: dict[str, Any] = {}
-        self.endpoints: dict[str, Any] = {}
+        self.info: dict[str, object] = {}
+        self.endpoints: dict[str, _NamedEndpoint] = {}
         self.single = single
         self.stats = RequestStats()
+
+    @property
+    def live(self) -> ActorHandle[C]:
+        """The handle of a replica that is serving (healthy, or failing during a call: never None then)."""
+        if self.handle is None:
+            raise NoHealthyReplicaError(f"replica #{self.index} has no process yet ({self.state})")
+        return self.handle
 
     def describe(self) -> str:
         text = f"#{self.index} {self.state} (pids {self.pids}, restarts {self.restarts}"
@@ -137,11 +153,12 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(lines[:2])[:300]}"
 
 
-class ReplicaPool:
+class ReplicaPool(Generic[C]):
     """`placement.num_replicas` copies of a component, kept alive; the base of `Service` (see the module docstring)."""
 
-    def __init__(self, cls: type, placement: Placement, args: tuple = (), kwargs: dict | None = None, *,
-                 name: str | None = None, on_respawn: Callable[[ActorHandle], Awaitable[None]] | None = None,
+    def __init__(self, cls: type[C], placement: Placement, args: tuple[object, ...] = (),
+                 kwargs: dict[str, object] | None = None, *,
+                 name: str | None = None, on_respawn: Callable[[ActorHandle[C]], Awaitable[None]] | None = None,
                  max_respawn_attempts: int = 3, watch_interval_s: float = 0.5):
         """The arguments of `Service` (documented there)."""
         self.cls = cls
@@ -156,22 +173,26 @@ class ReplicaPool:
         self.events: list[ServiceEvent] = []
         self._listeners: list[Callable[[ServiceEvent], None]] = []
         single = placement.procs * placement.hosts == 1
-        self._replicas = [Replica(i, single) for i in range(placement.num_replicas)]
-        self._healthy: list[Replica] = []
+        self._replicas: list[Replica[C]] = [Replica(i, single) for i in range(placement.num_replicas)]
+        self._healthy: list[Replica[C]] = []
         self._uid = next(service_ids)
         self._spawns = itertools.count()
-        self._tasks: set[asyncio.Task] = set()  # respawns and the pid watch: cancelled on shutdown
-        self._teardowns: set[asyncio.Task] = set()  # old meshes stopping: awaited on shutdown
+        self._tasks: set[asyncio.Future[None]] = set()  # respawns and the pid watch: cancelled on shutdown
+        self._teardowns: set[asyncio.Future[None]] = set()  # old meshes stopping: awaited on shutdown
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: contextvars.Context | None = None
         self._closed = False
 
     @classmethod
-    async def start(cls, component: type, placement: Placement, args: tuple, kwargs: dict, **options: Any) -> Self:
+    async def start(cls, component: type[C], placement: Placement, args: tuple[object, ...],
+                    kwargs: dict[str, object], *, name: str | None = None,
+                    on_respawn: Callable[[ActorHandle[C]], Awaitable[None]] | None = None,
+                    max_respawn_attempts: int = 3, watch_interval_s: float = 0.5) -> Self:
         """Spawn every replica concurrently; returns once all ran `setup()`."""
         placement.validate(component.__name__)
-        svc = cls(component, placement, args, kwargs, **options)
+        svc = cls(component, placement, args, kwargs, name=name, on_respawn=on_respawn,
+                  max_respawn_attempts=max_respawn_attempts, watch_interval_s=watch_interval_s)
         svc._loop = asyncio.get_running_loop()
         # Monarch calls the fault hook on its own thread, where Monarch's `context()` is some internal
         # actor's, not the client's: a respawn started from there would spawn from the wrong proc
@@ -192,12 +213,13 @@ class ReplicaPool:
             await svc.shutdown()
             raise
         for rep, handle in zip(svc._replicas, started):
+            assert not isinstance(handle, BaseException)  # errors raised above
             svc._install(rep, handle)
         if placement.job is None and os.path.isdir("/proc") and svc.watch_interval_s > 0:
             svc._spawn_task(svc._watch())
         return svc
 
-    async def _spawn(self, rep: Replica) -> ActorHandle:
+    async def _spawn(self, rep: Replica[C]) -> ActorHandle[C]:
         name = f"{self.name}_{self._uid}_r{rep.index}_{next(self._spawns)}"
         handle = await spawn(
             self.cls, self.placement, self.args, self.kwargs, name=name,
@@ -211,25 +233,27 @@ class ReplicaPool:
         handle.replica_index = rep.index
         return handle
 
-    def _install(self, rep: Replica, handle: ActorHandle) -> None:
+    def _install(self, rep: Replica[C], handle: ActorHandle[C]) -> None:
         rep.handle, rep.pids, rep.endpoints, rep.state = handle, list(handle.pids_list), {}, "healthy"
         self._refresh_healthy()
 
     # ---------------------------------------------------------------- calls
-    async def _call_all(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
+    async def _call_all(self, rep: Replica[C], handle: ActorHandle[C], endpoint: str, args: tuple[object, ...],
+                        kwargs: dict[str, object]) -> object:
         """`endpoint` on every rank of `rep` (timed into its `RequestStats`)."""
         if rep.single:
             return await self._timed(rep, self._endpoint(rep, endpoint).call_one(*args, **kwargs))
         return await self._timed(rep, handle.call(endpoint, *args, **kwargs))
 
-    async def _call_one(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict) -> Any:
+    async def _call_one(self, rep: Replica[C], handle: ActorHandle[C], endpoint: str, args: tuple[object, ...],
+                        kwargs: dict[str, object]) -> object:
         """`endpoint` on `rep` (rank 0 of a multi-process replica), timed into its `RequestStats`."""
         if rep.single:
             return await self._timed(rep, self._endpoint(rep, endpoint).call_one(*args, **kwargs))
         return await self._timed(rep, handle.call_one(endpoint, *args, **kwargs))
 
     @staticmethod
-    async def _timed(rep: Replica, call: Awaitable[Any]) -> Any:
+    async def _timed(rep: Replica[C], call: Awaitable[object]) -> object:
         t0, ok = time.perf_counter(), False
         try:
             result = await call
@@ -238,12 +262,12 @@ class ReplicaPool:
         finally:
             rep.stats.record(time.perf_counter() - t0, ok)
 
-    def _endpoint(self, rep: Replica, endpoint: str) -> Any:
+    def _endpoint(self, rep: Replica[C], endpoint: str) -> _NamedEndpoint:
         ep = rep.endpoints.get(endpoint)
         if ep is None:
             if not hasattr(self.cls, endpoint):
                 raise AttributeError(f"service {self.name!r}: {self.cls.__name__} has no endpoint {endpoint!r}")
-            ep = rep.endpoints[endpoint] = getattr(rep.handle.actor, endpoint)
+            ep = rep.endpoints[endpoint] = getattr(rep.live.actor, endpoint)
         return ep
 
     # ------------------------------------------------------------- failures
@@ -271,7 +295,7 @@ class ReplicaPool:
                 if dead:
                     self._fail(rep, rep.handle, f"process {dead} is gone")
 
-    def _fail(self, rep: Replica, handle: ActorHandle | None, detail: str) -> None:
+    def _fail(self, rep: Replica[C], handle: ActorHandle[C] | None, detail: str) -> None:
         """Mark `rep` unhealthy and respawn it, unless this failure is stale or known."""
         if self._closed or rep.handle is not handle or rep.state != "healthy":
             return
@@ -283,7 +307,7 @@ class ReplicaPool:
         self._record("replica_failed", rep.index, detail)
         self._spawn_task(self._respawn(rep, handle))
 
-    async def _respawn(self, rep: Replica, old: ActorHandle | None) -> None:
+    async def _respawn(self, rep: Replica[C], old: ActorHandle[C] | None) -> None:
         if old is not None:  # a dead mesh may take a while to stop: don't wait for it
             self._teardown(old)
         delay = 1.0
@@ -344,11 +368,11 @@ class ReplicaPool:
         """Same as `status()`."""
         return self.status()
 
-    def handles(self) -> list[ActorHandle | None]:
+    def handles(self) -> list[ActorHandle[C] | None]:
         """The current ActorHandle of each healthy replica (None otherwise)."""
         return [rep.handle if rep.state == "healthy" else None for rep in self._replicas]
 
-    def set_replica_info(self, index: int, **fields: Any) -> None:
+    def set_replica_info(self, index: int, **fields: object) -> None:
         """Attach fields (e.g. weight_version=3) to replica `index`'s status."""
         self._replicas[index].info.update(fields)
 
@@ -357,7 +381,7 @@ class ReplicaPool:
         info."""
         for rep in list(self._healthy):
             try:
-                result = await self._call_all(rep, rep.handle, endpoint, (), {})
+                result = await self._call_all(rep, rep.live, endpoint, (), {})
             except SupervisionError as err:
                 self._fail(rep, rep.handle, f"process died during {endpoint}(): {first_line(err)}")
                 continue
@@ -420,7 +444,7 @@ class ReplicaPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _teardown(self, handle: ActorHandle) -> None:
+    def _teardown(self, handle: ActorHandle[C]) -> None:
         task = asyncio.ensure_future(handle.shutdown())
         self._teardowns.add(task)
         task.add_done_callback(self._teardowns.discard)

@@ -10,9 +10,9 @@
 
 Typed calls: an `Endpoint[Req, Res]` names an endpoint that takes one request object and answers a `Res`;
 `svc.call(endpoint, request)`, `svc.call_each(endpoint, request)` and `session.call(...)` are `route`,
-`fanout` and `Session.route` with the request and the answer typed, so a type checker sees a wrong request
-where it is written. A component's typed methods live on its service class (`Component.SERVICE`, e.g.
-`forgelab.engines.generator_service.GeneratorService.generate`); the string forms stay for the rest.
+`fanout` and `Session.route` with the request and the answer typed. A component's typed methods live on its
+service class (`Component.SERVICE`, e.g. `forgelab.engines.generator_service.GeneratorService.generate`);
+`route(Component.method, ...)` types the arguments from the endpoint itself; the string forms stay for the rest.
 
 Routing picks the healthy replica with the fewest calls in flight (ties go
 round robin). A replica whose process dies is noticed three ways: a call
@@ -37,25 +37,33 @@ endpoint on every rank of the chosen replica and returns rank 0's value;
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar, cast, overload
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-from forgelab.runtime.mesh import ActorHandle, Placement
-from forgelab.runtime.replicas import (  # noqa: F401  (re-exported: this module's names before the split)
-    NoHealthyReplicaError,
-    ReplicaFailedError,
-    ReplicaPool,
-    ReplicaStatus,
-    ServiceEvent,
-    first_line,
-    pid_alive,
-    Replica,
-    service_ids,
-    log,
-)
+from forgelab.runtime.mesh import ActorHandle, Placement, endpoint_name
+# re-exported: this module's names before the split
+from forgelab.runtime.replicas import NoHealthyReplicaError as NoHealthyReplicaError
+from forgelab.runtime.replicas import Replica as Replica
+from forgelab.runtime.replicas import ReplicaFailedError as ReplicaFailedError
+from forgelab.runtime.replicas import ReplicaPool as ReplicaPool
+from forgelab.runtime.replicas import ReplicaStatus as ReplicaStatus
+from forgelab.runtime.replicas import ServiceEvent as ServiceEvent
+from forgelab.runtime.replicas import first_line as first_line
+from forgelab.runtime.replicas import log as log
+from forgelab.runtime.supervision import pid_alive as pid_alive
+from forgelab.runtime.replicas import service_ids as service_ids
 
+if TYPE_CHECKING:
+    from monarch.actor import Actor
+    from monarch.actor import Endpoint as ActorEndpoint
+
+
+C = TypeVar("C", bound="Actor")
+P = ParamSpec("P")
+R = TypeVar("R")
 ReqT = TypeVar("ReqT")
 ResT = TypeVar("ResT")
 
@@ -75,7 +83,7 @@ class Endpoint(Generic[ReqT, ResT]):
         return () if request is None else (request,)
 
 
-class Session:
+class Session(Generic[C]):
     """Sticky routing: calls go to one replica while it stays healthy.
 
     When that replica dies (or is respawned: a fresh process has lost any
@@ -84,23 +92,30 @@ class Session:
 
     __slots__ = ("service", "key", "_rep", "_handle")
 
-    def __init__(self, service: "Service", key: Any):
+    def __init__(self, service: Service[C], key: Hashable):
         self.service = service
         self.key = key
-        self._rep: Replica | None = None
-        self._handle: ActorHandle | None = None
+        self._rep: Replica[C] | None = None
+        self._handle: ActorHandle[C] | None = None
 
     @property
     def replica(self) -> int | None:
         """Index of the replica this session is pinned to (None before the first call)."""
         return None if self._rep is None else self._rep.index
 
-    async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
+    @overload
+    async def route(self, endpoint: ActorEndpoint[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def route(self, endpoint: str, /, *args: object, **kwargs: object) -> object: ...
+
+    async def route(self, endpoint: ActorEndpoint[P, R] | str, /, *args: object, **kwargs: object) -> R | object:
+        """Call `endpoint` (``Generator.generate``, or its name) on this session's replica."""
+        name = endpoint_name(endpoint)
         rep = self._rep
         if rep is None or rep.state != "healthy" or rep.handle is not self._handle:
-            rep = self.service.pick(endpoint)
+            rep = self.service.pick(name)
             self._rep, self._handle = rep, rep.handle
-        return await self.service.route_on(rep, endpoint, args, kwargs)
+        return await self.service.route_on(rep, name, args, kwargs)
 
     async def call(self, endpoint: Endpoint[ReqT, ResT], request: ReqT) -> ResT:
         """`route` typed: `endpoint` with `request` on this session's replica."""
@@ -109,25 +124,25 @@ class Session:
     def close(self) -> None:
         self.service.forget_session(self.key)
 
-    async def __aenter__(self) -> "Session":
+    async def __aenter__(self) -> Session[C]:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
 
-class Service(ReplicaPool):
+class Service(ReplicaPool[C]):
     """`num_replicas` copies of a component behind one routing handle; see the module docstring."""
 
     def __init__(
         self,
-        cls: type,
+        cls: type[C],
         placement: Placement,
-        args: tuple = (),
-        kwargs: dict | None = None,
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
         *,
         name: str | None = None,
-        on_respawn: Callable[[ActorHandle], Awaitable[None]] | None = None,
+        on_respawn: Callable[[ActorHandle[C]], Awaitable[None]] | None = None,
         max_respawn_attempts: int = 3,
         watch_interval_s: float = 0.5,
     ):
@@ -136,13 +151,23 @@ class Service(ReplicaPool):
         super().__init__(cls, placement, args, kwargs, name=name, on_respawn=on_respawn,
                          max_respawn_attempts=max_respawn_attempts, watch_interval_s=watch_interval_s)
         self._idempotent = frozenset(getattr(cls, "IDEMPOTENT", ()))
-        self._sessions: dict[Any, Session] = {}
+        self._sessions: dict[Hashable, Session[C]] = {}
         self._rr = 0
 
     # ---------------------------------------------------------------- routing
-    async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        """Call `endpoint` on the least-loaded healthy replica."""
-        return await self.route_on(self.pick(endpoint), endpoint, args, kwargs)
+    @overload
+    async def route(self, endpoint: ActorEndpoint[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R: ...
+    @overload
+    async def route(self, endpoint: str, /, *args: object, **kwargs: object) -> object: ...
+
+    async def route(self, endpoint: ActorEndpoint[P, R] | str, /, *args: object, **kwargs: object) -> R | object:
+        """Call `endpoint` on the least-loaded healthy replica.
+
+        Name the endpoint by the component's method (``await svc.route(Generator.generate, prompts)``) and the
+        checker types the arguments and the result; by its name (``svc.route("generate", prompts)``) it does not.
+        """
+        name = endpoint_name(endpoint)
+        return await self.route_on(self.pick(name), name, args, kwargs)
 
     async def call(self, endpoint: Endpoint[ReqT, ResT], request: ReqT) -> ResT:
         """`route` typed: `endpoint` with `request` on the least-loaded healthy replica (retried once on
@@ -152,23 +177,32 @@ class Service(ReplicaPool):
     async def call_each(self, endpoint: Endpoint[ReqT, ResT], request: ReqT) -> list[ResT]:
         """`fanout` typed: `endpoint` with `request` on every healthy replica, answers in replica order (rank 0's
         answer for a multi-process replica)."""
-        answers = await self.fanout(endpoint.name, *endpoint.args(request))
+        answers: list[object] = list(await self.fanout(endpoint.name, *endpoint.args(request)))
         if self.placement.procs * self.placement.hosts > 1:  # SPMD replicas: one answer per rank
-            answers = [ranks[0] for ranks in answers]
+            answers = [cast(list[object], ranks)[0] for ranks in answers]
         return cast(list[ResT], answers)
 
-    def forget_session(self, key: Any) -> None:
+    def forget_session(self, key: Hashable) -> None:
         """Drop the sticky session for `key` (`Session.close`); a later `session(key)` starts a new one."""
         self._sessions.pop(key, None)
 
-    def session(self, key: Any) -> Session:
+    def session(self, key: Hashable) -> Session[C]:
         """The sticky session for `key` (same object for the same key until closed)."""
         s = self._sessions.get(key)
         if s is None:
             s = self._sessions[key] = Session(self, key)
         return s
 
-    async def fanout(self, endpoint: str, *args: Any, **kwargs: Any) -> list[Any]:
+    @overload
+    async def fanout(
+        self, endpoint: ActorEndpoint[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> list[R] | list[list[R]]: ...
+    @overload
+    async def fanout(self, endpoint: str, /, *args: object, **kwargs: object) -> list[object]: ...
+
+    async def fanout(
+        self, endpoint: ActorEndpoint[P, R] | str, /, *args: object, **kwargs: object
+    ) -> list[R] | list[list[R]] | list[object]:
         """Call `endpoint` on every healthy replica; results in replica order.
 
         One entry per replica: the value (single-process replicas) or the list
@@ -176,24 +210,26 @@ class Service(ReplicaPool):
         left out (it is respawned, and `on_respawn` is where it catches up); an
         endpoint that raises re-raises here.
         """
+        name = endpoint_name(endpoint)
         reps = list(self._healthy)
         if not reps:
-            raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
-        handles = [rep.handle for rep in reps]
+            raise NoHealthyReplicaError(self._no_healthy_message(name))
+        handles = [rep.live for rep in reps]
         for rep in reps:
             rep.in_flight += 1
         try:
             results = await asyncio.gather(
-                *(self._call_all(rep, h, endpoint, args, kwargs) for rep, h in zip(reps, handles)),
+                *(self._call_all(rep, h, name, args, kwargs) for rep, h in zip(reps, handles)),
                 return_exceptions=True,
             )
         finally:
             for rep in reps:
                 rep.in_flight -= 1
-        out, error = [], None
+        out: list[object] = []
+        error: BaseException | None = None
         for rep, handle, result in zip(reps, handles, results):
             if isinstance(result, SupervisionError):
-                self._fail(rep, handle, f"process died during fanout {endpoint}(): {first_line(result)}")
+                self._fail(rep, handle, f"process died during fanout {name}(): {first_line(result)}")
             elif isinstance(result, BaseException):
                 error = error or result
             else:
@@ -201,10 +237,10 @@ class Service(ReplicaPool):
         if error is not None:
             raise error
         if not out:
-            raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
+            raise NoHealthyReplicaError(self._no_healthy_message(name))
         return out
 
-    def pick(self, endpoint: str, exclude: Replica | None = None) -> Replica:
+    def pick(self, endpoint: str, exclude: Replica[C] | None = None) -> Replica[C]:
         """A healthy replica for `endpoint` (the route policy), other than `exclude` where there is one."""
         healthy = self._healthy
         n = len(healthy)
@@ -212,7 +248,7 @@ class Service(ReplicaPool):
             return healthy[0]
         start = self._rr
         self._rr = start + 1
-        best = None
+        best: Replica[C] | None = None
         for k in range(n):
             rep = healthy[(start + k) % n]
             if rep is not exclude and (best is None or rep.in_flight < best.in_flight):
@@ -221,9 +257,10 @@ class Service(ReplicaPool):
             raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
         return best
 
-    async def route_on(self, rep: Replica, endpoint: str, args: tuple, kwargs: dict) -> Any:
+    async def route_on(self, rep: Replica[C], endpoint: str, args: tuple[object, ...],
+                       kwargs: dict[str, object]) -> object:
         """Call `endpoint` on replica `rep`; a failed replica's call is retried once on another."""
-        handle = rep.handle
+        handle = rep.live
         rep.in_flight += 1
         try:
             return await self._call_one(rep, handle, endpoint, args, kwargs)
@@ -233,7 +270,8 @@ class Service(ReplicaPool):
             rep.in_flight -= 1
         return await self._recover(rep, handle, endpoint, args, kwargs, failure)
 
-    async def _recover(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict, err: SupervisionError) -> Any:
+    async def _recover(self, rep: Replica[C], handle: ActorHandle[C], endpoint: str, args: tuple[object, ...],
+                       kwargs: dict[str, object], err: SupervisionError) -> object:
         self._fail(rep, handle, f"process died during {endpoint}(): {first_line(err)}")
         where = (
             f"service {self.name!r}: replica {rep.index} (pids {list(handle.pids_list)}) died while "
@@ -249,7 +287,7 @@ class Service(ReplicaPool):
             other = self.pick(endpoint, exclude=rep)
         except NoHealthyReplicaError as none:
             raise NoHealthyReplicaError(f"{where}, and it could not be retried: {none}") from err
-        other_handle = other.handle
+        other_handle = other.live
         other.in_flight += 1
         try:
             return await self._call_one(other, other_handle, endpoint, args, kwargs)
@@ -279,10 +317,10 @@ class Service(ReplicaPool):
         self._sessions.clear()
         await super().shutdown()
 
-    async def __aenter__(self) -> "Service":
+    async def __aenter__(self) -> Service[C]:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
     def __repr__(self) -> str:
