@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar, cast
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from forgelab.runtime.mesh import ActorHandle, Placement
+from forgelab.runtime.supervision import pid_alive  # noqa: F401  (re-exported)
 from forgelab.runtime.replicas import (  # noqa: F401  (re-exported: this module's names before the split)
     NoHealthyReplicaError,
     ReplicaFailedError,
@@ -50,7 +51,6 @@ from forgelab.runtime.replicas import (  # noqa: F401  (re-exported: this module
     ReplicaStatus,
     ServiceEvent,
     first_line,
-    pid_alive,
     Replica,
     service_ids,
     log,
@@ -123,8 +123,8 @@ class Service(ReplicaPool):
         self,
         cls: type,
         placement: Placement,
-        args: tuple = (),
-        kwargs: dict | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
         *,
         name: str | None = None,
         on_respawn: Callable[[ActorHandle], Awaitable[None]] | None = None,
@@ -176,10 +176,10 @@ class Service(ReplicaPool):
         left out (it is respawned, and `on_respawn` is where it catches up); an
         endpoint that raises re-raises here.
         """
-        reps = list(self._healthy)
-        if not reps:
+        pairs = [(rep, rep.handle) for rep in self._healthy if rep.handle is not None]
+        if not pairs:
             raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
-        handles = [rep.handle for rep in reps]
+        reps, handles = [rep for rep, _ in pairs], [h for _, h in pairs]
         for rep in reps:
             rep.in_flight += 1
         try:
@@ -221,9 +221,11 @@ class Service(ReplicaPool):
             raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
         return best
 
-    async def route_on(self, rep: Replica, endpoint: str, args: tuple, kwargs: dict) -> Any:
+    async def route_on(self, rep: Replica, endpoint: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call `endpoint` on replica `rep`; a failed replica's call is retried once on another."""
         handle = rep.handle
+        if handle is None:  # not healthy: `pick` returns none such
+            raise NoHealthyReplicaError(self._no_healthy_message(endpoint))
         rep.in_flight += 1
         try:
             return await self._call_one(rep, handle, endpoint, args, kwargs)
@@ -233,7 +235,8 @@ class Service(ReplicaPool):
             rep.in_flight -= 1
         return await self._recover(rep, handle, endpoint, args, kwargs, failure)
 
-    async def _recover(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple, kwargs: dict, err: SupervisionError) -> Any:
+    async def _recover(self, rep: Replica, handle: ActorHandle, endpoint: str, args: tuple[Any, ...],
+                       kwargs: dict[str, Any], err: SupervisionError) -> Any:
         self._fail(rep, handle, f"process died during {endpoint}(): {first_line(err)}")
         where = (
             f"service {self.name!r}: replica {rep.index} (pids {list(handle.pids_list)}) died while "
@@ -250,6 +253,8 @@ class Service(ReplicaPool):
         except NoHealthyReplicaError as none:
             raise NoHealthyReplicaError(f"{where}, and it could not be retried: {none}") from err
         other_handle = other.handle
+        if other_handle is None:
+            raise NoHealthyReplicaError(f"{where}, and it could not be retried: {self._no_healthy_message(endpoint)}")
         other.in_flight += 1
         try:
             return await self._call_one(other, other_handle, endpoint, args, kwargs)
