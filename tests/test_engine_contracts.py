@@ -141,6 +141,7 @@ def _has_mypy() -> bool:
     return importlib.util.find_spec("mypy") is not None
 
 
+@pytest.mark.slow  # one mypy run over forgelab and torch: minutes on a busy 2-core machine
 @pytest.mark.skipif(not _has_mypy(), reason="mypy not installed")
 def test_type_checker_refuses_a_wrongly_typed_generator_call(tmp_path):
     """One mypy run over three probes: right calls pass; a list where a `GenerateRequest` goes and an int where a
