@@ -71,11 +71,7 @@ class _ItemAccess:
         return name in self._names()
 
     def _names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cast("DataclassLike", self)))
-
-
-class DataclassLike(Protocol):
-    __dataclass_fields__: dict[str, dataclasses.Field[object]]
+        return tuple(cast("dict[str, object]", getattr(self, "__dataclass_fields__")))
 
 
 # -- generator --------------------------------------------------------------------------------------------------

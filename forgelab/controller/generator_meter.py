@@ -31,7 +31,7 @@ class GeneratorMeter:
     def __init__(self) -> None:
         self.last: dict[int, dict[str, float]] = {}  # replica position -> counters at the previous row
 
-    def deltas(self, stats: list[dict]) -> dict[str, float]:
+    def deltas(self, stats: list[dict[str, float]]) -> dict[str, float]:
         """The row's columns from each replica's `stats()` (pure: only `self.last` changes).
 
         >>> m = GeneratorMeter()

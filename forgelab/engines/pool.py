@@ -135,7 +135,7 @@ class ProcessPool:
         cc = component_configs(cfg)
         # the process group (and its port) is kept: the new config's rendezvous fields are not used
         await parts.trainer.call("reinit", cc["trainer"])
-        await parts.generators.fanout("reset_version", -1)
+        await parts.generators.reset_version(-1)
         # the fresh weights as version 0 (the model's own unless the trainer config changed them: it does not)
         live = [h for h in parts.generators.handles() if h is not None]
         raw = (await parts.trainer.call("push_weights", 0, [h.actor for h in live]))[0]
@@ -149,7 +149,7 @@ class ProcessPool:
         """A run is done with `parts`: keep them idle (healthy) or stop them (a process failed)."""
         for svc in (parts.generators, parts.reference, parts.envs, parts.teacher):
             if svc is not None:  # the finished run's listeners must not hear the next run's events
-                getattr(svc, "_listeners", []).clear()
+                svc.clear_listeners()
                 if hasattr(svc, "on_respawn"):
                     svc.on_respawn = None
         async with self._lock:

@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from forgelab.engines.generator_service import GeneratorService, ReplicaActor
 from forgelab.engines.spawn import Parts
 from forgelab.generation import CompletionGroups, EngineStats, GenerateRequest
+from forgelab.runtime.replicas import ServiceEvent
 
 __all__ = ["SlotTrainerHandle", "SlotGenerators", "SlotParts"]
 
@@ -51,7 +52,7 @@ class SlotGenerators:
         self.versions: dict[int, int] = {}
         self.on_respawn: Callable[[Any], Awaitable[None]] | None = None
         """The run's hook for a respawned replica (its WeightSync.catch_up); the engines call it."""
-        self.listeners: list[Callable] = []
+        self.listeners: list[Callable[[ServiceEvent], None]] = []
 
     async def generate(self, request: GenerateRequest) -> CompletionGroups:
         """`request` served with this run's slot (its adapter; completions carry the slot's version)."""
@@ -79,11 +80,11 @@ class SlotGenerators:
         return [dataclasses.replace(st, info={**st.info, "version": self.versions.get(st.index, 0), "slot": self.slot})
                 for st in self.service.status()]
 
-    def add_listener(self, fn: Callable) -> None:
+    def add_listener(self, fn: Callable[[ServiceEvent], None]) -> None:
         self.listeners.append(fn)
         self.service.add_listener(fn)
 
-    def remove_listener(self, fn: Callable) -> None:
+    def remove_listener(self, fn: Callable[[ServiceEvent], None]) -> None:
         if fn in self.listeners:
             self.listeners.remove(fn)
         self.service.remove_listener(fn)
