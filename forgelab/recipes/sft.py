@@ -22,7 +22,8 @@ The one choice the recipes make differently is how a step's loss is averaged (``
 
 With one stream the two are the same mean; they differ in the last bits of float32 (trimming changes the
 shapes the kernels see; the division happens inside or outside ``cross_entropy``), and each recipe keeps
-the one its shipped checkpoint was made with, so a rebuild reproduces it bit for bit.
+the one its shipped checkpoint was made with: the loop gives each recipe the same bits it gave before it
+was shared.
 """
 from __future__ import annotations
 
