@@ -2,6 +2,7 @@
 
     tiny_model       the shipped tiny model (HF format) and its model card
     tool_warmstart   its calculator-tool warm start
+    sft              (a module, not a command) the supervised loop both of them run
     teacher          a distillation teacher: the shipped model after GRPO on addition (cached HF directory)
     real_shapes      random-weight checkpoints of real architectures (Qwen3-0.6B/1.7B, Llama-3.2-1B shapes)
 """

@@ -9,7 +9,8 @@ What it does, on CPU with at most 2 threads (a few minutes):
    untied embeddings, float32) with ``torch.manual_seed(seed)``;
 3. supervised pretraining with AdamW on chat-templated (prompt, answer) pairs
    from the TRAIN split of every task in ``forgelab.data.tasks.TASKS``; the loss
-   covers only the answer tokens and the end-of-turn token;
+   covers only the answer tokens and the end-of-turn token (the loop is
+   ``forgelab.recipes.sft.train_sft``, one stream, ``average="mean"``);
 4. saves model (safetensors), tokenizer and generation config (eos = ``<|end|>``)
    to ``--out``, measures greedy accuracy on each task's TEST split with
    ``forgelab.controller.evaluate.greedy_accuracy_hf``, and writes ``model_card.json`` and
@@ -25,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -34,9 +34,11 @@ from forgelab.data import format_prompt
 from forgelab.controller.evaluate import greedy_accuracy_hf
 from forgelab.data.tasks import TASKS, Problem
 from forgelab.data.tokenizer import build_tokenizer, save_tokenizer
+from forgelab.recipes.sft import IGNORE, SFTResult, Stream, pad_right, sft_loss, train_sft, warmup_lr
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tiny-llama")
-IGNORE = -100
+__all__ = ["DEFAULT_OUT", "IGNORE", "TinyRecipe", "encode_sft", "evaluate_all", "lr_at", "main", "model_config",
+           "render_readme", "save_with_card", "sft_loss", "train"]
 
 
 @dataclass(kw_only=True)
@@ -101,31 +103,13 @@ def encode_sft(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.
         answer_ids = tokenizer.encode(p.target, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(prompt_ids + answer_ids)
         labels.append([IGNORE] * len(prompt_ids) + answer_ids)
-    T = max(map(len, rows))
-    ids_N_T = torch.full((len(rows), T), tokenizer.pad_token_id, dtype=torch.long)
-    labels_N_T = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        ids_N_T[i, : len(r)] = torch.tensor(r)
-        labels_N_T[i, : len(l)] = torch.tensor(l)
-    return ids_N_T, labels_N_T
-
-
-def sft_loss(model, ids_B_T: torch.Tensor, labels_B_T: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (answer) positions.
-
-    No attention mask is needed: padding is on the right, so under the causal mask
-    no real token attends to a pad token, and pad positions carry no label.
-    """
-    logits_B_T_V = model(input_ids=ids_B_T).logits
-    return torch.nn.functional.cross_entropy(
-        logits_B_T_V[:, :-1].flatten(0, 1), labels_B_T[:, 1:].flatten(), ignore_index=IGNORE
-    )
+    return pad_right(rows, labels, tokenizer.pad_token_id)
 
 
 def lr_at(step: int, r: TinyRecipe) -> float:
     """Linear warmup, then constant: a run of k steps is exactly the first k steps of a longer
     run, so snapshots of one long run (``--save-every``) show what each ``--steps`` gives."""
-    return r.lr * min(1.0, (step + 1) / r.warmup_steps)
+    return warmup_lr(step, r.lr, r.warmup_steps)
 
 
 def evaluate_all(model, tokenizer, n: int, seed: int) -> dict[str, float]:
@@ -201,36 +185,16 @@ def train(r: TinyRecipe) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params: {n_params:,}  train sequences: {len(ids_N_T):,} x {ids_N_T.shape[1]} tokens")
 
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=r.lr, betas=(0.9, 0.95), weight_decay=r.weight_decay
-    )
-    gen = torch.Generator().manual_seed(r.seed)
-    order = torch.randperm(len(ids_N_T), generator=gen)
-    cursor, losses = 0, []
-    t_train = time.perf_counter()
-    for step in range(r.steps):
-        if cursor + r.batch_size > len(order):
-            order, cursor = torch.randperm(len(ids_N_T), generator=gen), 0
-        idx = order[cursor : cursor + r.batch_size]
-        cursor += r.batch_size
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, r)
-        loss = sft_loss(model, ids_N_T[idx], labels_N_T[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if (step + 1) % 50 == 0 or step == 0:
-            print(f"step {step + 1:5d}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}  "
-                  f"{time.perf_counter() - t_train:.0f}s", flush=True)
-        if r.save_every and (step + 1) % r.save_every == 0 and step + 1 < r.steps:
-            t = time.perf_counter()
-            snap = save_with_card(model, tokenizer, r, os.path.join(r.out, f"step{step + 1}"),
-                                  steps=step + 1, losses=losses, train_s=t - t_train)
-            print(f"  snapshot @{step + 1}: {snap['eval']['accuracy']}", flush=True)
-            t_train += time.perf_counter() - t  # keep train_seconds free of eval time
-    train_s = time.perf_counter() - t_train
+    def snapshot(step: int, so_far: SFTResult) -> None:
+        if r.save_every and step % r.save_every == 0 and step < r.steps:
+            snap = save_with_card(model, tokenizer, r, os.path.join(r.out, f"step{step}"),
+                                  steps=step, losses=so_far.losses, train_s=so_far.train_seconds)
+            print(f"  snapshot @{step}: {snap['eval']['accuracy']}", flush=True)
+
+    result = train_sft(model, [Stream(ids_N_T, labels_N_T, r.batch_size)], steps=r.steps, lr=r.lr,
+                       warmup_steps=r.warmup_steps, weight_decay=r.weight_decay, seed=r.seed, average="mean",
+                       log_every=50, after_step=snapshot)
+    losses, train_s = result.losses, result.train_seconds
     card = save_with_card(model, tokenizer, r, r.out, steps=r.steps, losses=losses, train_s=train_s)
     print(json.dumps({k: card[k] for k in ("n_params", "final_loss", "train_seconds", "eval")}))
     return card

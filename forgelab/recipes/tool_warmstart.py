@@ -57,15 +57,15 @@ import torch
 
 from forgelab.envs import CalculatorToolEnv, ChatFormat, EpisodeLimits, run_episode, tool_use_stats
 from forgelab.data.tasks import TASKS, Problem
+from forgelab.recipes.sft import IGNORE, Stream, masked_ce_sum, pad_right, train_sft
 from forgelab.types import Completion, Episode
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
 SHIPPED = os.path.join(ASSETS, "tiny-llama")
 TOOL_WARMSTART = os.path.join(ASSETS, "tiny-llama-tool")
 """Where the warm start made with the default recipe ships."""
-IGNORE = -100
 
-__all__ = ["TOOL_WARMSTART", "ToolWarmstart", "decision_fractions", "encode_episodes", "play_hf",
+__all__ = ["TOOL_WARMSTART", "ToolWarmstart", "decision_fractions", "encode_episodes", "masked_ce_sum", "play_hf",
            "teacher_episodes", "tool_use_stats", "train"]
 
 
@@ -187,13 +187,7 @@ def encode_episodes(episodes: Sequence[Episode], pad_id: int) -> tuple[torch.Ten
     labels = [[IGNORE] * len(ep.prompt_ids)
               + [t if m else IGNORE for t, m in zip(ep.completion_ids, ep.loss_mask or [1] * len(ep.completion_ids))]
               for ep in episodes]
-    T = max(map(len, rows))
-    ids_N_T = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    labels_N_T = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
-        ids_N_T[i, : len(r)] = torch.tensor(r)
-        labels_N_T[i, : len(l)] = torch.tensor(l)
-    return ids_N_T, labels_N_T
+    return pad_right(rows, labels, pad_id)
 
 
 @dataclass
@@ -327,22 +321,12 @@ def _rounded(d: dict) -> dict:
 # ----------------------------------------------------------------------------------- training
 
 
-def masked_ce_sum(model, ids_B_T: torch.Tensor, labels_B_T: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(sum of next-token cross-entropies over labelled positions, their count)``; right padding, so no
-    attention mask is needed (no real token attends to a pad under the causal mask)."""
-    T = int((labels_B_T != IGNORE).nonzero()[:, 1].max()) + 1  # trim the batch to its last label
-    logits_B_T_V = model(input_ids=ids_B_T[:, :T]).logits
-    targets = labels_B_T[:, 1:T].flatten()
-    loss = torch.nn.functional.cross_entropy(logits_B_T_V[:, :-1].flatten(0, 1), targets, ignore_index=IGNORE,
-                                             reduction="sum")
-    return loss, int((targets != IGNORE).sum())
-
-
 def train(r: ToolWarmstart) -> dict:
     """Run the recipe; returns the model card dict (also written to ``r.out``).
 
-    Each step: `batch_tool` tool and `batch_direct` direct transcripts (two forward passes, each padded
-    to its own length), loss = mean cross-entropy over all their labelled tokens.
+    Each step (`forgelab.recipes.sft.train_sft`, ``average="tokens"``): `batch_tool` tool and
+    `batch_direct` direct transcripts (two forward passes, each trimmed to its last label), loss = mean
+    cross-entropy over all their labelled tokens.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -360,35 +344,11 @@ def train(r: ToolWarmstart) -> dict:
     before = evaluate(model, tokenizer, r.n_eval, r.seed) if r.n_eval else None
 
     torch.manual_seed(r.seed)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(r.seed)
-    streams = [(data.tool_ids_N_T, data.tool_labels_N_T, r.batch_tool),
-               (data.direct_ids_N_T, data.direct_labels_N_T, r.batch_direct)]
-    orders = [torch.randperm(len(ids), generator=gen) for ids, _, _ in streams]
-    cursors, losses = [0, 0], []
-    t_train = time.perf_counter()
-    for step in range(r.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = r.lr * min(1.0, (step + 1) / r.warmup_steps)
-        total, count = torch.zeros(()), 0
-        for k, (ids, labels, bs) in enumerate(streams):
-            if cursors[k] + bs > len(orders[k]):
-                orders[k], cursors[k] = torch.randperm(len(ids), generator=gen), 0
-            idx = orders[k][cursors[k]: cursors[k] + bs]
-            cursors[k] += bs
-            loss_sum, n = masked_ce_sum(model, ids[idx], labels[idx])
-            total, count = total + loss_sum, count + n
-        loss = total / count
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if (step + 1) % 25 == 0 or step == 0:
-            print(f"step {step + 1:4d}  loss {sum(losses[-25:]) / len(losses[-25:]):.4f}  "
-                  f"{time.perf_counter() - t_train:.0f}s", flush=True)
-    train_s = time.perf_counter() - t_train
+    streams = [Stream(data.tool_ids_N_T, data.tool_labels_N_T, r.batch_tool),
+               Stream(data.direct_ids_N_T, data.direct_labels_N_T, r.batch_direct)]
+    result = train_sft(model, streams, steps=r.steps, lr=r.lr, warmup_steps=r.warmup_steps, seed=r.seed,
+                       average="tokens", log_every=25)
+    losses, train_s = result.losses, result.train_seconds
 
     model.eval()
     os.makedirs(r.out, exist_ok=True)
