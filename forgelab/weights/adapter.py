@@ -64,21 +64,11 @@ def adapter_shapes(base_shapes: dict[str, tuple[int, ...]], targets: tuple[str, 
 
 
 def check_adapter(tensors: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Problems with a PEFT-named adapter against ``expected`` shapes (empty list: fine)."""
-    if not isinstance(tensors, dict):
-        return [f"an adapter must be a dict of PEFT name -> torch.Tensor, got {type(tensors).__name__}"]
-    problems = []
-    unknown = [k for k in tensors if k not in expected]
-    if unknown:
-        problems.append(f"unknown names {unknown[:3]} (expected PEFT names such as {sorted(expected)[:2]})")
-    missing = [k for k in expected if k not in tensors]
-    if missing:
-        problems.append(f"missing names {missing[:3]} ({len(missing)} of {len(expected)} missing)")
-    for name, value in tensors.items():
-        if name in expected and (not isinstance(value, torch.Tensor) or tuple(value.shape) != expected[name]):
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            problems.append(f"{name}: {got}, expected shape {expected[name]}")
-    return problems
+    """Problems with a PEFT-named adapter against ``expected`` shapes (empty list: fine): the same checks as a
+    full weight update's (`forgelab.weights.receiver.check_named_tensors`)."""
+    from forgelab.weights.receiver import check_named_tensors
+
+    return check_named_tensors(tensors, expected, naming="PEFT", what="an adapter")
 
 
 def peft_config(*, rank: int, alpha: float, targets: tuple[str, ...] | list[str], dropout: float = 0.0,

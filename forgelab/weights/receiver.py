@@ -24,7 +24,7 @@ from typing import Any
 
 from forgelab.weights.shm import SharedWeights, SharedWeightsReader, SharedWeightsUnavailable
 
-__all__ = ["checkpoint_shapes", "check_weights", "WeightUpdateExtension", "receive", "receive_shared", "serve_base"]
+__all__ = ["checkpoint_shapes", "check_named_tensors", "check_weights", "WeightUpdateExtension", "receive", "receive_shared", "serve_base"]
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
@@ -48,20 +48,24 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Problems with an HF-named state dict against `expected` shapes (empty list: fine)."""
+def check_named_tensors(tensors: object, expected: dict[str, tuple[int, ...]], *, naming: str,
+                        what: str, missing_hint: str = "") -> list[str]:
+    """Problems with a dict of `naming`-named tensors (``"HF"`` weights, ``"PEFT"`` adapter tensors) against
+    `expected` shapes: not a dict, unknown or missing names (the first five of each), a value that is not a
+    floating-point tensor, a wrong shape. An empty list: fine. `what` names the thing in the messages
+    (``"weights"``, ``"an adapter"``); `missing_hint` ends the missing-names message (what to send instead)."""
     import torch
 
-    if not isinstance(weights, dict):
-        return [f"weights must be a dict of HF name -> torch.Tensor, got {type(weights).__name__}"]
+    if not isinstance(tensors, dict):
+        return [f"{what} must be a dict of {naming} name -> torch.Tensor, got {type(tensors).__name__}"]
     problems = []
-    unknown = [k for k in weights if k not in expected]
+    unknown = [k for k in tensors if k not in expected]
     if unknown:
-        problems.append(f"unknown names {unknown[:5]} (expected HF names such as {sorted(expected)[:3]})")
-    missing = [k for k in expected if k not in weights]
+        problems.append(f"unknown names {unknown[:5]} (expected {naming} names such as {sorted(expected)[:3]})")
+    missing = [k for k in expected if k not in tensors]
     if missing:
-        problems.append(f"missing names {missing[:5]} ({len(missing)} of {len(expected)} missing; send the full state dict)")
-    for name, value in weights.items():
+        problems.append(f"missing names {missing[:5]} ({len(missing)} of {len(expected)} missing{missing_hint})")
+    for name, value in tensors.items():
         if name not in expected:
             continue
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
@@ -70,6 +74,12 @@ def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[st
         elif tuple(value.shape) != expected[name]:
             problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected[name]}")
     return problems
+
+
+def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Problems with an HF-named state dict against `expected` shapes (empty list: fine)."""
+    return check_named_tensors(weights, expected, naming="HF", what="weights",
+                               missing_hint="; send the full state dict")
 
 
 class WeightUpdateExtension:
