@@ -1,4 +1,4 @@
-"""One check serves a full weight update and an adapter update (forgelab.weights.receiver.check_named_tensors):
+"""One check serves a full weight update and an adapter update (forgelab.weights.checks.check_named_tensors):
 the same problems are found in both, named in each one's terms. Fast, no process."""
 from __future__ import annotations
 

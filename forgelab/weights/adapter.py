@@ -65,8 +65,8 @@ def adapter_shapes(base_shapes: dict[str, tuple[int, ...]], targets: tuple[str, 
 
 def check_adapter(tensors: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
     """Problems with a PEFT-named adapter against ``expected`` shapes (empty list: fine): the same checks as a
-    full weight update's (`forgelab.weights.receiver.check_named_tensors`)."""
-    from forgelab.weights.receiver import check_named_tensors
+    full weight update's (`forgelab.weights.checks.check_named_tensors`)."""
+    from forgelab.weights.checks import check_named_tensors
 
     return check_named_tensors(tensors, expected, naming="PEFT", what="an adapter")
 

@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any
 
+from forgelab.weights.checks import check_named_tensors
 from forgelab.weights.shm import SharedWeights, SharedWeightsReader, SharedWeightsUnavailable
 
 __all__ = ["checkpoint_shapes", "check_named_tensors", "check_weights", "WeightUpdateExtension", "receive", "receive_shared", "serve_base"]
@@ -46,34 +47,6 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def check_named_tensors(tensors: object, expected: dict[str, tuple[int, ...]], *, naming: str,
-                        what: str, missing_hint: str = "") -> list[str]:
-    """Problems with a dict of `naming`-named tensors (``"HF"`` weights, ``"PEFT"`` adapter tensors) against
-    `expected` shapes: not a dict, unknown or missing names (the first five of each), a value that is not a
-    floating-point tensor, a wrong shape. An empty list: fine. `what` names the thing in the messages
-    (``"weights"``, ``"an adapter"``); `missing_hint` ends the missing-names message (what to send instead)."""
-    import torch
-
-    if not isinstance(tensors, dict):
-        return [f"{what} must be a dict of {naming} name -> torch.Tensor, got {type(tensors).__name__}"]
-    problems = []
-    unknown = [k for k in tensors if k not in expected]
-    if unknown:
-        problems.append(f"unknown names {unknown[:5]} (expected {naming} names such as {sorted(expected)[:3]})")
-    missing = [k for k in expected if k not in tensors]
-    if missing:
-        problems.append(f"missing names {missing[:5]} ({len(missing)} of {len(expected)} missing{missing_hint})")
-    for name, value in tensors.items():
-        if name not in expected:
-            continue
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            problems.append(f"{name}: expected a floating-point torch.Tensor, got {type(value).__name__}"
-                            + (f" of dtype {value.dtype}" if isinstance(value, torch.Tensor) else ""))
-        elif tuple(value.shape) != expected[name]:
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected[name]}")
-    return problems
 
 
 def check_weights(weights: Any, expected: dict[str, tuple[int, ...]]) -> list[str]:
