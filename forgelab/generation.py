@@ -27,6 +27,7 @@ from forgelab.types import Completion, Episode
 
 if TYPE_CHECKING:
     import torch
+    from vllm import SamplingParams
 
 __all__ = ["AdapterUpdate", "CompletionGroups", "EngineStats", "EngineStatus", "EnvGroupsRequest", "EnvStats",
            "EpisodeGroups", "Envs", "GenerateRequest", "GeneratorMesh", "Generators", "ReplicaActor", "Prompt", "SamplingSettings", "WeightUpdate",
@@ -49,6 +50,10 @@ class SamplingSettings(Protocol):
     def max_tokens(self) -> int: ...
 
     def validate(self, where: str = "SamplingConfig") -> None: ...
+
+    def to_vllm(self, seed: int | None = None) -> SamplingParams:
+        """One sample's `vllm.SamplingParams` (a generator engine calls it; env actors only pass the settings on)."""
+        ...
 
 
 class _ItemAccess:

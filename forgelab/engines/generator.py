@@ -40,17 +40,45 @@ import itertools
 import operator
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, cast
 
 from monarch.actor import Port, endpoint
 
 from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, SamplingConfig, vllm_lora_rank  # noqa: F401 -- re-exported
 from forgelab.engines.generator_service import GeneratorService
-from forgelab.generation import EngineStats, EngineStatus, GenerateRequest, Prompt, SamplingSettings, WeightUpdate
+from forgelab.generation import (CompletionGroups, EngineStats, EngineStatus, GenerateRequest, Prompt, SamplingSettings,
+                                 WeightUpdate)
 from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
 from forgelab.weights.receiver import WeightUpdateExtension, check_weights, checkpoint_shapes, receive, receive_shared, serve_base  # noqa: F401
+
+if TYPE_CHECKING:
+    import torch
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import RequestOutput
+
+    from forgelab.weights.shm import SharedWeightsReader
+
+
+class _KVCacheManager(Protocol):
+    @property
+    def usage(self) -> float: ...
+
+
+class _Preempt(Protocol):
+    def __call__(self, *args: object, **kwargs: object) -> object: ...
+
+
+class _Scheduler(Protocol):
+    """What the engine reads and patches on vLLM v1's scheduler (`_scheduler_of`)."""
+
+    @property
+    def kv_cache_manager(self) -> _KVCacheManager: ...
+
+    # and ``_preempt_request`` (a `_Preempt`), read and replaced by name
 
 
 class VLLMEngine:
@@ -81,7 +109,7 @@ class VLLMEngine:
         # first, each scans only what the build makes (1.55 s -> 0.1 s on the shipped model, 2-core AMD EPYC)
         gc.freeze()
 
-        kwargs: dict[str, Any] = dict(
+        kwargs: dict[str, object] = dict(
             model=config.model_dir,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
@@ -99,7 +127,8 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if config.lora.enabled:  # adapters on the unchanged base; a weight push brings a new adapter
             kwargs.update(enable_lora=True, max_loras=config.max_loras, max_lora_rank=vllm_lora_rank(config.lora.rank))
-        self.llm = vllm.LLM(**kwargs)
+        # the keywords are vLLM's EngineArgs, assembled above per device and LoRA setting: not typed one by one
+        self.llm: LLM = vllm.LLM(**kwargs)  # type: ignore[arg-type]  # vllm.LLM's keywords, built as a dict
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         freeze_startup_objects()  # the engine/tokenizer's objects: never scanned by later collections
@@ -107,7 +136,7 @@ class VLLMEngine:
         self.expected_shapes = checkpoint_shapes(config.model_dir)
         self.version = 0
         self.lora = config.lora if config.lora.enabled else None
-        self.lora_request: Any = None
+        self.lora_request: LoRARequest | None = None
         """The adapter every request is served with (a `vllm.lora.request.LoRARequest`); None: the base, which
         is also the policy before the first push (a fresh adapter's B is zero). Set by forgelab.weights.receiver."""
         if self.lora is not None:
@@ -115,22 +144,22 @@ class VLLMEngine:
 
             self.adapter_shapes = adapter_shapes(self.expected_shapes, self.lora.targets, self.lora.rank)
         self._ids = itertools.count()
-        self._pending: dict[str, asyncio.Future] = {}
+        self._pending: dict[str, asyncio.Future[RequestOutput]] = {}
         self._wake = asyncio.Event()
         self.idle_event = asyncio.Event()
         self.idle_event.set()
         self.admitting = asyncio.Event()  # cleared while weights are swapped
         self.admitting.set()
         self.update_lock = asyncio.Lock()
-        self.shared_reader: Any = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
-        self._loop_task: asyncio.Task | None = None
+        self.shared_reader: SharedWeightsReader | None = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
+        self._loop_task: asyncio.Task[None] | None = None
         self._last_add = 0.0
         self._idle_since: float | None = None  # when the engine loop last ran out of requests
         self.logprob_shift: tuple[int, float] | None = None  # (token index, delta): Generator.corrupt_next_logprob
         self._token_versions: dict[str, list[tuple[int, int]]] = {}  # inflight mode: request id -> version runs
         self.prefix_reset_pending = False  # inflight mode: reset the prefix cache when the engine is next idle
         self._stale_rids: set[str] = set()  # inflight mode: requests added while that reset was pending
-        self.counters = dict(
+        self.counters: dict[str, float] = dict(
             busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
             sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0, inflight_updates=0,
@@ -140,16 +169,17 @@ class VLLMEngine:
         )
         self._scheduler = _scheduler_of(self.engine)
         if self._scheduler is not None:  # count vLLM's preemptions (KV cache full: a request's blocks freed)
-            preempt = self._scheduler._preempt_request
+            # vLLM's private method, patched by name (`_scheduler_of` checked that it exists)
+            preempt: _Preempt = getattr(self._scheduler, "_preempt_request")
 
-            def counted(*args: Any, **kwargs: Any) -> Any:
+            def counted(*args: object, **kwargs: object) -> object:
                 self.counters["preemptions"] += 1
                 return preempt(*args, **kwargs)
 
-            self._scheduler._preempt_request = counted
+            setattr(self._scheduler, "_preempt_request", counted)
 
     # -- requests -------------------------------------------------------------
-    def _prompt_ids(self, prompt: Any) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             # Text is already chat-templated (forgelab.controller.evaluate.format_prompt): no extra specials.
             return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -162,18 +192,18 @@ class VLLMEngine:
             f"generate: each prompt must be a str or a non-empty list of token ids, got {str(prompt)[:80]!r}"
         )
 
-    def _render(self, prompt_ids: list[int]):
+    def _render(self, prompt_ids: list[int]) -> TokensPrompt:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         # Pre-rendering avoids vLLM 0.32's "Passing raw prompts to InputProcessor is deprecated".
-        preprocess = getattr(self.llm, "_preprocess_cmpl", None)
+        preprocess: Callable[[list[TokensPrompt]], list[TokensPrompt]] | None = getattr(self.llm, "_preprocess_cmpl", None)
         return preprocess([prompt])[0] if preprocess is not None else prompt
 
     async def generate(
-        self, prompts: Sequence[Any], n: int = 1, sampling: SamplingConfig | None = None,
+        self, prompts: Sequence[Prompt], n: int = 1, sampling: SamplingSettings | None = None,
         seeds: Sequence[Sequence[int]] | None = None,
-    ) -> list[list[Completion]]:
+    ) -> CompletionGroups:
         """`n` completions of each prompt (text or token ids), in prompt order.
 
         `seeds` (seeds_P_G, optional): one vLLM seed per sample, for reproducible sampling
@@ -200,7 +230,7 @@ class VLLMEngine:
         version, lora_request = self.version, self.lora_request
         params = sampling.to_vllm()
         loop = asyncio.get_running_loop()
-        futures_P_G: list[list[asyncio.Future]] = []
+        futures_P_G: list[list[asyncio.Future[RequestOutput]]] = []
         added: list[str] = []
         self._end_idle()  # taking in requests is work: an idle period ends here
         t_add = time.perf_counter()
@@ -209,7 +239,7 @@ class VLLMEngine:
                 # One request per sample (not vLLM's n-way parent request): each sample keeps its
                 # own prefix-cache count. The prompt is rendered once per group.
                 rendered = self._render(ids)
-                row = []
+                row: list[asyncio.Future[RequestOutput]] = []
                 for g in range(n):
                     rid = f"fg{next(self._ids)}"
                     self.engine.add_request(rid, rendered, params if seeds is None else sampling.to_vllm(int(seeds[p][g])),
@@ -236,12 +266,13 @@ class VLLMEngine:
             for outs, ids, text in zip(outs_P_G, ids_P, texts)
         ]
 
-    def _completion(self, out: Any, prompt_ids: list[int], text: str, version: int,
+    def _completion(self, out: RequestOutput, prompt_ids: list[int], text: str, version: int,
                     runs: list[tuple[int, int]] | None = None) -> Completion:
         c = out.outputs[0]
         ids = list(c.token_ids)
         runs = [(v, start) for v, start in (runs or [(version, 0)]) if start < max(1, len(ids))]
-        logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)] if c.logprobs is not None else []
+        # vLLM gives each sampled token its logprobs dict when logprobs were asked for (every request here)
+        logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)] if c.logprobs is not None else []  # type: ignore[index]  # vLLM types each entry dict | None
         if self.logprob_shift is not None and len(logprobs) > self.logprob_shift[0]:  # a test hook, used once
             (i, delta), self.logprob_shift = self.logprob_shift, None
             import numpy as np
@@ -264,7 +295,7 @@ class VLLMEngine:
         request's next token comes from `version` (its tokens so far came from the older ones)."""
         if not self._token_versions:
             return
-        produced = {st.external_req_id: st.detokenizer.num_output_tokens()
+        produced = {st.external_req_id: st.detokenizer.num_output_tokens()  # type: ignore[union-attr]  # vLLM makes a detokenizer for every generate request (None: pooling only)
                     for st in self.engine.output_processor.request_states.values()}
         for rid, runs in self._token_versions.items():
             if rid not in self._pending:
@@ -304,7 +335,8 @@ class VLLMEngine:
             concurrent = self.engine.get_num_unfinished_requests()
             t0 = time.perf_counter()
             try:
-                outputs = self.engine.step()
+                # a generate-only engine: vLLM's step answers PoolingRequestOutput only for pooling models
+                outputs = cast("list[RequestOutput]", self.engine.step())
             except Exception as e:  # fail the waiting calls, keep the loop alive
                 self._fail_all(e)
                 continue
@@ -384,7 +416,7 @@ class VLLMEngine:
                             stats=EngineStats.from_counters(self.stats()))
 
 
-def _count_at_least(x: Any, values: Any) -> Any:
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Per row of `x` [B, V], how many entries are >= that row's value in `values` [B, 1] (a token's rank)."""
     return (x >= values).sum(-1)
 
@@ -400,14 +432,14 @@ def _eager_token_ranks() -> None:
     """
     import vllm.v1.sample.sampler as sampler
 
-    sampler.batched_count_greater_than = _count_at_least
+    sampler.batched_count_greater_than = _count_at_least  # type: ignore[attr-defined]  # vLLM imports it there without re-exporting; this replaces that module global
 
 
-def _scheduler_of(llm_engine: Any) -> Any:
+def _scheduler_of(llm_engine: object) -> _Scheduler | None:
     """The vLLM v1 scheduler of an in-process engine (KV-cache usage, preemptions), or None elsewhere."""
-    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
-    sched = getattr(core, "scheduler", None)
-    return sched if hasattr(sched, "kv_cache_manager") and hasattr(sched, "_preempt_request") else None
+    core: object = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    sched: object = getattr(core, "scheduler", None)
+    return cast(_Scheduler, sched) if hasattr(sched, "kv_cache_manager") and hasattr(sched, "_preempt_request") else None
 
 
 class Generator(Component):
@@ -437,7 +469,7 @@ class Generator(Component):
 
     @endpoint(explicit_response_port=True)
     async def generate(
-        self, port: Port, request: GenerateRequest | Sequence[Prompt], n: int = 1,
+        self, port: Port[CompletionGroups], request: GenerateRequest | Sequence[Prompt], n: int = 1,
         sampling: SamplingSettings | None = None, seeds: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """`CompletionGroups` (list[list[Completion]]): ``request.n`` completions per prompt, in prompt order.
@@ -446,14 +478,15 @@ class Generator(Component):
         req = GenerateRequest.coerce(request, n, sampling, seeds)
         answer_in_task(port, lambda: self._serve(req), "Generator.generate")
 
-    async def _serve(self, req: GenerateRequest) -> Any:
+    async def _serve(self, req: GenerateRequest) -> CompletionGroups:
         if req.lora_slot is not None:
             raise ValueError(f"generate: lora_slot={req.lora_slot!r} but this generator has no LoRA slots "
                              "(SlotGenerator serves them: forgelab.engines.generator_slots)")
         return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G)
 
     @endpoint(explicit_response_port=True)
-    async def update_weights(self, port: Port, update: WeightUpdate | int, weights: dict | None = None) -> None:
+    async def update_weights(self, port: Port[int], update: WeightUpdate | int,
+                             weights: Mapping[str, torch.Tensor] | None = None) -> None:
         """Load `update.weights` (HF names) as `update.version` (strictly increasing); answers the new version.
         ``update_weights(version, weights)``: the positional form, still accepted (the trainer's weight sender)."""
         if isinstance(update, WeightUpdate):
@@ -463,7 +496,7 @@ class Generator(Component):
         answer_in_task(port, lambda: receive(self._engine(), version, weights), "Generator.update_weights")
 
     @endpoint(explicit_response_port=True)
-    async def update_weights_shared(self, port: Port, handle: Any) -> None:
+    async def update_weights_shared(self, port: Port[int | str], handle: object) -> None:
         """Load the weights a trainer on this host wrote to shared memory: the new version (an int), or a str
         saying why the file cannot be reached from here (the trainer then sends the tensors)."""
         answer_in_task(port, lambda: receive_shared(self._engine(), handle), "Generator.update_weights_shared")

@@ -17,6 +17,7 @@ from typing import Mapping
 
 from forgelab.generation import (AdapterUpdate, CompletionGroups, EngineStats, EngineStatus, GenerateRequest,
                                  Generators, ReplicaActor, WeightUpdate)
+from forgelab.runtime.component import Component
 from forgelab.runtime.service import Endpoint, Service
 
 __all__ = ["ADAPTER_UPDATE", "DROP_SLOT", "ENGINE_STATS", "ENGINE_STATUS", "GENERATE", "GeneratorService",
@@ -33,8 +34,11 @@ DROP_SLOT: Endpoint[str, bool] = Endpoint("drop_slot")
 SLOT_STATUS: Endpoint[None, Mapping[str, object]] = Endpoint("slot_status")
 
 
-class GeneratorService(Service):
-    """`Service` over `Generator` (or `SlotGenerator`) replicas with the generator's endpoints as typed methods."""
+class GeneratorService(Service[Component]):
+    """`Service` over `Generator` (or `SlotGenerator`) replicas with the generator's endpoints as typed methods.
+
+    Typed over `Component` (the `Component.SERVICE` of both generator classes); the endpoints' requests and
+    answers are typed by the `Endpoint` constants above."""
 
     async def generate(self, request: GenerateRequest) -> CompletionGroups:
         """`request` on the least-loaded healthy replica (retried once elsewhere if that replica dies)."""

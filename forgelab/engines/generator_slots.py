@@ -16,35 +16,56 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from monarch.actor import Port, endpoint
 
+from forgelab.config.components import GeneratorConfig
 from forgelab.engines.generator import Generator, VLLMEngine
-from forgelab.generation import AdapterUpdate, GenerateRequest, Prompt, SamplingSettings
+from forgelab.generation import AdapterUpdate, CompletionGroups, GenerateRequest, Prompt, SamplingSettings
 from forgelab.runtime.component import answer_in_task
 from forgelab.weights.adapter_slots import AdapterSlots
 
+if TYPE_CHECKING:
+    import torch
+    from vllm.lora.request import LoRARequest
+
 __all__ = ["SlotGenerator", "SlotVLLMEngine"]
 
-_PINNED: contextvars.ContextVar[tuple[int, Any] | None] = contextvars.ContextVar("forgelab_lora_slot", default=None)
+_PINNED: contextvars.ContextVar[tuple[int, LoRARequest | None] | None] = contextvars.ContextVar("forgelab_lora_slot", default=None)
 
 
 class SlotVLLMEngine(VLLMEngine):
     """A `VLLMEngine` whose ``version`` and ``lora_request``, read inside `generate_in_slot`, are the slot's."""
 
-    def __init__(self, config: Any):
-        self.own = {"version": 0, "lora_request": None}  # the engine-wide values (outside any slot call)
+    def __init__(self, config: GeneratorConfig):
+        # the engine-wide values (outside any slot call)
+        self.own_version = 0
+        self.own_lora_request: LoRARequest | None = None
         super().__init__(config)
         self.slots = AdapterSlots(self)
 
-    version = property(lambda self: self.own["version"] if _PINNED.get() is None else _PINNED.get()[0],
-                       lambda self, v: self.own.__setitem__("version", v))
-    lora_request = property(lambda self: self.own["lora_request"] if _PINNED.get() is None else _PINNED.get()[1],
-                            lambda self, v: self.own.__setitem__("lora_request", v))
+    @property  # VLLMEngine's plain attribute, read per calling task here
+    def version(self) -> int:
+        pinned = _PINNED.get()
+        return self.own_version if pinned is None else pinned[0]
 
-    async def generate_in_slot(self, slot: str, prompts: Sequence[Any], n: int = 1, sampling: Any = None,
-                               seeds: Sequence[Sequence[int]] | None = None) -> Any:
+    @version.setter
+    def version(self, v: int) -> None:
+        self.own_version = v
+
+    @property  # VLLMEngine's plain attribute, read per calling task here
+    def lora_request(self) -> LoRARequest | None:
+        pinned = _PINNED.get()
+        return self.own_lora_request if pinned is None else pinned[1]
+
+    @lora_request.setter
+    def lora_request(self, v: LoRARequest | None) -> None:
+        self.own_lora_request = v
+
+    async def generate_in_slot(self, slot: str, prompts: Sequence[Prompt], n: int = 1,
+                               sampling: SamplingSettings | None = None,
+                               seeds: Sequence[Sequence[int]] | None = None) -> CompletionGroups:
         """`generate` with ``slot``'s adapter and version (pinned for this call: a push meanwhile does not move it)."""
         pinned = self.slots.hold(slot)
         token = _PINNED.set(pinned)
@@ -74,14 +95,14 @@ class SlotGenerator(Generator):
         assert isinstance(engine, SlotVLLMEngine)
         return engine
 
-    async def _serve(self, req: GenerateRequest) -> Any:
+    async def _serve(self, req: GenerateRequest) -> CompletionGroups:
         if req.lora_slot is None:
             return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G)
         return await self._slot_engine().generate_in_slot(req.lora_slot, req.prompts_P, req.n, req.sampling,
                                                           req.seeds_P_G)
 
     @endpoint(explicit_response_port=True)
-    async def generate_slot(self, port: Port, slot: str, request: GenerateRequest | Sequence[Prompt], n: int = 1,
+    async def generate_slot(self, port: Port[CompletionGroups], slot: str, request: GenerateRequest | Sequence[Prompt], n: int = 1,
                             sampling: SamplingSettings | None = None,
                             seeds: Sequence[Sequence[int]] | None = None) -> None:
         """`generate` served with ``slot``'s adapter; completions carry the slot's version. Deprecated: send
@@ -90,8 +111,8 @@ class SlotGenerator(Generator):
         answer_in_task(port, lambda: self._serve(req), "SlotGenerator.generate_slot")
 
     @endpoint(explicit_response_port=True)
-    async def update_adapter_slot(self, port: Port, update: AdapterUpdate | str, version: int | None = None,
-                                  tensors: dict | None = None) -> None:
+    async def update_adapter_slot(self, port: Port[int], update: AdapterUpdate | str, version: int | None = None,
+                                  tensors: Mapping[str, torch.Tensor] | None = None) -> None:
         """Serve ``update.tensors`` (PEFT names) as ``update.slot``'s ``update.version``; answers the version.
         ``update_adapter_slot(slot, version, tensors)``: the positional form, still accepted (the trainer's push)."""
         if not isinstance(update, AdapterUpdate):
@@ -108,5 +129,5 @@ class SlotGenerator(Generator):
         return self._slot_engine().slots.drop(slot)
 
     @endpoint
-    async def slot_status(self) -> dict[str, Any]:
+    async def slot_status(self) -> dict[str, object]:
         return self._slot_engine().slots.status()

@@ -28,23 +28,30 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
-from forgelab.engines.spawn import Parts, component_configs, reference_process
+from forgelab.config.run_config import RunConfig
+from forgelab.engines.spawn import Parts, ServicePart, SpawnedParts, component_configs, reference_process
+from forgelab.types import WeightPush
+
+if TYPE_CHECKING:
+    from forgelab.engines.generator_service import GeneratorService
+    from forgelab.engines.trainer import Trainer
+    from forgelab.runtime.mesh import ActorHandle
 
 log = logging.getLogger("forgelab.engines.pool")
 
 __all__ = ["ProcessPool", "PooledParts", "engine_key"]
 
 
-def _fields(obj: Any, drop: tuple[str, ...] = ()) -> Any:
+def _fields(obj: object, drop: tuple[str, ...] = ()) -> str | None:
     if obj is None:
         return None
-    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(vars(obj))
+    d = dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else dict(vars(obj))
     return repr(sorted((k, v) for k, v in d.items() if k not in drop))
 
 
-def engine_key(cfg: Any) -> dict[str, str]:
+def engine_key(cfg: RunConfig) -> dict[str, str | None]:
     """What fixes a run's processes and engines, as comparable strings (equal keys: the processes can be reused)."""
     cc = component_configs(cfg)
     t = cc["trainer"]
@@ -60,11 +67,11 @@ def engine_key(cfg: Any) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class PooledParts(Parts):
+class PooledParts(Parts["GeneratorService", "ActorHandle[Trainer]"]):
     """`Parts` lent by a pool: `shutdown()` gives them back (processes stay up)."""
 
-    pool: Any = None
-    key: dict | None = None
+    pool: ProcessPool | None = None
+    key: dict[str, str | None] | None = None
     runs: int = 1
     """How many runs these processes have served (1: freshly spawned)."""
 
@@ -88,10 +95,10 @@ class ProcessPool:
         self.reused = 0
         self._lock = asyncio.Lock()
 
-    async def __call__(self, cfg: Any) -> Parts:
+    async def __call__(self, cfg: RunConfig) -> SpawnedParts:
         return await self.acquire(cfg)
 
-    async def acquire(self, cfg: Any) -> Parts:
+    async def acquire(self, cfg: RunConfig) -> SpawnedParts:
         """Idle parts with the same engine key, re-initialised from `cfg`; otherwise newly spawned ones."""
         from forgelab.engines.spawn import spawn_parts
 
@@ -118,7 +125,8 @@ class ProcessPool:
             self._note(f"{cfg.name}: reusing warm processes (re-initialised in {match.seconds:.1f} s)")
             return match
         if self.idle:
-            diff = sorted(k for k in key if k not in self.idle[0].key or self.idle[0].key[k] != key[k])
+            idle_key = self.idle[0].key or {}
+            diff = sorted(k for k in key if k not in idle_key or idle_key[k] != key[k])
             self._note(f"{cfg.name}: new processes: the idle ones differ in {', '.join(diff)} "
                        "(another model or engine setting needs another engine)")
         elif self.busy:
@@ -131,27 +139,32 @@ class ProcessPool:
         self.busy.append(pooled)
         return pooled
 
-    async def _reinit(self, parts: PooledParts, cfg: Any) -> None:
+    async def _reinit(self, parts: PooledParts, cfg: RunConfig) -> None:
         cc = component_configs(cfg)
+        trainer, generators = parts.trainer, parts.generators
+        if trainer is None or generators is None:  # idle parts are never shut down
+            raise RuntimeError("pool: a pooled set without its trainer or generators")
         # the process group (and its port) is kept: the new config's rendezvous fields are not used
-        await parts.trainer.call("reinit", cc["trainer"])
-        await parts.generators.reset_version(-1)
+        await trainer.call("reinit", cc["trainer"])
+        await generators.reset_version(-1)
         # the fresh weights as version 0 (the model's own unless the trainer config changed them: it does not)
-        live = [h for h in parts.generators.handles() if h is not None]
-        raw = (await parts.trainer.call("push_weights", 0, [h.actor for h in live]))[0]
-        if raw.get("failed"):
-            raise RuntimeError(f"pool: the fresh weights did not reach generators {sorted(raw['failed'])}: {raw['failed']}")
-        for i, h in enumerate(parts.generators.handles()):
+        live = [h for h in generators.handles() if h is not None]
+        raw = cast(WeightPush, (await trainer.call("push_weights", 0, [h.actor for h in live]))[0])  # rank 0's report
+        failed = cast("dict[int, str]", raw.get("failed") or {})  # WeightPush.failed: generator index -> error
+        if failed:
+            raise RuntimeError(f"pool: the fresh weights did not reach generators {sorted(failed)}: {failed}")
+        for i, h in enumerate(generators.handles()):
             if h is not None:
-                parts.generators.set_replica_info(i, version=0)
+                generators.set_replica_info(i, version=0)
 
     async def release(self, parts: PooledParts) -> None:
         """A run is done with `parts`: keep them idle (healthy) or stop them (a process failed)."""
-        for svc in (parts.generators, parts.reference, parts.envs, parts.teacher):
+        services: tuple[ServicePart | None, ...] = (parts.generators, parts.reference, parts.envs, parts.teacher)
+        for svc in services:
             if svc is not None:  # the finished run's listeners must not hear the next run's events
                 svc.clear_listeners()
                 if hasattr(svc, "on_respawn"):
-                    svc.on_respawn = None
+                    setattr(svc, "on_respawn", None)
         async with self._lock:
             if parts in self.busy:
                 self.busy.remove(parts)
@@ -169,7 +182,8 @@ class ProcessPool:
             await asyncio.wait_for(parts.trainer.call("info"), timeout=60)
         except Exception:
             return False
-        for svc in (parts.generators, parts.reference, parts.envs, parts.teacher):
+        services: tuple[ServicePart | None, ...] = (parts.generators, parts.reference, parts.envs, parts.teacher)
+        for svc in services:
             if svc is not None and any(s.state != "healthy" for s in svc.status()):
                 return False
         return True
@@ -178,16 +192,17 @@ class ProcessPool:
         """Process ids of `parts` (default: every pooled set, idle and busy) by part."""
         out: dict[str, list[int]] = {"generators": [], "trainer": [], "reference": [], "envs": []}
         for p in [parts] if parts is not None else [*self.busy, *self.idle]:
-            out["trainer"] += await p.trainer.pids()
+            if p.trainer is not None:  # None only after its processes stopped
+                out["trainer"] += await p.trainer.pids()
             for name in ("generators", "reference", "envs"):
-                svc = getattr(p, name)
+                svc: ServicePart | None = getattr(p, name)
                 if svc is not None:
                     out[name] += [pid for s in svc.status() for pid in s.pids]
         return out
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[dict[str, object]]:
         """One row per pooled set: state (idle/busy), runs served, and its key's model (the services panel shows it)."""
-        rows = []
+        rows: list[dict[str, object]] = []
         for state, sets in (("busy", self.busy), ("idle", self.idle)):
             for p in sets:
                 rows.append({"state": state, "runs_served": p.runs, "model": (p.key or {}).get("model", ""),

@@ -14,12 +14,12 @@ know it shares processes. What a run cannot share is refused where it is attache
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Mapping, Protocol, Sequence, cast
 
 from forgelab.engines.generator_service import GeneratorService, ReplicaActor
-from forgelab.engines.spawn import Parts
+from forgelab.engines.spawn import Parts, TrainerPart
 from forgelab.generation import CompletionGroups, EngineStats, GenerateRequest
-from forgelab.runtime.replicas import ServiceEvent
+from forgelab.runtime.replicas import ReplicaStatus, ServiceEvent
 
 __all__ = ["SlotTrainerHandle", "SlotGenerators", "SlotParts"]
 
@@ -27,13 +27,19 @@ __all__ = ["SlotTrainerHandle", "SlotGenerators", "SlotParts"]
 class SlotTrainerHandle:
     """The shared trainer actor as one run sees it: every ``call`` runs in the run's slot (`Trainer.in_slot`)."""
 
-    def __init__(self, handle: Any, slot: str):
+    def __init__(self, handle: TrainerPart, slot: str):
         self.handle, self.slot = handle, slot
 
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    async def call(self, name: str, /, *args: object, **kwargs: object) -> list[object]:
         return await self.handle.call("in_slot", self.slot, name, args, kwargs)
 
-    def __getattr__(self, name: str) -> Any:  # pids(), alive, failed, ...: the process itself
+    async def pids(self) -> list[int]:
+        return await self.handle.pids()
+
+    async def shutdown(self) -> None:
+        await self.handle.shutdown()
+
+    def __getattr__(self, name: str) -> object:  # alive, failed, ...: the process itself
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.handle, name)
@@ -50,7 +56,7 @@ class SlotGenerators:
     def __init__(self, service: GeneratorService, slot: str):
         self.service, self.slot = service, slot
         self.versions: dict[int, int] = {}
-        self.on_respawn: Callable[[Any], Awaitable[None]] | None = None
+        self.on_respawn: Callable[[ReplicaActor], Awaitable[None]] | None = None
         """The run's hook for a respawned replica (its WeightSync.catch_up); the engines call it."""
         self.listeners: list[Callable[[ServiceEvent], None]] = []
 
@@ -62,7 +68,7 @@ class SlotGenerators:
         """The shared engines' counters (every run's requests together)."""
         return await self.service.engine_stats()
 
-    async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
+    async def route(self, endpoint: str, *args: object, **kwargs: object) -> object:
         """The string form (deprecated: `generate`): a ``generate`` is served in this run's slot."""
         if endpoint == "generate":
             return await self.service.route("generate_slot", self.slot, *args, **kwargs)
@@ -71,11 +77,11 @@ class SlotGenerators:
     def handles(self) -> Sequence[ReplicaActor | None]:
         return self.service.handles()
 
-    def set_replica_info(self, index: int, **fields: Any) -> None:
+    def set_replica_info(self, index: int, **fields: object) -> None:
         if "version" in fields:
-            self.versions[index] = int(fields["version"])
+            self.versions[index] = int(cast(int, fields["version"]))
 
-    def status(self) -> list[Any]:
+    def status(self) -> list[ReplicaStatus]:
         """The shared replicas' status, each with this run's served version and its slot in ``info``."""
         return [dataclasses.replace(st, info={**st.info, "version": self.versions.get(st.index, 0), "slot": self.slot})
                 for st in self.service.status()]
@@ -95,7 +101,10 @@ class SlotGenerators:
             self.remove_listener(fn)
         self.on_respawn = None
 
-    def __getattr__(self, name: str) -> Any:  # status(), fanout(), ...: the shared service
+    async def shutdown(self) -> None:
+        await self.service.shutdown()
+
+    def __getattr__(self, name: str) -> object:  # fanout(), ...: the shared service
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.service, name)
@@ -104,11 +113,19 @@ class SlotGenerators:
         return f"<slot {self.slot} of {self.service!r}>"
 
 
+class SlotLender(Protocol):
+    """The shared engines that lent a run its slot (`forgelab.experiments.variants.SharedEngines`)."""
+
+    async def detach(self, target: SlotParts) -> None: ...
+
+    def provenance(self, slot: str) -> Mapping[str, object]: ...
+
+
 @dataclasses.dataclass
-class SlotParts(Parts):
+class SlotParts(Parts[SlotGenerators, SlotTrainerHandle]):
     """`Parts` lent by shared engines to one run: `shutdown()` detaches it (its slot is freed)."""
 
-    pool: Any = None
+    pool: SlotLender | None = None
     """The `forgelab.experiments.variants.SharedEngines` (a fork of the run attaches to them: `forgelab.experiments.fork`)."""
     slot: str = ""
 

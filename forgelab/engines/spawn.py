@@ -14,24 +14,74 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Awaitable, Generic, Protocol, Sequence, TypedDict, TypeVar, cast
 
 from forgelab.config.run_config import RunConfig
+from forgelab.generation import Generators
+from forgelab.runtime.component import PlacementOptions
+from forgelab.runtime.replicas import ReplicaStatus
+
+if TYPE_CHECKING:
+    from monarch.job import JobTrait
+
+    from forgelab.config.components import GeneratorConfig, ReferenceConfig, TrainerConfig
+    from forgelab.envs.episode import EnvActorConfig
+    from forgelab.engines.generator_service import GeneratorService
+    from forgelab.engines.trainer import Trainer
+    from forgelab.runtime.mesh import ActorHandle
 
 log = logging.getLogger("forgelab.engines.spawn")
 
 
-@dataclass
-class Parts:
-    """The processes of one run. `reference` / `envs` / `teacher` are None when the config asks for none;
-    `teacher` is the reference's service itself when both are the run's model (`teacher_service`)."""
+class Stoppable(Protocol):
+    """A part `Parts.shutdown` stops: a service, an actor handle, or a run's view of shared ones."""
 
-    generators: Any
-    trainer: Any
-    reference: Any = None
-    envs: Any = None
-    teacher: Any = None
-    job: Any = None
+    async def shutdown(self) -> None: ...
+
+
+class ServicePart(Stoppable, Protocol):
+    """A service part (reference, envs, teacher; generators too) as the pool reads it."""
+
+    def status(self) -> Sequence[ReplicaStatus]: ...
+
+    def clear_listeners(self) -> None: ...
+
+
+class TrainerPart(Stoppable, Protocol):
+    """The trainer as the pool calls it (an `ActorHandle[Trainer]`, or a run's slot of a shared one)."""
+
+    async def call(self, endpoint: str, /, *args: object, **kwargs: object) -> list[object]: ...
+
+    async def pids(self) -> list[int]: ...
+
+
+class GeneratorPart(Generators, Stoppable, Protocol):
+    """The generator replicas of a run (`GeneratorService`, or `SlotGenerators`: a run's slot of shared ones)."""
+
+    def status(self) -> Sequence[ReplicaStatus]: ...
+
+    def set_replica_info(self, index: int, **fields: object) -> None: ...
+
+
+G = TypeVar("G", bound=GeneratorPart)
+T = TypeVar("T", bound=TrainerPart)
+
+
+@dataclass
+class Parts(Generic[G, T]):
+    """The processes of one run. `reference` / `envs` / `teacher` are None when the config asks for none;
+    `teacher` is the reference's service itself when both are the run's model (`teacher_service`).
+
+    Generic in the generator part `G` and the trainer part `T`: `spawn_parts` gives a `GeneratorService` and an
+    `ActorHandle[Trainer]` (`SpawnedParts`); a run on shared engines gets its slot's views
+    (`forgelab.engines.shared_parts.SlotParts`)."""
+
+    generators: G | None
+    trainer: T | None
+    reference: ServicePart | None = None
+    envs: ServicePart | None = None
+    teacher: ServicePart | None = None
+    job: JobTrait | None = None
     """The `monarch.job` job the parts run on (None: this host); `shutdown` kills it."""
     seconds: float = 0.0
     """Wall time the spawn took."""
@@ -46,13 +96,14 @@ class Parts:
         try:
             names = [n for n in ("generators", "reference", "envs", "trainer", "teacher") if getattr(self, n) is not None
                      and not (n == "teacher" and self.teacher is self.reference)]
-            results = await asyncio.gather(*(getattr(self, n).shutdown() for n in names), return_exceptions=True)
-            for name, err in zip(names, results):  # the other parts and the job still stopped
-                if isinstance(err, Exception):
-                    log.warning("forgelab: stopping the %s failed: %s: %s", name, type(err).__name__, err)
-            for err in results:
-                if isinstance(err, BaseException) and not isinstance(err, Exception):
-                    raise err
+            parts: list[Stoppable] = [getattr(self, n) for n in names]
+            results = await asyncio.gather(*(part.shutdown() for part in parts), return_exceptions=True)
+            for name, outcome in zip(names, results):  # the other parts and the job still stopped
+                if isinstance(outcome, Exception):
+                    log.warning("forgelab: stopping the %s failed: %s: %s", name, type(outcome).__name__, outcome)
+            for outcome in results:
+                if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                    raise outcome
         finally:
             if self.job is not None:
                 await _shutdown_job_hosts(self.job)
@@ -63,7 +114,11 @@ class Parts:
             self.generators = self.trainer = self.reference = self.envs = self.teacher = self.job = None
 
 
-async def _shutdown_job_hosts(job: Any, timeout: float = 30.0) -> None:
+class _HostMesh(Protocol):
+    def shutdown(self) -> Awaitable[None]: ...
+
+
+async def _shutdown_job_hosts(job: JobTrait, timeout: float = 30.0) -> None:
     """Stop the job's host workers through Monarch (`HostMesh.shutdown`) before the job is killed.
 
     `job.kill()` ends what the job started on this machine; for an SSH job that is the local `ssh` client,
@@ -73,23 +128,32 @@ async def _shutdown_job_hosts(job: Any, timeout: float = 30.0) -> None:
 
     try:
         state = job.state(cached_path=None)
-        meshes = [getattr(state, name) for name in job_mesh_names(job)]
+        meshes: list[_HostMesh] = [getattr(state, name) for name in job_mesh_names(job)]
     except Exception as err:  # noqa: BLE001 -- a job that cannot report its state is still killed
         log.warning("forgelab: the hosts job's state is unavailable (%s: %s); killing it", type(err).__name__, err)
         return
     results = await asyncio.gather(*(asyncio.wait_for(m.shutdown(), timeout) for m in meshes),
                                    return_exceptions=True)
-    for err in results:
-        if isinstance(err, BaseException):
-            log.warning("forgelab: shutting down a host mesh failed: %s: %s", type(err).__name__, err)
+    for outcome in results:
+        if isinstance(outcome, BaseException):
+            log.warning("forgelab: shutting down a host mesh failed: %s: %s", type(outcome).__name__, outcome)
 
 
-def component_configs(cfg: RunConfig) -> dict[str, Any]:
+class ComponentConfigs(TypedDict):
+    """The config each component is spawned with (`component_configs`)."""
+
+    generator: GeneratorConfig
+    trainer: TrainerConfig
+    reference: ReferenceConfig
+    envs: EnvActorConfig
+
+
+def component_configs(cfg: RunConfig) -> ComponentConfigs:
     """The config object each component is spawned with: {"generator", "trainer", "reference", "envs"}."""
     from forgelab.algos.loss_checks import completion_budget, with_completion_budget, without_reference
     from forgelab.engines.loss_specs import shipped_loss
 
-    cc = {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")}
+    cc = cast(ComponentConfigs, {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")})
     t = cc["trainer"]  # dr_grpo normalises by the completion budget unless loss_kwargs set max_tokens
     t.loss_kwargs = with_completion_budget(t.loss, t.loss_kwargs, completion_budget(cfg.rollout))
     if not cfg.placement.reference:  # grpo's default kl_coef cannot apply: 0, written in (Run says so)
@@ -115,12 +179,24 @@ def teacher_shares_reference(cfg: RunConfig) -> bool:
             and os.path.realpath(str(t.model_dir)) == os.path.realpath(cfg.model.path))
 
 
-def _where(job: Any, mesh: str | None) -> dict[str, Any]:
-    """Placement keywords putting a part on host mesh `mesh` of `job` (this host when either is None)."""
-    return {"job": job, "mesh": mesh} if job is not None and mesh is not None else {}
+def _where(common: PlacementOptions, job: JobTrait | None, mesh: str | None, *, num_replicas: int | None = None,
+           procs: int | None = None) -> PlacementOptions:
+    """`common` with the placement keywords putting a part on host mesh `mesh` of `job` (this host when either is
+    None)."""
+    out = common.copy()
+    if num_replicas is not None:
+        out["num_replicas"] = num_replicas
+    if procs is not None:
+        out["procs"] = procs
+    if job is not None and mesh is not None:
+        out["job"], out["mesh"] = job, mesh
+    return out
 
 
-async def start_all(jobs: list) -> list:
+S = TypeVar("S", bound=Stoppable)
+
+
+async def start_all(jobs: Sequence[Awaitable[S]]) -> list[S]:
     """Await every part's start together; if any fails, shut down the ones that started and raise the first
     error (no process is left behind)."""
     results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -130,40 +206,48 @@ async def start_all(jobs: list) -> list:
             if not isinstance(r, BaseException):
                 await r.shutdown()
         raise failed[0]
-    return list(results)
+    return [r for r in results if not isinstance(r, BaseException)]  # all of them: none failed
 
 
-async def spawn_parts(cfg: RunConfig) -> Parts:
+SpawnedParts = Parts["GeneratorService", "ActorHandle[Trainer]"]
+"""What `spawn_parts` gives: a run's own processes."""
+
+
+async def spawn_parts(cfg: RunConfig) -> SpawnedParts:
     """Start every part of `cfg` in parallel; if one fails, stop the others (and the job) and raise its error."""
     from forgelab.engines.generator import Generator
+    from forgelab.engines.generator_service import GeneratorService
     from forgelab.engines.trainer import ReferenceModel, Trainer
+    from forgelab.runtime.mesh import ActorHandle
 
     p, h = cfg.placement, cfg.hosts
     cc = component_configs(cfg)
-    job = None
+    job: JobTrait | None = None
     if h.job is not None:
         from forgelab.runtime.placement import job_from_config
 
         job = job_from_config(h.job)
-    common = dict(threads=p.threads, with_gpus=p.with_gpus)
-    trainer_hosts = {"hosts": h.trainer_hosts} if h.trainer_hosts > 1 else {}
-    jobs = [
-        Generator.options(num_replicas=p.generator_replicas, **common, **_where(job, h.generator)).as_service(cc["generator"]),
-        Trainer.options(procs=p.trainer_procs, **common, **trainer_hosts, **_where(job, h.trainer)).as_actor(cc["trainer"]),
+    common: PlacementOptions = {"threads": p.threads, "with_gpus": p.with_gpus}
+    trainer_at = _where(common, job, h.trainer, procs=p.trainer_procs)
+    if h.trainer_hosts > 1:
+        trainer_at["hosts"] = h.trainer_hosts
+    jobs: list[Awaitable[Stoppable]] = [
+        Generator.options(**_where(common, job, h.generator, num_replicas=p.generator_replicas)).as_service(cc["generator"]),
+        Trainer.options(**trainer_at).as_actor(cc["trainer"]),
     ]
     with_reference = reference_process(cfg)
     if with_reference:
-        jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common,
-                                           **_where(job, h.reference)).as_service(cc["reference"]))
+        jobs.append(ReferenceModel.options(**_where(common, job, h.reference, num_replicas=p.reference_replicas))
+                    .as_service(cc["reference"]))
     with_teacher = cfg.teacher.enabled and not teacher_shares_reference(cfg)
     if with_teacher:  # on-policy distillation: the teacher is a logprob service like the reference
-        jobs.append(ReferenceModel.options(num_replicas=cfg.teacher.replicas, **common, **_where(job, h.reference))
+        jobs.append(ReferenceModel.options(**_where(common, job, h.reference, num_replicas=cfg.teacher.replicas))
                     .as_service(cfg.teacher.reference_config(cfg.model.dtype)))
     if cfg.rollout.env is not None:  # multi-turn: episodes are played in EnvActor processes
         from forgelab.envs.actor import EnvActor
 
-        jobs.append(EnvActor.options(num_replicas=p.env_replicas, threads=p.threads,
-                                     **_where(job, h.envs)).as_service(cc["envs"]))
+        jobs.append(EnvActor.options(**_where({"threads": p.threads}, job, h.envs, num_replicas=p.env_replicas))
+                    .as_service(cc["envs"]))
     t0 = time.time()
     try:
         results = await start_all(jobs)
@@ -171,10 +255,15 @@ async def spawn_parts(cfg: RunConfig) -> Parts:
         if job is not None:
             job.kill()
         raise
-    reference = results[2] if with_reference else None
-    teacher = results[2 + with_reference] if with_teacher else reference if cfg.teacher.enabled else None
+    generators, trainer, services = results[0], results[1], cast("list[ServicePart]", results[2:])
+    # as_service answers the component's SERVICE class; as_actor an ActorHandle of it
+    if not isinstance(generators, GeneratorService) or not isinstance(trainer, ActorHandle):
+        raise TypeError(f"spawn_parts: got {type(generators).__name__} and {type(trainer).__name__}, not a "
+                        "GeneratorService and an ActorHandle")
+    reference = services[0] if with_reference else None
+    teacher = services[int(with_reference)] if with_teacher else reference if cfg.teacher.enabled else None
     return Parts(
-        generators=results[0], trainer=results[1], reference=reference, teacher=teacher,
-        envs=results[-1] if cfg.rollout.env is not None else None,
+        generators=generators, trainer=cast("ActorHandle[Trainer]", trainer), reference=reference, teacher=teacher,
+        envs=services[-1] if cfg.rollout.env is not None else None,
         job=job, seconds=time.time() - t0,
     )
