@@ -379,11 +379,14 @@ class Run:
         self.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
         return {"loss": name, "applies_at_step": applies_at}
 
-    async def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code)."""
+    async def save_checkpoint(self, path: str | Path | None = None, *, trainer: bool = True) -> Path:
+        """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code).
+
+        ``trainer=False``: the controller state only (a fork into a slot of shared engines copies the trainer's
+        state in memory: `forgelab.experiments.fork`)."""
         if self._checkpoint_parts is None:
             raise RuntimeError("save_checkpoint: the run has no processes yet (await run.start() or run.spawn())")
-        return await checkpoint.save(self._checkpoint_parts, path)
+        return await checkpoint.save(self._checkpoint_parts, path, trainer=trainer)
 
     # ------------------------------------------------------------------ experiments (forgelab/experiments/*)
     async def fork(self, **overrides: Any) -> "Run":
