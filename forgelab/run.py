@@ -62,6 +62,7 @@ from forgelab.controller.view import RunSnapshot
 from forgelab.data.datasets import ProblemStream, load_split
 from forgelab.data.tasks import Problem
 from forgelab.rewards.library import RewardComposer
+from forgelab.types import TrainBatch
 from forgelab.weights.sync import PushReport, WeightSync
 
 log = logging.getLogger("forgelab.run")
@@ -379,11 +380,14 @@ class Run:
         self.emit("loss_swapped", loss=name, kwargs=loss_kwargs, applies_at_step=applies_at, code=loss_record(loss))
         return {"loss": name, "applies_at_step": applies_at}
 
-    async def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code)."""
+    async def save_checkpoint(self, path: str | Path | None = None, *, trainer: bool = True) -> Path:
+        """Trainer state (DCP) + controller state (step, version, data position, counters, rewards with their code).
+
+        ``trainer=False``: the controller state only (a fork into a slot of shared engines copies the trainer's
+        state in memory: `forgelab.experiments.fork`)."""
         if self._checkpoint_parts is None:
             raise RuntimeError("save_checkpoint: the run has no processes yet (await run.start() or run.spawn())")
-        return await checkpoint.save(self._checkpoint_parts, path)
+        return await checkpoint.save(self._checkpoint_parts, path, trainer=trainer)
 
     # ------------------------------------------------------------------ experiments (forgelab/experiments/*)
     async def fork(self, **overrides: Any) -> "Run":
@@ -414,7 +418,7 @@ class Run:
         return rescore_run(self.out_dir, recent, self.buffer.status, self.config.name, self.config.rollout.advantage,
                            reward, episodes)
 
-    async def compare_losses(self, losses: list, batch: dict | None = None) -> Any:
+    async def compare_losses(self, losses: list, batch: TrainBatch | None = None) -> Any:
         """Each loss on one frozen batch (default: the last trained one); trainer state untouched."""
         from forgelab.experiments.loss_ab import compare_losses
 
@@ -431,7 +435,7 @@ class Run:
         """Train at most `steps` steps (the loop reads it each step; the trainer's schedule keeps its length)."""
         self.config.train.steps = min(int(steps), self.config.train.steps)
 
-    def use_last_batch(self, batch: dict | None) -> None:
+    def use_last_batch(self, batch: TrainBatch | None) -> None:
         """The batch a first loss swap is dry-run on (a fork's: the one its parent trained last)."""
         self.loop.use_last_batch(batch)
 

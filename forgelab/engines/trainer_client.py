@@ -126,6 +126,14 @@ class TrainerAPI(Protocol):
 
     async def fingerprint(self) -> list[Fingerprint]: ...
 
+    async def set_lr(self, lr: float) -> float:
+        """Make ``lr`` the peak learning rate from now on, keeping the schedule's position; the current lr."""
+        ...
+
+    async def compare_losses(self, specs: Sequence[object], batch: TrainBatch) -> LossComparison:
+        """Each loss spec on ``batch`` from the current state, nothing changed (`forgelab.engines.loss_compare`)."""
+        ...
+
 
 class TrainerClient(TrainerAPI):
     """`TrainerAPI` over a trainer handle (`EndpointHandle`); anything else (``pids()``, ``alive``,

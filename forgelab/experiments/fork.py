@@ -29,22 +29,76 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-from forgelab.controller.facade import RunFacade
+from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack, runtime_checkable
 
-__all__ = ["fork", "fork_from", "quiesce", "child_config"]
+from forgelab.controller.facade import RunFacade, SpawnParts
+
+if TYPE_CHECKING:
+    from forgelab.algos.losses import LossFn
+    from forgelab.config.run_config import RunConfig
+    from forgelab.rewards.library import RewardFn
+    from forgelab.engines.spawn import Parts
+    from forgelab.engines.trainer_client import TrainerAPI
+    from forgelab.types import TrainBatch
+
+__all__ = ["fork", "fork_from", "quiesce", "child_config", "ForkOverrides", "ForkFromOverrides", "RunClass"]
+
+
+class ForkFromOverrides(TypedDict, total=False):
+    """What a fork of a checkpoint may change (`fork_from`); see the module's docstring."""
+
+    loss: str | LossFn
+    loss_kwargs: Mapping[str, object]
+    lr: float
+    reward_weights: Mapping[str, float]
+    rewards: Mapping[str, RewardFn | tuple[RewardFn, float]]
+    steps: int
+    max_policy_age: int
+    seed: int
+    temperature: float
+
+
+class ForkOverrides(ForkFromOverrides, total=False):
+    """What a fork of a live run may change (`fork`, `SharedEngines.sweep`): `ForkFromOverrides` and ``config``."""
+
+    config: Mapping[str, object]
+    """``{"section.field": value}`` for any other config field."""
+
+
+class RunClass(Protocol):
+    """The run class a child is built as (`forgelab.run.Run`, or the parent's own class)."""
+
+    def __call__(self, config: RunConfig, *, resume_from: str | Path | None = None,
+                 spawn: SpawnParts | None = None) -> RunFacade: ...
+
+
+@runtime_checkable
+class _Releasable(Protocol):
+    """A spawn that holds something for the child until it attaches (`forgelab.experiments.variants.ReservedSlot`)."""
+
+    async def release(self) -> bool: ...
+
+
+@runtime_checkable
+class _SlotCopier(Protocol):
+    """A spawn whose slots can be copied in memory (`forgelab.experiments.variants.SharedEngines`)."""
+
+    async def __call__(self, cfg: RunConfig) -> "Parts": ...
+
+    async def copy_slot(self, src: str) -> SpawnParts: ...
 
 _SHORTCUTS = {"steps": "train.steps", "max_policy_age": "train.max_policy_age", "seed": "train.seed",
               "temperature": "rollout.temperature"}
 _AFTER_RESTORE = ("loss", "loss_kwargs", "lr", "reward_weights", "rewards")
 
 
-def child_config(cfg: Any, name: str, overrides: dict) -> Any:
+def child_config(cfg: RunConfig, name: str, overrides: Mapping[str, object]) -> RunConfig:
     """A copy of `cfg` named `name` with the config-level overrides applied (validated)."""
     cfg = copy.deepcopy(cfg)
     cfg.name = name
-    dotted = dict(overrides.get("config") or {})
+    dotted = dict(_mapping(overrides.get("config") or {}, "config"))
     for short, path in _SHORTCUTS.items():
         if short in overrides:
             dotted[path] = overrides[short]
@@ -63,6 +117,12 @@ def child_config(cfg: Any, name: str, overrides: dict) -> Any:
     return cfg.validate()
 
 
+def _mapping(value: object, what: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"fork override {what!r}: a dict, got {type(value).__name__}")
+    return value
+
+
 def _quiet(run: RunFacade) -> bool:
     rows = run.tracker.rows if run.tracker is not None else []
     logged = run.step == 0 or (rows and int(rows[-1].get("step", -1)) == run.step)
@@ -78,7 +138,7 @@ async def quiesce(run: RunFacade, timeout: float = 600.0) -> None:
     woke = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def listener(_msg: dict) -> None:  # service events may arrive on other threads
+    def listener(_msg: dict[str, object]) -> None:  # service events may arrive on other threads
         loop.call_soon_threadsafe(woke.set)
 
     async def gate_changed() -> None:
@@ -109,26 +169,29 @@ def _child_name(base_dir: Path, parent: str) -> str:
     return f"{parent}-fork{n}"
 
 
-def _describe(overrides: dict) -> dict:
-    out = {}
+def _describe(overrides: Mapping[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for k, v in overrides.items():
         if callable(v):
             v = getattr(v, "__name__", "custom")
         elif k == "rewards":
-            v = {n: getattr(f[0] if isinstance(f, tuple) else f, "__name__", "custom") for n, f in v.items()}
+            v = {n: getattr(f[0] if isinstance(f, tuple) else f, "__name__", "custom")
+                 for n, f in _mapping(v, k).items()}
         out[k] = v if isinstance(v, (int, float, str, bool, type(None), dict, list)) else repr(v)
-    return json.loads(json.dumps(out, default=repr))
+    described: dict[str, object] = json.loads(json.dumps(out, default=repr))
+    return described
 
 
-async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, overrides: dict, origin: dict,
-                       last_batch: Any, start: bool):
-    child = None
+async def _start_child(run_cls: RunClass | type[RunFacade], cfg: RunConfig, ckpt: Path, spawn: SpawnParts | None,
+                       overrides: ForkFromOverrides, origin: dict[str, object], last_batch: "TrainBatch | None",
+                       start: bool) -> RunFacade:
+    child: RunFacade | None = None
     try:
         child = run_cls(cfg, resume_from=ckpt, spawn=spawn)
         await child.spawn()  # spawn + restore now: the overrides land before the first step
         child.use_last_batch(last_batch)  # a loss override is dry-run on the batch the parent trained last
         if "lr" in overrides:
-            await child.trainer.call("set_lr", float(overrides["lr"]))
+            await _trainer(child).set_lr(float(overrides["lr"]))
         if "reward_weights" in overrides:
             child.set_reward_weights(dict(overrides["reward_weights"]))
         for name, fn in (overrides.get("rewards") or {}).items():
@@ -143,51 +206,67 @@ async def _start_child(run_cls: type, cfg: Any, ckpt: Path, spawn: Any, override
     except BaseException:
         if child is not None and child.parts is not None:
             await child.shutdown()  # its processes (or its slot of shared engines) are freed
-        elif hasattr(spawn, "release"):  # a slot reserved for it that it never attached to
-            await spawn.release()
+        elif isinstance(reserved := _as_object(spawn), _Releasable):  # a slot reserved for it, never attached to
+            await reserved.release()
         raise
     return child
 
 
+def _as_object(spawn: SpawnParts | None) -> object:
+    """`spawn` as a plain object, so that a check for what else it is (`_Releasable`) reads as possible."""
+    return spawn
+
+
+def _trainer(run: RunFacade) -> "TrainerAPI":
+    if run.trainer is None:
+        raise RuntimeError(f"fork: run {run.config.name} has no trainer (its processes are down)")
+    return run.trainer
+
+
 async def fork(run: RunFacade, *, name: str | None = None, pause_parent: bool = False, start: bool = True,
-               pool: Any = None, through_disk: bool = False, **overrides: Any):
+               pool: SpawnParts | None = None, through_disk: bool = False,
+               **overrides: Unpack[ForkOverrides]) -> RunFacade:
     """`Run.fork`: the child `Run` (started unless ``start=False``) forked from `run` at its next quiet step boundary.
 
     A run on shared engines (`forgelab.experiments.variants.SharedEngines`) forks into a free slot of them: the
     trainer's state (adapter, optimizer, schedule, loss) is copied in memory, only the controller's goes
     through the fork checkpoint (``through_disk=True``: the trainer's too, as for other runs)."""
+    from forgelab.engines.shared_parts import SlotParts
+
     if run.parts is None or run.trainer is None:
         raise RuntimeError(f"fork: run {run.config.name} has no processes (never started, or shut down); "
                            "fork from one of its checkpoints with Run.fork_from(path, ...)")
     name = name or _child_name(run.out_dir.parent, run.config.name)
     cfg = child_config(run.config, name, overrides)  # a bad override fails before the parent pauses
     was_running = run.state == "running"
-    spawn = pool or getattr(run.parts, "pool", None)
-    in_memory = (not through_disk and hasattr(spawn, "copy_slot") and getattr(run.parts, "pool", None) is spawn)
+    spawn: SpawnParts | None = pool or getattr(run.parts, "pool", None)
+    copier = spawn if isinstance(spawn, _SlotCopier) and isinstance(run.parts, SlotParts) else None
+    in_memory = (not through_disk and copier is not None and getattr(run.parts, "pool", None) is spawn)
     run.pause()
     try:
         await quiesce(run)
         path = run.out_dir / "forks" / f"{name}_step_{run.step:06d}"
-        if in_memory:  # the slot copy is taken now, at the same quiet boundary as the controller state
-            from forgelab.controller.checkpoint import save
-
-            ckpt = await save(run, path, trainer=False)
-            spawn = await spawn.copy_slot(run.parts.slot)
+        if in_memory and copier is not None and isinstance(run.parts, SlotParts):
+            # the slot copy is taken now, at the same quiet boundary as the controller state
+            ckpt = await run.save_checkpoint(path, trainer=False)
+            spawn = await copier.copy_slot(run.parts.slot)
         else:
             ckpt = await run.save_checkpoint(path)
     finally:
         if was_running and not pause_parent:
             run.resume()
-    origin = {"parent": run.config.name, "parent_dir": str(run.out_dir), "step": run.step, "version": run.version,
-              "checkpoint": str(ckpt), "overrides": _describe(overrides),
-              "trainer_state": "copied in memory (shared-engines slot)" if in_memory else "checkpoint"}
+    origin: dict[str, object] = {
+        "parent": run.config.name, "parent_dir": str(run.out_dir), "step": run.step, "version": run.version,
+        "checkpoint": str(ckpt), "overrides": _describe(overrides),
+        "trainer_state": "copied in memory (shared-engines slot)" if in_memory else "checkpoint"}
     run.emit("forked", child=name, child_dir=str(Path(cfg.tracking.out_dir) / name), checkpoint=str(ckpt),
                overrides=origin["overrides"], parent_paused=bool(pause_parent and was_running))
     return await _start_child(type(run), cfg, ckpt, spawn, overrides, origin, run.last_batch, start)
 
 
-async def fork_from(checkpoint: str | Path, config: Any = None, *, run_cls: type, name: str | None = None,
-                    pool: Any = None, start: bool = True, **overrides: Any):
+async def fork_from(checkpoint: str | Path, config: RunConfig | dict[str, object] | str | Path | None = None, *,
+                    run_cls: RunClass, name: str | None = None, pool: SpawnParts | None = None, start: bool = True,
+                    **overrides: Unpack[ForkFromOverrides]) -> RunFacade:
     """`Run.fork_from`: a child of a saved checkpoint (config: the saved run's manifest unless given), built as
     `run_cls` (`Run.fork_from` passes its own class)."""
     from forgelab.controller.checkpoint import resolve
@@ -205,8 +284,9 @@ async def fork_from(checkpoint: str | Path, config: Any = None, *, run_cls: type
     state = json.loads((ckpt / "controller.json").read_text())
     name = name or _child_name(Path(config.tracking.out_dir), config.name)
     cfg = child_config(config, name, overrides)
-    origin = {"parent": run_dir.name, "parent_dir": str(run_dir), "step": state["step"], "version": state["version"],
-              "checkpoint": str(ckpt), "overrides": _describe(overrides)}
+    origin: dict[str, object] = {"parent": run_dir.name, "parent_dir": str(run_dir), "step": state["step"],
+                                 "version": state["version"], "checkpoint": str(ckpt),
+                                 "overrides": _describe(overrides)}
     from forgelab.controller.events import EventLog
 
     if (run_dir / "events.jsonl").is_file():  # the parent's log records the fork too

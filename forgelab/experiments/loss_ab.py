@@ -21,11 +21,18 @@ next train step runs, with its keywords, i.e. what that step computes on the bat
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from forgelab.engines.loss_compare import CURRENT_LOSS, loss_spec
 from forgelab.controller.facade import RunFacade
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from forgelab.engines.trainer_client import Fingerprint, TrainerInfo
+    from forgelab.types import TrainBatch
 
 __all__ = ["compare_losses", "LossComparison"]
 
@@ -34,10 +41,10 @@ __all__ = ["compare_losses", "LossComparison"]
 class LossComparison:
     """What `compare_losses` found; ``fingerprint_before == fingerprint_after`` shows nothing changed."""
 
-    losses: list[dict]
+    losses: list[dict[str, object]]
     cosine_matrix: list[list[float]]
-    fingerprint_before: Any = None
-    fingerprint_after: Any = None
+    fingerprint_before: "list[Fingerprint] | None" = None
+    fingerprint_after: "list[Fingerprint] | None" = None
     step: int = 0
     names: list[str] = field(default_factory=list)
 
@@ -46,19 +53,21 @@ class LossComparison:
         return self.fingerprint_before == self.fingerprint_after
 
     @property
-    def table(self):
+    def table(self) -> "pd.DataFrame":
         """One row per loss: ok, loss, grad_norm and every metric the loss reported (clip fractions among them)."""
         import pandas as pd
 
-        out = []
+        out: list[dict[str, object]] = []
         for name, r in zip(self.names, self.losses):
+            metrics = r["metrics"]
+            assert isinstance(metrics, dict), type(metrics)
             out.append({"loss_fn": name, "ok": r["ok"], "loss": r["loss"], "grad_norm": r["grad_norm"],
-                        **{k: v for k, v in r["metrics"].items() if isinstance(v, (int, float))},
+                        **{k: v for k, v in metrics.items() if isinstance(v, (int, float))},
                         "reason": r["reason"]})
         return pd.DataFrame(out).set_index("loss_fn")
 
     @property
-    def cosine(self):
+    def cosine(self) -> "pd.DataFrame":
         import pandas as pd
 
         return pd.DataFrame(self.cosine_matrix, index=self.names, columns=self.names)
@@ -68,14 +77,14 @@ class LossComparison:
                 f"{self.table[['loss', 'grad_norm']].to_string()}\n{self.cosine.round(4).to_string()}")
 
 
-def _label(item: Any, name: str, seen: dict) -> str:
+def _label(item: object, name: str, seen: dict[str, int]) -> str:
     spec, kwargs = loss_spec(item)
     label = name + (f"({', '.join(f'{k}={v}' for k, v in kwargs.items())})" if kwargs else "")
     seen[label] = seen.get(label, 0) + 1
     return label if seen[label] == 1 else f"{label}#{seen[label]}"
 
 
-def _resolve(run: RunFacade, item: Any, current: dict) -> tuple[Any, dict]:
+def _resolve(run: RunFacade, item: object, current: "TrainerInfo") -> tuple[object, dict[str, object]]:
     """``(spec, kwargs)`` for the trainer, resolved as `Run.set_loss` resolves a loss (`controls.prepare_loss`):
     checked keywords, the completion budget, a function packed. A bare name of the run's current loss means
     it with the run's keywords (``train.loss_kwargs`` or the last swap's)."""
@@ -88,7 +97,7 @@ def _resolve(run: RunFacade, item: Any, current: dict) -> tuple[Any, dict]:
     return packed, kwargs
 
 
-async def compare_losses(run: RunFacade, losses: list, batch: dict | None = None) -> LossComparison:
+async def compare_losses(run: RunFacade, losses: Sequence[object], batch: "TrainBatch | None" = None) -> LossComparison:
     """`Run.compare_losses`: A/B `losses` on `batch` (default: the run's last trained batch) on its trainer.
 
     The first row is the baseline, ``"current: NAME"``: the loss the next train step runs, with its keywords,
@@ -102,14 +111,17 @@ async def compare_losses(run: RunFacade, losses: list, batch: dict | None = None
                          "(forgelab.algos.batching.collate of episodes) or wait for the first step")
     if not losses:
         raise ValueError("compare_losses: give at least one loss (a name in LOSSES, a function, or (loss, kwargs))")
-    current = (await run.trainer.call("info"))[0]
-    specs = [CURRENT_LOSS] + [_resolve(run, item, current) for item in losses]
-    before = await run.trainer.call("fingerprint")
-    out = (await run.trainer.call("compare_losses", specs, batch))[0]
-    after = await run.trainer.call("fingerprint")
-    seen: dict = {}
+    trainer = run.trainer
+    if trainer is None:
+        raise RuntimeError(f"compare_losses: run {run.config.name} has no trainer (its processes are down)")
+    current = await trainer.info()
+    specs: list[object] = [CURRENT_LOSS] + [_resolve(run, item, current) for item in losses]
+    before = await trainer.fingerprint()
+    out = await trainer.compare_losses(specs, batch)
+    after = await trainer.fingerprint()
+    seen: dict[str, int] = {}
     names = [f"current: {out['losses'][0]['name']}"]
-    names += [_label(item, r["name"], seen) for item, r in zip(losses, out["losses"][1:])]
+    names += [_label(item, str(r["name"]), seen) for item, r in zip(losses, out["losses"][1:])]
     report = LossComparison(out["losses"], out["cosine"], before, after, run.step, names)
     run.emit("losses_compared", losses=names, values=[r["loss"] for r in out["losses"]], unchanged=report.unchanged)
     return report

@@ -40,17 +40,30 @@ then (`forgelab.controller.function_code`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from forgelab.controller.events import EventLog
-from forgelab.controller.facade import RunFacade
+from forgelab.controller.facade import RunFacade, SpawnParts
 from forgelab.controller.rollout import episode_seed  # noqa: F401 -- one owner: the rollout part
 from forgelab.controller.function_code import UntrustedCodeError, restore_fn
 
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from forgelab.algos.losses import LossFn
+    from forgelab.experiments.fork import RunClass
+    from forgelab.rewards.library import RewardFn
+
 __all__ = ["episode_seed", "Replayer", "ReplayReport", "ReplayRefused", "replay", "compare_metrics",
            "learning_columns"]
+
+#: One event of a run's log (`forgelab.controller.events.EventLog`): ``kind``, ``step``, ``time`` and its fields.
+Event = dict[str, object]
+#: (step, metric, original value, replayed value)
+Mismatch = tuple[int, str, object, object]
 
 
 class ReplayRefused(RuntimeError):
@@ -67,7 +80,7 @@ NOT_LEARNING_PREFIXES = ("episodes_", "gc", "generator/", "time/", "perf/")
 NOT_LEARNING_SUFFIXES = ("_ms", "_time_s", "_s")
 
 
-def learning_columns(columns) -> list[str]:
+def learning_columns(columns: Iterable[str]) -> list[str]:
     """The metric columns a replay must reproduce exactly."""
     out = []
     for c in columns:
@@ -77,13 +90,13 @@ def learning_columns(columns) -> list[str]:
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return a == b
 
 
-def compare_metrics(original, replayed, until: int | None = None) -> list[tuple[int, str, Any, Any]]:
+def compare_metrics(original: "pd.DataFrame", replayed: "pd.DataFrame", until: int | None = None) -> list[Mismatch]:
     """Every (step, metric, original, replayed) that differs, in step order; [] when the learning metrics agree.
 
     Both are DataFrames as read from metrics.csv. A step present in one and not the
@@ -96,7 +109,7 @@ def compare_metrics(original, replayed, until: int | None = None) -> list[tuple[
     steps = sorted(set(a) | set(b))
     if until is not None:
         steps = [s for s in steps if s <= until]
-    out = []
+    out: list[Mismatch] = []
     for s in steps:
         if s not in a or s not in b:
             out.append((s, "step", s in a, s in b))
@@ -116,8 +129,8 @@ class ReplayReport:
     replay_dir: Path
     steps: int
     deterministic: bool
-    mismatches: list[tuple[int, str, Any, Any]] = field(default_factory=list)
-    changes_applied: list[dict] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    changes_applied: list[Event] = field(default_factory=list)
     nondeterministic_reason: str | None = None
     notes: list[str] = field(default_factory=list)
     """What was overridden or may differ: allowed mismatches (``allow_mismatch``), another forgelab commit."""
@@ -127,20 +140,20 @@ class ReplayReport:
         return not self.mismatches
 
     @property
-    def first_mismatch(self) -> tuple[int, str, Any, Any] | None:
+    def first_mismatch(self) -> Mismatch | None:
         return self.mismatches[0] if self.mismatches else None
 
     def __str__(self) -> str:
         head = f"replay of {self.original_dir} ({self.steps} steps, {len(self.changes_applied)} changes re-applied) -> {self.replay_dir}: "
-        if self.ok:
+        if not self.mismatches:
             return head + "learning metrics identical at every step"
-        s, m, a, b = self.first_mismatch
+        s, m, a, b = self.mismatches[0]
         note = "" if self.deterministic else (f" (the run is not deterministic: {self.nondeterministic_reason}; "
                                               "no exact match is expected)")
         return head + f"{len(self.mismatches)} differences; first at step {s}, metric {m!r}: original {a!r}, replay {b!r}{note}"
 
 
-def events_since_restore(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def events_since_restore(events: list[Event]) -> list[Event]:
     """The events a replay re-applies: those after the last ``resumed_from_checkpoint`` (what came before it is
     in the checkpoint's state), or all of them for a run that started from its config."""
     last = max((i for i, e in enumerate(events) if e["kind"] == "resumed_from_checkpoint"), default=-1)
@@ -154,34 +167,36 @@ class Replayer:
     or whose pickle does not match its recorded hash is refused at once (`forgelab.controller.function_code`).
     """
 
-    def __init__(self, events: list[dict[str, Any]], *, trusted: bool = False):
+    def __init__(self, events: list[Event], *, trusted: bool = False):
         events = events_since_restore(events)
         forked = [e for e in events if e["kind"] == "forked_from"]
         #: a fork's lr override (the trainer's set_lr after the restore: no event of its own)
-        self.lr = (forked[-1].get("overrides") or {}).get("lr") if forked else None
+        self.lr: float | None = _lr(_fields(forked[-1].get("overrides") or {}).get("lr")) if forked else None
         self.loss_changes = [e for e in events if e["kind"] == "loss_swapped"]
         effective = [e for e in events if e["kind"] == "reward_effective"]
-        self.reward_changes = []
+        self.reward_changes: list[Event] = []
         for e in events:
             if e["kind"] in REWARD_CHANGES:
                 rev = e.get("rev")
-                at = next((x["first_episode"] for x in effective if rev is not None and x["rev"] >= rev), None)
+                at = next((x["first_episode"] for x in effective if rev is not None and _int(x["rev"]) >= _int(rev)),
+                          None)
                 self.reward_changes.append({**e, "first_episode": at})
-        self.applied: list[dict] = []
+        self.applied: list[Event] = []
         self.run: RunFacade | None = None  # the run it re-applies the changes to (`bind`)
-        self.functions: dict[int, Any] = {}  # id(event) -> the function it records
+        self.losses: dict[int, str | LossFn] = {}  # id(loss event) -> the loss it records (a built-in by name)
+        self.rewards: dict[int, RewardFn] = {}  # id(reward_added event) -> the function it records
         for e in self.loss_changes:
-            self.functions[id(e)] = (e["loss"] if (e.get("code") or {}).get("builtin") else
-                                     restore_fn(e["code"], what=f"loss {e['loss']!r}", trusted=trusted))
+            self.losses[id(e)] = (str(e["loss"]) if _fields(e.get("code") or {}).get("builtin") else
+                                  restore_fn(_fields(e["code"]), what=f"loss {e['loss']!r}", trusted=trusted))
         for e in self.reward_changes:
             if e["kind"] == "reward_added":
-                self.functions[id(e)] = restore_fn(e["code"], _reward_registry(), what=f"reward {e['name']!r}",
-                                                   trusted=trusted)
+                self.rewards[id(e)] = restore_fn(_fields(e["code"]), _reward_registry(), what=f"reward {e['name']!r}",
+                                                 trusted=trusted)
 
-    def code_records(self) -> list[tuple[str, dict | None]]:
+    def code_records(self) -> list[tuple[str, dict[str, object] | None]]:
         """(label, code record) of every function this replay re-applies (`provenance.check_replay` input)."""
-        return ([(f"loss {e['loss']!r}", e.get("code")) for e in self.loss_changes]
-                + [(f"reward {e['name']!r}", e.get("code")) for e in self.reward_changes if e["kind"] == "reward_added"])
+        return ([(f"loss {e['loss']!r}", _code(e)) for e in self.loss_changes]
+                + [(f"reward {e['name']!r}", _code(e)) for e in self.reward_changes if e["kind"] == "reward_added"])
 
     def bind(self, run: RunFacade) -> None:
         """The run whose public commands re-apply the changes (`Run.attach_replayer` calls this)."""
@@ -196,39 +211,74 @@ class Replayer:
         """Before the trainer runs `step`: a fork's lr override (first), then every loss recorded to apply at `step`."""
         run = self._bound()
         if self.lr is not None and not any(e.get("kind") == "lr_set" for e in self.applied):
-            await run.trainer.call("set_lr", float(self.lr))
+            if run.trainer is None:
+                raise RuntimeError("Replayer: the run has no trainer (its processes are down)")
+            await run.trainer.set_lr(float(self.lr))
             self.applied.append({"kind": "lr_set", "lr": float(self.lr), "step": step})
         for e in self.loss_changes:
             if e["applies_at_step"] == step and e not in self.applied:
                 # not in flight here, so it applies at `step`, exactly as recorded
-                await run.set_loss(self.functions[id(e)], **(e.get("kwargs") or {}))
+                await run.set_loss(self.losses[id(e)], **_fields(e.get("kwargs") or {}))
                 self.applied.append(e)
 
     def before_scoring(self, first_episode: int) -> None:
         """Before the rollout whose first episode is `first_episode` is scored: apply the reward changes due."""
         run = self._bound()
         for e in self.reward_changes:
-            if e["first_episode"] is None or e["first_episode"] > first_episode or e in self.applied:
+            if e["first_episode"] is None or _int(e["first_episode"]) > first_episode or e in self.applied:
                 continue
             if e["kind"] == "reward_weights":
-                run.set_reward_weights(e["new"])
+                run.set_reward_weights(cast("dict[str, float]", _fields(e["new"])))  # checked: a dict
             elif e["kind"] == "reward_added":
-                run.add_reward(e["name"], self.functions[id(e)], e["weight"], replace=e.get("replace", False))
+                run.add_reward(str(e["name"]), self.rewards[id(e)], _number(e["weight"]),
+                               replace=bool(e.get("replace", False)))
             elif e["kind"] == "reward_removed":
-                run.remove_reward(e["name"])
+                run.remove_reward(str(e["name"]))
             elif e["kind"] == "distill_coef":
-                run.set_distill_coef(e["new"])
+                run.set_distill_coef(_number(e["new"]))
             self.applied.append(e)
 
 
-def _reward_registry():
+# --- reading recorded fields (JSON from the event log; a field of another type is a corrupt log) ----------------
+
+
+def _fields(value: object) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise ValueError(f"replay: expected a dict in the event log, got {type(value).__name__}: {value!r}")
+    return value
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int):
+        raise ValueError(f"replay: expected an integer in the event log, got {type(value).__name__}: {value!r}")
+    return value
+
+
+def _number(value: object) -> float:
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"replay: expected a number in the event log, got {type(value).__name__}: {value!r}")
+    return value  # an int stays an int (the call records it as it was recorded)
+
+
+def _lr(value: object) -> float | None:
+    return None if value is None else float(_number(value))
+
+
+def _code(e: Event) -> dict[str, object] | None:
+    """An event's code record (`forgelab.controller.function_code.fn_record`), or None where it has none."""
+    code = e.get("code")
+    return None if code is None else _fields(code)
+
+
+def _reward_registry() -> "Mapping[str, RewardFn]":
     from forgelab.rewards.library import REWARDS
 
     return REWARDS
 
 
 async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str | Path | None = None,
-                 name: str | None = None, spawn: Any = None, run_cls: Any = None, trusted: bool = False,
+                 name: str | None = None, spawn: SpawnParts | None = None, run_cls: "RunClass | None" = None,
+                 trusted: bool = False,
                  allow_mismatch: bool = False) -> ReplayReport:
     """Re-run `run_dir` from its manifest (and ``resume_from`` checkpoint) with its recorded changes; compare the
     learning metrics step by step.
@@ -271,15 +321,17 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
                         manifest.get("nondeterministic_reason"), notes)
 
 
-def _check_before_running(run_dir: Path, manifest: dict, trusted: bool, allow_mismatch: bool):
+def _check_before_running(run_dir: Path, manifest: dict[str, object], trusted: bool,
+                          allow_mismatch: bool) -> tuple[Path | None, Replayer, list[str]]:
     """``(checkpoint or None, Replayer, notes)``; raises before anything spawns when the replay may not run."""
     from forgelab.controller.checkpoint import code_records, resolve
     from forgelab.controller.provenance import check_replay, git_state
 
-    ckpt = None
-    if manifest.get("resume_from"):
+    ckpt: Path | None = None
+    resume_from = manifest.get("resume_from")
+    if resume_from:
         try:
-            ckpt = resolve(manifest["resume_from"])
+            ckpt = resolve(str(resume_from))
         except FileNotFoundError as e:
             raise FileNotFoundError(f"replay of {run_dir}: it started from checkpoint {manifest['resume_from']} "
                                     f"(manifest.resume_from), which is gone: {e}") from None
@@ -295,7 +347,8 @@ def _check_before_running(run_dir: Path, manifest: dict, trusted: bool, allow_mi
                             + "\nInstall the recorded versions, or pass allow_mismatch=True (CLI: --allow-mismatch) "
                             "to replay anyway (its metrics may then differ).")
     notes = [f"allowed mismatch: {p}" for p in problems]
-    recorded = ((manifest.get("forgelab") or {}).get("git") or {}).get("commit")
+    commit = _fields(_fields(manifest.get("forgelab") or {}).get("git") or {}).get("commit")
+    recorded = None if commit is None else str(commit)
     here = (git_state() or {}).get("commit")
     if recorded and here and recorded != here:
         notes.append(f"forgelab commit {here[:12]} here, {recorded[:12]} when recorded")

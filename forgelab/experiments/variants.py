@@ -29,8 +29,19 @@ import asyncio
 import copy
 import itertools
 import time
-from typing import Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from forgelab.controller.facade import RunFacade
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RunConfig
+    from forgelab.engines.generator_service import GeneratorService
+    from forgelab.engines.shared_parts import SlotParts
+    from forgelab.engines.spawn import Parts
+    from forgelab.engines.trainer_client import TrainerClient
+    from forgelab.experiments.fork import ForkOverrides
 
 __all__ = ["SharedEngines"]
 
@@ -46,7 +57,7 @@ class SharedEngines:
         slots: how many runs can be attached at once.
     """
 
-    def __init__(self, config: Any, *, slots: int = 4):
+    def __init__(self, config: "RunConfig | dict[str, object] | str | Path", *, slots: int = 4):
         from forgelab.config.run_config import RunConfig
 
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
@@ -57,20 +68,22 @@ class SharedEngines:
         self.config = self._shared_config(cfg.validate())
         self._check(self.config)
         self.name = f"engines{next(_ids)}"
-        self.parts: Any = None
-        self.attached: dict[str, Any] = {}  # slot -> SlotParts
+        self.parts: Parts | None = None
+        self.attached: dict[str, SlotParts | None] = {}  # slot -> SlotParts (None: reserved)
         self.run_names: dict[str, str] = {}  # slot -> the attached run's name
         self.spawn_s = 0.0
         self.last_note = ""
-        self.watched: list[Any] = []
+        self.watched: list[RunFacade] = []
         self._lock = asyncio.Lock()
 
-    def _shared_config(self, cfg: Any) -> Any:
+    def _shared_config(self, cfg: "RunConfig") -> "RunConfig":
         cfg = copy.deepcopy(cfg)
-        cfg.generator.max_loras = max(int(cfg.generator.max_loras), 2 * self.slots)
+        # the generator section's class is derived at run time (forgelab/config/sections.py): read by name
+        gen = cfg.generator
+        setattr(gen, "max_loras", max(int(getattr(gen, "max_loras")), 2 * self.slots))
         return cfg
 
-    def _check(self, cfg: Any) -> None:
+    def _check(self, cfg: "RunConfig") -> None:
         who = f"run {cfg.name!r}"
         if not cfg.lora.enabled:
             raise ValueError(f"{who} is a full-parameter run (lora.enabled false): shared engines hold LoRA runs "
@@ -100,11 +113,13 @@ class SharedEngines:
 
         cfg, p = self.config, self.config.placement
         cc = component_configs(cfg)
-        common = dict(threads=p.threads, with_gpus=p.with_gpus)
-        jobs = [SlotGenerator.options(num_replicas=p.generator_replicas, **common).as_service(cc["generator"]),
-                SlotTrainer.options(procs=p.trainer_procs, **common).as_actor(cc["trainer"])]
+        threads, gpus = p.threads, p.with_gpus
+        jobs = [SlotGenerator.options(num_replicas=p.generator_replicas, threads=threads, with_gpus=gpus)
+                .as_service(cc["generator"]),
+                SlotTrainer.options(procs=p.trainer_procs, threads=threads, with_gpus=gpus).as_actor(cc["trainer"])]
         if reference_process(cfg):
-            jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, **common).as_service(cc["reference"]))
+            jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, threads=threads, with_gpus=gpus)
+                        .as_service(cc["reference"]))
         t0 = time.time()
         results = await start_all(jobs)
         self.spawn_s = time.time() - t0
@@ -113,9 +128,11 @@ class SharedEngines:
         self.parts.generators.on_respawn = self._respawned
         self.key = engine_key(cfg)
 
-    async def _respawned(self, handle: Any) -> None:
+    async def _respawned(self, handle: object) -> None:
         """A generator replica came back empty: every attached run pushes its adapter to it (its catch_up)."""
         for parts in list(self.attached.values()):
+            if parts is None:  # a slot reserved for a fork's child: no run, no adapter pushed yet
+                continue
             hook = parts.generators.on_respawn
             if hook is not None:
                 await hook(handle)
@@ -124,17 +141,26 @@ class SharedEngines:
     def free_slots(self) -> list[str]:
         return [s for s in (f"slot{i}" for i in range(self.slots)) if s not in self.attached]
 
-    async def __call__(self, cfg: Any) -> Any:
+    async def __call__(self, cfg: "RunConfig") -> "SlotParts":
         return await self.attach(cfg)
 
-    async def copy_slot(self, src: str) -> Any:
+    def _processes(self) -> "tuple[TrainerClient, GeneratorService]":
+        """The shared trainer (typed calls) and generator service; raises when the processes are down."""
+        from forgelab.engines.trainer_client import TrainerClient
+
+        if self.parts is None:
+            raise RuntimeError(f"{self.name}: its processes are not running (await engines.start())")
+        return TrainerClient(self.parts.trainer), self.parts.generators
+
+    async def copy_slot(self, src: str) -> "ReservedSlot":
         """Reserve a free slot holding an exact copy of slot ``src``'s trainer state (adapter, optimizer,
         schedule, loss, step, version: in memory); returns the ``spawn`` a fork's child attaches with
         (`forgelab.experiments.fork`)."""
         slot = await self._reserve()
         try:
-            await self.parts.generators.drop_slot(slot)
-            await self.parts.trainer.call("slot_copy", src, slot)
+            trainer, generators = self._processes()
+            await generators.drop_slot(slot)
+            await trainer.slot_copy(src, slot)
         except BaseException:
             self.attached.pop(slot, None)
             raise
@@ -145,7 +171,7 @@ class SharedEngines:
         if slot not in self.attached or self.attached[slot] is not None:
             return False
         try:
-            await self.parts.trainer.call("slot_free", slot)
+            await self._processes()[0].slot_free(slot)
         finally:
             self.attached.pop(slot, None)
         return True
@@ -160,7 +186,7 @@ class SharedEngines:
             self.attached[free[0]] = None  # reserved
             return free[0]
 
-    async def attach(self, cfg: Any, reserved: str | None = None) -> Any:
+    async def attach(self, cfg: "RunConfig", reserved: str | None = None) -> "SlotParts":
         """A run's parts on these engines (`SlotParts`): a free slot with fresh adapters and `cfg`'s trainer
         settings (loss, lr, schedule), or the ``reserved`` slot `copy_slot` filled. Refuses a config that
         cannot share the engines, naming why."""
@@ -188,11 +214,14 @@ class SharedEngines:
         else:
             slot = await self._reserve()
             try:
-                await self.parts.generators.drop_slot(slot)  # nothing left from a detached run
-                await self.parts.trainer.call("slot_new", slot, component_configs(cfg)["trainer"])
+                trainer, generators = self._processes()
+                await generators.drop_slot(slot)  # nothing left from a detached run
+                await trainer.slot_new(slot, component_configs(cfg)["trainer"])
             except BaseException:
                 self.attached.pop(slot, None)
                 raise
+        if self.parts is None:
+            raise RuntimeError(f"{self.name}: its processes stopped while {cfg.name!r} attached")
         parts = SlotParts(generators=SlotGenerators(self.parts.generators, slot),
                           trainer=SlotTrainerHandle(self.parts.trainer, slot), reference=self.parts.reference,
                           seconds=time.time() - t0, pool=self, slot=slot)
@@ -200,22 +229,26 @@ class SharedEngines:
         self.last_note = f"{cfg.name} attached to {slot} in {parts.seconds:.2f} s"
         return parts
 
-    async def detach(self, target: Any) -> None:
+    async def detach(self, target: "RunFacade | SlotParts | str") -> None:
         """Free a slot: ``target`` is an attached `Run` (stopped and shut down: its `shutdown` detaches it), its
         `SlotParts`, or a slot name. The processes and the other runs go on."""
-        if hasattr(target, "shutdown") and hasattr(target, "config"):
+        from forgelab.engines.shared_parts import SlotParts
+
+        if not isinstance(target, str) and hasattr(target, "shutdown") and hasattr(target, "config"):
             await target.shutdown()
             return
-        parts = self.attached.get(target) if isinstance(target, str) else target
-        slot = getattr(parts, "slot", None)
-        if parts is None or self.attached.get(slot) is not parts:
+        parts = (self.attached.get(target) if isinstance(target, str) else
+                 target if isinstance(target, SlotParts) else None)
+        if parts is None or self.attached.get(parts.slot) is not parts:
             return  # detached already (the slot may hold another run now)
+        slot = parts.slot
         parts.generators.detach()
         self.attached[slot] = None  # still reserved while the processes forget it
         try:
             if self.parts is not None:
-                await self.parts.trainer.call("slot_free", slot)
-                await self.parts.generators.drop_slot(slot)
+                trainer, generators = self._processes()
+                await trainer.slot_free(slot)
+                await generators.drop_slot(slot)
         finally:
             self.attached.pop(slot, None)
             self.last_note = f"{self.run_names.pop(slot, '?')} detached from {slot}"
@@ -225,23 +258,25 @@ class SharedEngines:
         between): a variant whose reward raises would otherwise keep the shared generator busy for nothing.
         `sweep` watches the parent and every child; ``run.resume()`` after fixing the reward."""
         limit = rollouts * run.config.rollout.prompts_per_rollout * run.config.rollout.group_size
-        failed = {"n": 0, "reason": ""}
+        failed, reason = 0, ""  # reward failures in a row, the last one's reason
 
-        def listener(msg: dict) -> None:
+        def listener(msg: dict[str, object]) -> None:
+            nonlocal failed, reason
             ev = msg.get("event")
             if ev is None:
-                failed["n"] = 0 if "step" in msg else failed["n"]  # a metrics row: a step trained
-            elif ev.get("kind") == "reward_error":
-                failed["n"], failed["reason"] = failed["n"] + 1, str(ev.get("reason", ""))
-                if failed["n"] >= limit and run.state == "running":
-                    run.pause(f"paused by {self.name}: the last {failed['n']} episodes all failed their reward "
-                              f"({failed['reason']}; see run.reward_failures); the other runs on these engines go "
+                failed = 0 if "step" in msg else failed  # a metrics row: a step trained
+            elif isinstance(ev, dict) and ev.get("kind") == "reward_error":
+                failed, reason = failed + 1, str(ev.get("reason", ""))
+                if failed >= limit and run.state == "running":
+                    run.pause(f"paused by {self.name}: the last {failed} episodes all failed their reward "
+                              f"({reason}; see run.reward_failures); the other runs on these engines go "
                               "on. Fix the reward (run.add_reward(name, fn, replace=True)), then run.resume()")
-                    failed["n"] = 0
+                    failed = 0
 
         run.add_listener(listener)
 
-    async def sweep(self, parent: Any, variants: dict[str, dict], *, start: bool = True) -> dict[str, Any]:
+    async def sweep(self, parent: RunFacade, variants: "Mapping[str, ForkOverrides]", *,
+                    start: bool = True) -> dict[str, RunFacade]:
         """Fork ``parent`` (a run on these engines) into one slot per entry of ``variants`` ({name: overrides},
         overrides as for `Run.fork`), all from the same parent state; ``{name: child Run}``, started."""
         from forgelab.experiments.fork import fork
@@ -256,13 +291,13 @@ class SharedEngines:
         if parent not in self.watched:
             self.watched.append(parent)
             self.watch(parent)
-        children: dict[str, Any] = {}
+        children: dict[str, RunFacade] = {}
         try:
             # the parent stays paused: every child starts at its step; the children start together at the end
             # (a fork's trainer calls would otherwise wait behind the steps of the children started before it)
             for name, overrides in variants.items():
                 children[name] = child = await fork(parent, name=name, pause_parent=True, start=False, pool=self,
-                                                    **dict(overrides))
+                                                    **overrides)
                 self.watch(child)
             if start:
                 await asyncio.gather(*(c.start() for c in children.values()))
@@ -275,23 +310,24 @@ class SharedEngines:
         return children
 
     # ------------------------------------------------------------------ views
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[dict[str, object]]:
         """One row per slot: the run in it (or free) and its state, step and version."""
-        rows = []
+        rows: list[dict[str, object]] = []
         for i in range(self.slots):
             slot = f"slot{i}"
+            parts = self.attached.get(slot)
             rows.append({"engines": self.name, "slot": slot, "run": self.run_names.get(slot),
-                         "versions": dict(getattr(self.attached.get(slot), "generators", None).versions)
-                         if self.attached.get(slot) is not None else {}})
+                         "versions": dict(parts.generators.versions) if parts is not None else {}})
         return rows
 
-    def line(self, parts: Any = None) -> str:
+    def line(self, parts: "Parts | None" = None) -> str:
         """One line for the services panel: which runs use which slots."""
         used = ", ".join(f"{s}: {n}" for s, n in sorted(self.run_names.items())) or "none"
-        here = f"this run in {parts.slot}; " if parts is not None and getattr(parts, "slot", "") else ""
+        slot: str = getattr(parts, "slot", "") if parts is not None else ""
+        here = f"this run in {slot}; " if slot else ""
         return f"shared engines {self.name}: {here}{len(self.run_names)}/{self.slots} slots used ({used})"
 
-    def provenance(self, slot: str) -> dict[str, Any]:
+    def provenance(self, slot: str) -> dict[str, object]:
         """What a variant's manifest records of the engines it ran on."""
         return {"engines": self.name, "slot": slot, "slots": self.slots,
                 "runs_attached": dict(sorted(self.run_names.items())),
@@ -299,10 +335,11 @@ class SharedEngines:
                           "float results may depend on the batch it was generated in, so a replay of this run "
                           "alone may draw other samples; replay the whole sweep for an exact rerun"}
 
-    async def slot_stats(self) -> dict[str, Any]:
+    async def slot_stats(self) -> dict[str, object]:
         """The trainer's slot table (slots, active, swaps and their time) and the generator's adapters per slot."""
-        t = (await self.parts.trainer.call("slot_stats"))[0]
-        g = await self.parts.generators.slot_status()
+        trainer, generators = self._processes()
+        t = await trainer.slot_stats()
+        g = await generators.slot_status()
         return {"trainer": t, "generators": g}
 
     async def shutdown(self) -> None:
@@ -312,8 +349,8 @@ class SharedEngines:
             if parts is not None:
                 await self.detach(parts)
         if self.parts is not None:
-            parts, self.parts = self.parts, None
-            await parts.shutdown()
+            processes, self.parts = self.parts, None
+            await processes.shutdown()
 
     def __repr__(self) -> str:
         state = "up" if self.parts else "not started"
@@ -328,7 +365,7 @@ class ReservedSlot:
     def __init__(self, engines: SharedEngines, slot: str):
         self.engines, self.slot = engines, slot
 
-    async def __call__(self, cfg: Any) -> Any:
+    async def __call__(self, cfg: "RunConfig") -> "SlotParts":
         return await self.engines.attach(cfg, reserved=self.slot)
 
     async def release(self) -> bool:
@@ -338,7 +375,7 @@ class ReservedSlot:
         return f"<ReservedSlot {self.slot} of {self.engines.name}>"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[SharedEngines]:
     if name == "Engines":  # the old name read as the package forgelab.engines (issue #38); goes next release
         import warnings
 

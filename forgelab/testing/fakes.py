@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable, cast
 import torch
 
 from forgelab.engines.loss_specs import LossSpec
-from forgelab.engines.trainer_client import Fingerprint, TrainerAPI, TrainerInfo
+from forgelab.engines.trainer_client import Fingerprint, LossComparison, TrainerAPI, TrainerInfo
 from forgelab.generation import CompletionGroups, EngineStats, EnvGroupsRequest, EpisodeGroups, GenerateRequest
 from forgelab.runtime.replicas import NoHealthyReplicaError, ReplicaStatus, ServiceEvent
 from forgelab.types import (
@@ -279,6 +279,13 @@ class FakeTrainer(TrainerAPI):
 
     async def token_values(self) -> TokenValues | None:
         return None  # the fake computes no logprobs: no per-token view
+
+    async def set_lr(self, lr: float) -> float:
+        self.lr = float(lr)  # the fake has no schedule: the peak is the lr
+        return self.lr
+
+    async def compare_losses(self, specs: Sequence[object], batch: TrainBatch) -> LossComparison:
+        raise NotImplementedError("FakeTrainer computes no gradients: compare_losses needs a real trainer")
 
     async def fingerprint(self) -> list[Fingerprint]:
         # the fake's own format since 893000f ({"steps": N}): run directories written by it still compare equal
