@@ -59,11 +59,15 @@ TITAN_MODULE = {
 
 
 class AdapterShape(TypedDict):
-    """The fields of a LoRA checkpoint's adapter config that must match the trainer's (it holds all of
-    `LoraConfig`'s fields)."""
+    """A LoRA checkpoint's adapter config: every field of `LoraConfig` (``asdict``); rank and targets must match
+    the trainer's."""
 
+    enabled: bool
     rank: int
-    targets: Sequence[str]
+    alpha: float
+    dropout: float
+    targets: list[str]
+    reference: str
 
 
 class LoraRecord(TypedDict):
@@ -323,7 +327,7 @@ def checkpoint_record(lora: LoraConfig, model_dir: str) -> LoraRecord:
     """Saved with a LoRA checkpoint: the adapters' config and the base they sit on (path, sha256 of its files)."""
     from dataclasses import asdict
 
-    config = cast(AdapterShape, asdict(lora))  # every field of the LoraConfig (rank: int, targets among them)
+    config = cast(AdapterShape, asdict(lora))  # every field of the LoraConfig, as AdapterShape lists them
     return {"config": config, "base_path": os.path.abspath(model_dir), "base_sha256": base_hash(model_dir)}
 
 
