@@ -32,6 +32,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 GiB = 1024**3
@@ -67,7 +68,7 @@ class ModelShape:
     qk_norm: bool
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelShape":
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelShape":
         heads = int(hf["num_attention_heads"])
         return cls(vocab=int(hf["vocab_size"]), dim=int(hf["hidden_size"]), layers=int(hf["num_hidden_layers"]),
                    heads=heads, kv_heads=int(hf.get("num_key_value_heads") or heads),

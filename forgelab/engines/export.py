@@ -13,12 +13,27 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
+
+if TYPE_CHECKING:
+    from forgelab.engines.lora_adapters import LoraRecord
 
 __all__ = ["trainer_checkpoint", "export_checkpoint"]
 
 
-def trainer_checkpoint(path: str | os.PathLike) -> Path:
+class ExportSummary(TypedDict):
+    """What `export_checkpoint` wrote."""
+
+    kind: str
+    """``"adapter"``, ``"merged"`` or ``"model"``."""
+    out: str
+    checkpoint: str
+    step: int | None
+    base: str
+    parameters: int
+
+
+def trainer_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The trainer checkpoint (DCP directory) under a run directory, a checkpoint directory or itself."""
     p = Path(path)
     if (p / "checkpoints" / "LATEST").is_file():
@@ -34,26 +49,27 @@ def trainer_checkpoint(path: str | os.PathLike) -> Path:
     return p
 
 
-def _model_path(trainer_dir: Path, extra: dict) -> str:
-    if extra.get("lora"):
-        return extra["lora"]["base_path"]
+def _model_path(trainer_dir: Path, lora: LoraRecord | None) -> str:
+    if lora:
+        return lora["base_path"]
     import json
 
     for up in (trainer_dir.parent.parent.parent, trainer_dir.parent.parent):  # RUN/checkpoints/step_N/trainer
         manifest = up / "manifest.json"
         if manifest.is_file():
-            return json.loads(manifest.read_text())["config"]["model"]["path"]
+            return str(json.loads(manifest.read_text())["config"]["model"]["path"])
     raise FileNotFoundError(f"{trainer_dir}: a full-weights checkpoint outside a run directory names no model "
                             "(no manifest.json above it); export it from its run directory")
 
 
-def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = None, *, merge: bool = False) -> dict[str, Any]:
+def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *,
+                      merge: bool = False) -> ExportSummary:
     """Write a checkpoint's adapter (PEFT) or, with ``merge`` or for a full run, its HF model; returns a summary.
 
     ``out`` defaults to ``<checkpoint>/../../export/{adapter,merged,model}`` (next to the run's checkpoints).
     """
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from forgelab.engines.lora_adapters import adapter_config, adapter_state_dict, add_adapters, base_hash, merged_hf_state_dict, peft_tensors
     from forgelab.engines.titan import build_from_hf, save_hf, to_hf_state_dict
@@ -61,9 +77,12 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
 
     trainer_dir = trainer_checkpoint(path)
     with open(trainer_dir / "trainer_rank0.pkl", "rb") as f:
-        extra = pickle.load(f)
-    lora = extra.get("lora")
-    model_dir = _model_path(trainer_dir, extra)
+        extra: object = pickle.load(f)
+    if not isinstance(extra, dict):
+        raise ValueError(f"{trainer_dir}: trainer_rank0.pkl holds a {type(extra).__name__}, not a trainer record")
+    lora = cast("LoraRecord | None", extra.get("lora"))  # `checkpoint_record`'s dict; None for full weights
+    step = cast("int | None", extra.get("step"))
+    model_dir = _model_path(trainer_dir, lora)
     kind = "merged" if lora and merge else ("adapter" if lora else "model")
     out = Path(out) if out else trainer_dir.parent.parent.parent / "export" / kind
     model, ckpt = build_from_hf(model_dir)
@@ -78,7 +97,7 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
         state = {"model": adapter_state_dict(model)}
     else:
         state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(trainer_dir))  # in place; single process, no process group needed
+    dcp_load(state, checkpoint_id=str(trainer_dir))  # in place; single process, no process group needed
     if not lora:
         # in place into the state dict's tensors, which are not all the model's: the fused QKV module's
         # state dict splits its `wqkv` into new wq/wk/wv tensors (a save hook), so they reach the model only
@@ -94,5 +113,5 @@ def export_checkpoint(path: str | os.PathLike, out: str | os.PathLike | None = N
             sd = merged_hf_state_dict(model, ckpt, cfg) if lora else to_hf_state_dict(model, ckpt)
             save_hf(str(out), sd, ckpt)
             n = sum(t.numel() for t in sd.values())
-    return {"kind": kind, "out": str(out), "checkpoint": str(trainer_dir), "step": extra.get("step"),
+    return {"kind": kind, "out": str(out), "checkpoint": str(trainer_dir), "step": step,
             "base": model_dir, "parameters": int(n)}

@@ -30,14 +30,19 @@ import hashlib
 import math
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forgelab.config.components import check_lora_targets
+from forgelab.config.components import LoraConfig, check_lora_targets
 from forgelab.weights.adapter import HF_TARGETS, peft_config, peft_name
+
+if TYPE_CHECKING:
+    from forgelab.engines.titan import TitanCheckpoint
 
 __all__ = ["TITAN_MODULE", "LoRAAdapter", "check_targets", "add_adapters", "adapters", "adapters_disabled",
            "dropout_seed", "is_adapter_key", "adapter_state_dict", "peft_tensors", "adapter_config", "base_hash",
@@ -53,7 +58,27 @@ TITAN_MODULE = {
 }
 
 
-def check_targets(targets: Any, where: str = "lora.targets") -> tuple[str, ...]:
+class AdapterShape(TypedDict):
+    """A LoRA checkpoint's adapter config: every field of `LoraConfig` (``asdict``); rank and targets must match
+    the trainer's."""
+
+    enabled: bool
+    rank: int
+    alpha: float
+    dropout: float
+    targets: list[str]
+    reference: str
+
+
+class LoraRecord(TypedDict):
+    """What a LoRA checkpoint records of its adapters and base (`checkpoint_record`)."""
+
+    config: AdapterShape
+    base_path: str
+    base_sha256: str
+
+
+def check_targets(targets: object, where: str = "lora.targets") -> tuple[str, ...]:
     """The targets as a tuple, or ValueError naming the bad one (`forgelab.config.components.check_lora_targets`)."""
     return check_lora_targets(targets, where)
 
@@ -68,6 +93,9 @@ class LoRAAdapter(nn.Module):
         dropout: probability of zeroing an input element (only while ``dropout_seed`` is set).
         fused: ``(n_kv_heads, heads_per_kv, head_dim)`` when the layer is torchtitan's fused qkv.
     """
+
+    layer: int
+    """The decoder layer it sits in (set by `add_adapters`)."""
 
     def __init__(self, in_features: int, outs: dict[str, int], *, rank: int, alpha: float, dropout: float = 0.0,
                  fused: tuple[int, int, int] | None = None):
@@ -96,12 +124,13 @@ class LoRAAdapter(nn.Module):
         return torch.cat(blocks, dim=-2).reshape(*lead, n_kv * (hpk + 2) * hd)  # torchtitan's fused row layout
 
 
-def _hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+def _hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
     lora = module.lora
+    assert isinstance(lora, LoRAAdapter)  # the hook is registered only beside its adapter (add_adapters)
     return out + lora.delta(args[0]) if lora.enabled else out
 
 
-def _attention_shape(ckpt: Any) -> tuple[int, int, int]:
+def _attention_shape(ckpt: TitanCheckpoint) -> tuple[int, int, int]:
     hf = ckpt.hf_config
     n_heads = int(hf["num_attention_heads"])
     n_kv = int(hf.get("num_key_value_heads") or n_heads)
@@ -109,7 +138,7 @@ def _attention_shape(ckpt: Any) -> tuple[int, int, int]:
     return n_heads, n_kv, head_dim
 
 
-def add_adapters(model: nn.Module, ckpt: Any, lora: Any, *, seed: int = 0) -> int:
+def add_adapters(model: nn.Module, ckpt: TitanCheckpoint, lora: LoraConfig, *, seed: int = 0) -> int:
     """Add LoRA adapters for ``lora.targets`` to every decoder layer and freeze everything else.
 
     ``lora``: rank, alpha, dropout, targets (HF names, `check_targets`). Call before FSDP sharding;
@@ -121,9 +150,13 @@ def add_adapters(model: nn.Module, ckpt: Any, lora: Any, *, seed: int = 0) -> in
         p.requires_grad_(False)
     g = torch.Generator().manual_seed(int(seed) + 0x10FA)
     n = 0
-    layers = model.layers.items() if isinstance(model.layers, nn.ModuleDict) else enumerate(model.layers)
+    blocks = model.layers
+    if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        raise TypeError(f"add_adapters: model.layers is a {type(blocks).__name__}, not a ModuleDict or ModuleList")
+    layers: Iterable[tuple[str | int, nn.Module]] = (
+        blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks))
     for layer_id, layer in layers:
-        by_module: dict[str, dict[str, int]] = {}
+        by_module: dict[str, dict[str, int | None]] = {}
         for t in HF_TARGETS:  # fixed order: the same init draws whatever the order of lora.targets
             if t in targets:
                 path, part = TITAN_MODULE[t]
@@ -131,21 +164,30 @@ def add_adapters(model: nn.Module, ckpt: Any, lora: Any, *, seed: int = 0) -> in
                 by_module.setdefault(path, {})[t] = out
         for path, outs in by_module.items():
             linear = layer.get_submodule(path)
+            in_features, out_features = _features(linear)
             fused = (n_kv, n_heads // n_kv, hd) if path.endswith("wqkv") else None
-            outs = {t: (o if o is not None else linear.out_features) for t, o in outs.items()}
-            adapter = LoRAAdapter(linear.in_features, outs, rank=int(lora.rank), alpha=float(lora.alpha),
+            sizes = {t: (o if o is not None else out_features) for t, o in outs.items()}
+            adapter = LoRAAdapter(in_features, sizes, rank=int(lora.rank), alpha=float(lora.alpha),
                                   dropout=float(lora.dropout), fused=fused)
             adapter.layer = int(layer_id)
             for t in adapter.A:  # PEFT's init of A: kaiming-uniform with a = sqrt(5)
-                bound = 1.0 / math.sqrt(linear.in_features)  # = gain * sqrt(3 / fan_in) for a = sqrt(5)
+                bound = 1.0 / math.sqrt(in_features)  # = gain * sqrt(3 / fan_in) for a = sqrt(5)
                 with torch.no_grad():
                     adapter.A[t].copy_(torch.rand(adapter.A[t].shape, generator=g) * 2 * bound - bound)
             weight = linear.weight
+            assert isinstance(weight, torch.Tensor)
             adapter.to(device=weight.device, dtype=weight.dtype)
             linear.lora = adapter
             linear.register_forward_hook(_hook)
             n += sum(p.numel() for p in adapter.parameters())
     return n
+
+
+def _features(linear: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a torchtitan linear layer."""
+    in_features, out_features = getattr(linear, "in_features"), getattr(linear, "out_features")
+    assert isinstance(in_features, int) and isinstance(out_features, int), (in_features, out_features)
+    return in_features, out_features
 
 
 def adapters(model: nn.Module) -> list[LoRAAdapter]:
@@ -198,7 +240,7 @@ def _hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).clone()
 
 
-def peft_tensors(model: nn.Module, ckpt: Any) -> dict[str, torch.Tensor]:
+def peft_tensors(model: nn.Module, ckpt: TitanCheckpoint) -> dict[str, torch.Tensor]:
     """Every adapter tensor, full (DTensors gathered: collective under FSDP), PEFT-named, HF row order, CPU."""
     from torch.distributed.tensor import DTensor
 
@@ -216,13 +258,13 @@ def peft_tensors(model: nn.Module, ckpt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def adapter_config(lora: Any, base_model: str | None = None) -> dict[str, Any]:
+def adapter_config(lora: LoraConfig, base_model: str | None = None) -> dict[str, object]:
     """``adapter_config.json`` for ``lora`` (rank, alpha, dropout, targets)."""
     return peft_config(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
                        targets=tuple(lora.targets), base_model=base_model)
 
 
-_HASHES: dict[tuple, str] = {}  # (path, names, sizes, mtimes) -> hex: a trainer saving every few steps hashes once
+_HASHES: dict[tuple[str, tuple[str, ...], tuple[tuple[int, int], ...]], str] = {}  # (path, names, sizes, mtimes) -> hex: a trainer saving every few steps hashes once
 
 
 def base_hash(model_dir: str) -> str:
@@ -242,7 +284,7 @@ def base_hash(model_dir: str) -> str:
     return _HASHES[key]
 
 
-def merged_hf_state_dict(model: nn.Module, ckpt: Any, lora: Any) -> dict[str, torch.Tensor]:
+def merged_hf_state_dict(model: nn.Module, ckpt: TitanCheckpoint, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """The base's HF weights with the adapters merged in (``W + scaling * B @ A``): what ``export --merge``
     writes and what the generator computes with the adapter. Collective under FSDP (gathers every parameter)."""
     from forgelab.engines.titan import full_state_dict, titan_to_hf
@@ -253,7 +295,8 @@ def merged_hf_state_dict(model: nn.Module, ckpt: Any, lora: Any) -> dict[str, to
     return merge_adapter(base, peft_tensors(model, ckpt), float(lora.alpha) / int(lora.rank))
 
 
-def step_dropout(model: nn.Module, lora: Any, seed: int, step: int, rank: int, micro_index: int):
+def step_dropout(model: nn.Module, lora: LoraConfig | None, seed: int, step: int, rank: int, micro_index: int
+                 ) -> AbstractContextManager[None]:
     """Adapter dropout for one micro-batch's training forward passes; a no-op without LoRA dropout.
 
     The mask's seed depends on (seed, step, rank, micro-batch) only: the no-grad pass 1 and the backward
@@ -263,7 +306,7 @@ def step_dropout(model: nn.Module, lora: Any, seed: int, step: int, rank: int, m
     return dropout_seed(model, ((int(seed) * 1_000_003 + step) * 1_009 + rank) * 1_013 + micro_index)
 
 
-def export_adapter(model: nn.Module, ckpt: Any, lora: Any, path: str, *, write: bool = True) -> str:
+def export_adapter(model: nn.Module, ckpt: TitanCheckpoint, lora: LoraConfig | None, path: str, *, write: bool = True) -> str:
     """Write the adapter as a PEFT directory (``write``: this rank writes; every rank gathers). LoRA only."""
     from forgelab.weights.adapter import write_adapter
 
@@ -275,19 +318,20 @@ def export_adapter(model: nn.Module, ckpt: Any, lora: Any, path: str, *, write: 
     return path
 
 
-def checkpoint_model_state(model: nn.Module, lora: Any) -> dict[str, torch.Tensor]:
+def checkpoint_model_state(model: nn.Module, lora: LoraConfig | None) -> dict[str, torch.Tensor]:
     """What a trainer checkpoint holds of the model: every parameter, or with LoRA the adapters only."""
     return model.state_dict() if lora is None else adapter_state_dict(model)
 
 
-def checkpoint_record(lora: Any, model_dir: str) -> dict[str, Any]:
+def checkpoint_record(lora: LoraConfig, model_dir: str) -> LoraRecord:
     """Saved with a LoRA checkpoint: the adapters' config and the base they sit on (path, sha256 of its files)."""
     from dataclasses import asdict
 
-    return {"config": asdict(lora), "base_path": os.path.abspath(model_dir), "base_sha256": base_hash(model_dir)}
+    config = cast(AdapterShape, asdict(lora))  # every field of the LoraConfig, as AdapterShape lists them
+    return {"config": config, "base_path": os.path.abspath(model_dir), "base_sha256": base_hash(model_dir)}
 
 
-def check_checkpoint_record(saved: dict[str, Any] | None, mine: dict[str, Any] | None, path: str) -> None:
+def check_checkpoint_record(saved: LoraRecord | None, mine: LoraRecord | None, path: str) -> None:
     """Refuse a checkpoint whose adapters (or lack of them) or base do not match this trainer's."""
     if (saved is None) != (mine is None):
         has = "LoRA adapters only" if saved is not None else "full weights"
@@ -296,12 +340,15 @@ def check_checkpoint_record(saved: dict[str, Any] | None, mine: dict[str, Any] |
                          "resume with the lora config the checkpoint was saved with")
     if saved is None:
         return
+    assert mine is not None  # both or neither (above)
     if saved["base_sha256"] != mine["base_sha256"]:
         raise ValueError(f"{path!r} holds LoRA adapters trained on the base at {saved['base_path']!r} "
                          f"(sha256 {saved['base_sha256'][:12]}), but this trainer's base "
                          f"{mine['base_path']!r} has sha256 {mine['base_sha256'][:12]}: adapters only make "
                          "sense on their own base; set model.path to it")
-    shape = lambda c: (c["rank"], sorted(c["targets"]))  # noqa: E731
+    def shape(c: AdapterShape) -> tuple[int, list[str]]:
+        return c["rank"], sorted(c["targets"])
+
     if shape(saved["config"]) != shape(mine["config"]):
         raise ValueError(f"{path!r} holds rank-{saved['config']['rank']} adapters on {saved['config']['targets']}, "
                          f"this trainer has rank {mine['config']['rank']} on {mine['config']['targets']}")

@@ -4,7 +4,14 @@ gradients are zeroed and the RNG state put back after each loss)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from forgelab.engines.contracts import TrainBatch
+    from forgelab.engines.trainer_state import TrainerState
 
 __all__ = ["compare_on_state", "loss_spec", "CURRENT_LOSS"]
 
@@ -12,13 +19,15 @@ CURRENT_LOSS = "<current loss>"
 """A spec meaning "the loss the next train step runs, with its keywords" (`TrainerState.next_loss`)."""
 
 
-def loss_spec(item: Any) -> tuple[Any, dict]:
+def loss_spec(item: object) -> tuple[object, dict[str, object]]:
+    """``(spec, kwargs)`` of one item of `compare_on_state`'s list: ``(spec, kwargs)`` or a spec alone."""
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], dict):
         return item[0], dict(item[1])
     return item, {}
 
 
-def compare_on_state(state: Any, specs: list, batch: Any) -> dict[str, Any]:
+def compare_on_state(state: TrainerState, specs: Sequence[object], batch: TrainBatch | Mapping[str, object]
+                     ) -> dict[str, object]:
     """Run on a `forgelab.engines.trainer_state.TrainerState` (collective: every rank calls it with the same arguments).
 
     A spec is a loss name, a function, a `PackedLoss`, `CURRENT_LOSS`, or ``(spec, kwargs)``.
@@ -35,7 +44,8 @@ def compare_on_state(state: Any, specs: list, batch: Any) -> dict[str, Any]:
     state.require_closed_window("compare_losses")  # it zeroes gradients a forward_backward accumulated
     batch = check_batch(batch)
     rng = rng_state()
-    rows, grads = [], []
+    rows: list[dict[str, object]] = []
+    grads: list[torch.Tensor | None] = []
     for item in specs:
         spec, kwargs = loss_spec(item)
         if isinstance(spec, str) and spec == CURRENT_LOSS:
@@ -59,10 +69,15 @@ def compare_on_state(state: Any, specs: list, batch: Any) -> dict[str, Any]:
     n = len(rows)
     # dot products of the local shards, summed over ranks: the global inner products
     pairs = [(i, j) for i in range(n) for j in range(i, n) if grads[i] is not None and grads[j] is not None]
-    sums = state.sum_across_ranks([float(grads[i] @ grads[j]) for i, j in pairs]) if pairs else []
+    sums = state.sum_across_ranks([float(_dot(grads[i], grads[j])) for i, j in pairs]) if pairs else []
     dot = {p: v for p, v in zip(pairs, sums)}
     cos = [[float("nan")] * n for _ in range(n)]
     for (i, j), v in dot.items():
         den = math.sqrt(dot[(i, i)] * dot[(j, j)])
         cos[i][j] = cos[j][i] = v / den if den > 0 else float("nan")
     return {"losses": rows, "cosine": cos}
+
+
+def _dot(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    assert a is not None and b is not None  # pairs name only the losses that ran
+    return a @ b

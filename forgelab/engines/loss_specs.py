@@ -9,10 +9,21 @@ checkpoints of earlier releases name ``forgelab.engines.trainer_support``, which
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
-__all__ = ["PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "LossSpec"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "LossSpec", "LossFunction"]
+
+
+class LossFunction(Protocol):
+    """A loss as the trainer calls it (`forgelab.algos.losses`): ``fn(logprobs_B_T, generator_logprobs_B_T=...,
+    advantages_B=..., mask_B_T=..., ref_logprobs_B_T=..., is_weights_B_T=..., **loss_inputs, **loss_kwargs)``,
+    returning ``(loss, metrics)``, checked at run time (`forgelab.algos.loss_checks.validate_loss_output`)."""
+
+    def __call__(self, logprobs_B_T: torch.Tensor, /, **inputs: object) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -22,18 +33,18 @@ class PackedLoss:
     name: str
     payload: bytes
 
-    def unpack(self) -> Callable[..., object]:
-        import cloudpickle
+    def unpack(self) -> LossFunction:
+        import cloudpickle  # type: ignore[import-untyped]  # cloudpickle ships no type information
 
-        fn: Callable[..., object] = cloudpickle.loads(self.payload)
+        fn: LossFunction = cloudpickle.loads(self.payload)
         return fn
 
 
-def pack_loss(fn: Callable[..., object]) -> PackedLoss:
+def pack_loss(fn: LossFunction) -> PackedLoss:
     """Serialise ``fn`` by value (closures and ``__main__`` definitions included)."""
     import cloudpickle
 
-    if not callable(fn):
+    if not callable(cast(object, fn)):  # callers across a process or a notebook are not type-checked
         raise TypeError(f"pack_loss: expected a loss function, got {type(fn).__name__}")
     return PackedLoss(name=getattr(fn, "__name__", type(fn).__name__), payload=cloudpickle.dumps(fn))
 
@@ -55,8 +66,8 @@ def shipped_loss(spec: "LossSpec") -> "str | PackedLoss":
     return pack_loss(spec)
 
 
-def resolve_loss(spec: "LossSpec") -> tuple[str, Callable[..., object]]:
-    """``(name, function)`` for a loss name in ``LOSSES``, a function, or a `PackedLoss`."""
+def resolve_loss(spec: object) -> tuple[str, LossFunction]:
+    """``(name, function)`` for a loss name in ``LOSSES``, a function, or a `PackedLoss` (anything else: ``TypeError``)."""
     from forgelab.algos.losses import LOSSES
 
     if isinstance(spec, PackedLoss):
@@ -72,5 +83,5 @@ def resolve_loss(spec: "LossSpec") -> tuple[str, Callable[..., object]]:
 
 
 
-LossSpec = str | PackedLoss | Callable[..., object]
+LossSpec = str | PackedLoss | LossFunction
 """A loss as a caller names it: a name in ``forgelab.algos.losses.LOSSES``, a function, or a `PackedLoss`."""

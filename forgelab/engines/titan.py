@@ -18,16 +18,71 @@ weights then go through torchtitan's ``Llama3StateDictAdapter.from_hf``:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
 from forgelab.engines.titan_import import import_titan_models
+
+if TYPE_CHECKING:
+    from torchtitan.models.common.decoder import Decoder, TransformerBlock
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.protocols.module import ParamInit
+    from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 ATTN_BACKENDS = ("sdpa", "flex", "varlen")
 
 
-def _rope_scaling(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+class RopeParams(TypedDict, total=False):
+    """The RoPE fields of a HF config (``rope_parameters`` in transformers 5, ``rope_scaling`` in 4)."""
+
+    rope_theta: float
+    rope_type: str
+    type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class RopeScaling(TypedDict, total=False):
+    """The scaling keyword arguments of torchtitan's ``RoPE.Config``."""
+
+    scaling: Literal["none", "llama", "yarn"]
+    scaling_factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class HFConfig(TypedDict, total=False):
+    """The fields of a HF ``config.json`` forgelab reads or writes (a real one holds more)."""
+
+    model_type: str
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int | None
+    head_dim: int | None
+    vocab_size: int
+    rms_norm_eps: float
+    num_hidden_layers: int
+    intermediate_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    attention_bias: bool
+    mlp_bias: bool
+    use_sliding_window: bool
+    num_experts: int | None
+    rope_theta: float
+    rope_parameters: RopeParams | None
+    rope_scaling: RopeParams | None
+    torch_dtype: str
+    dtype: str
+
+
+def _rope_scaling(hf: HFConfig) -> tuple[float, RopeScaling]:
     """``(theta, ComplexRoPE scaling kwargs)`` from the HF rope fields (transformers 4 or 5 layout)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params: RopeParams = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -46,7 +101,7 @@ def _rope_scaling(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     )
 
 
-def titan_llama3_config_from_hf(hf_config: dict[str, Any], *, attn_backend: str = "sdpa"):
+def titan_llama3_config_from_hf(hf_config: HFConfig, *, attn_backend: str = "sdpa") -> Llama3Model.Config:
     """A ``torchtitan.models.llama3.Llama3Model.Config`` with the shapes of ``hf_config``.
 
     Args:
@@ -96,17 +151,17 @@ def titan_llama3_config_from_hf(hf_config: dict[str, Any], *, attn_backend: str 
         else get_attention_config(attn_backend)
     )
 
-    linear_init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
-    norm_init = {"weight": nn.init.ones_}
+    linear_init: ParamInit = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    norm_init: ParamInit = {"weight": nn.init.ones_}
     out_std = dim**-0.5
-    out_init = {
+    out_init: ParamInit = {
         "weight": partial(nn.init.trunc_normal_, std=out_std, a=-3 * out_std, b=3 * out_std),
         "bias": nn.init.zeros_,
     }
 
-    layers = []
+    layers: list[TransformerBlock.Config] = []
     for layer_id in range(int(hf_config["num_hidden_layers"])):
-        depth_init = {
+        depth_init: ParamInit = {
             "weight": partial(nn.init.trunc_normal_, std=depth_scaled_std(0.02, layer_id)),
             "bias": nn.init.zeros_,
         }
@@ -190,26 +245,27 @@ class TitanCheckpoint:
 
     family: str
     """``"llama3"`` or ``"qwen3"``."""
-    config: Any
+    config: Decoder.Config
     """The torchtitan model config (``Llama3Model.Config`` / ``Qwen3Model.Config``)."""
-    hf_config: dict
+    hf_config: HFConfig
     """The source ``config.json`` as a dict (written back on export)."""
     model_dir: str | None = None
     """The source HF directory (tokenizer files are copied from it on export)."""
 
-    def adapter(self):
+    def adapter(self) -> StateDictAdapter:
         """A fresh torchtitan state-dict adapter for this model."""
         import_titan_models()
+        # ``family`` names the config's class (``titan_config_from_hf`` returns them together)
         if self.family == "llama3":
             from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-            return Llama3StateDictAdapter(self.config, None)
+            return Llama3StateDictAdapter(cast("Llama3Model.Config", self.config), None)
         from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
-        return Qwen3StateDictAdapter(self.config, None)
+        return Qwen3StateDictAdapter(cast("Qwen3Model.Config", self.config), None)
 
 
-def titan_qwen3_config_from_hf(hf_config: dict[str, Any]):
+def titan_qwen3_config_from_hf(hf_config: HFConfig) -> Qwen3Model.Config:
     """A ``torchtitan.models.qwen3.Qwen3Model.Config`` (dense, SDPA attention) with the shapes of ``hf_config``.
 
     FFN hidden size is exactly ``intermediate_size``; ``head_dim`` is decoupled
@@ -267,7 +323,7 @@ def titan_qwen3_config_from_hf(hf_config: dict[str, Any]):
     )
 
 
-def titan_config_from_hf(hf_config: dict[str, Any]) -> tuple[str, Any]:
+def titan_config_from_hf(hf_config: HFConfig) -> tuple[str, Decoder.Config]:
     """``(family, torchtitan config)`` for a HF config dict, by ``model_type`` (llama or qwen3)."""
     model_type = hf_config.get("model_type", "")
     if model_type == "llama":
@@ -277,13 +333,16 @@ def titan_config_from_hf(hf_config: dict[str, Any]) -> tuple[str, Any]:
     raise ValueError(f"HF model_type {model_type!r} is not supported by forgelab.engines.titan; supported: 'llama', 'qwen3'")
 
 
-def read_hf_config(model_dir: str) -> dict:
+def read_hf_config(model_dir: str) -> HFConfig:
     """The ``config.json`` of a HF model directory, as a dict."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{model_dir!r} is not a HF model directory: no config.json")
     with open(path) as f:
-        return json.load(f)
+        loaded: object = json.load(f)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path!r} holds {type(loaded).__name__}, not a JSON object")
+    return cast(HFConfig, loaded)
 
 
 def load_hf_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
@@ -304,7 +363,7 @@ def load_hf_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def build_model(config: Any, *, device: str | torch.device = "cpu", init_params: bool = True) -> torch.nn.Module:
+def build_model(config: Decoder.Config, *, device: str | torch.device = "cpu", init_params: bool = True) -> torch.nn.Module:
     """Build on the meta device, materialise on ``device``, initialise the RoPE cache and (``init_params``) parameters.
 
     ``init_params=False`` leaves parameters uninitialised memory, for a caller that loads
@@ -326,7 +385,8 @@ def build_model(config: Any, *, device: str | torch.device = "cpu", init_params:
 def _init_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """What ``init_states`` does besides parameter init: re-tie tied embeddings, compute buffers (RoPE caches)."""
     if getattr(model, "enable_weight_tying", False):
-        model.tok_embeddings.weight = model.lm_head.weight  # to_empty may have untied them (see Decoder.init_states)
+        tok_embeddings, lm_head = model.get_submodule("tok_embeddings"), model.get_submodule("lm_head")
+        tok_embeddings.weight = lm_head.weight  # to_empty may have untied them (see Decoder.init_states)
     for module in model.modules():
         init = getattr(module, "_init_self_buffers", None)
         if callable(init):
@@ -372,7 +432,7 @@ def checkpoint_blocks(model: torch.nn.Module) -> int:
 
     from torch.utils.checkpoint import checkpoint
 
-    blocks = list(model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers)
+    blocks = list(model.get_submodule("layers").children())  # a ModuleDict's values or a ModuleList's items, in order
     for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return len(blocks)
@@ -382,7 +442,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered (a collective under FSDP: call it on every rank)."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
         out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
     return out
@@ -397,7 +457,7 @@ def titan_to_hf(titan_sd: dict[str, torch.Tensor], ckpt: TitanCheckpoint) -> dic
     """
     adapter = ckpt.adapter()
     tied = bool(getattr(ckpt.config, "enable_weight_tying", False))
-    unmapped = []
+    unmapped: list[str] = []
     for key, value in titan_sd.items():
         if tied and key == "lm_head.weight":
             continue  # the tied output projection is the embedding: HF saves it once

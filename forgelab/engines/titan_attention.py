@@ -36,8 +36,8 @@ class MaskedSDPA(ScaledDotProductAttention):
         pass
 
     def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
-                attention_masks: torch.Tensor | None = None, scale: float | None = None, enable_gqa: bool = False,
-                is_causal: bool = True, **kwargs) -> torch.Tensor:
+                attention_masks: object = None, scale: float | None = None, enable_gqa: bool = False,
+                is_causal: bool = True, **kwargs: object) -> torch.Tensor:
         if attention_masks is None:
             return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
                                    is_causal=is_causal, **kwargs)

@@ -4,27 +4,31 @@ the shared prompt run once (`forgelab.algos.packing`). The model is built by `fo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from forgelab.algos.packing import PrefixPack
 
 __all__ = ["hidden_states", "output_weight", "model_logprobs_entropy", "use_packing", "packed_logprobs_entropy",
            "model_logprobs"]
 
 
-def hidden_states(model: torch.nn.Module, inputs_B_T: torch.Tensor, **forward_kwargs: Any) -> torch.Tensor:
+def hidden_states(model: torch.nn.Module, inputs_B_T: torch.Tensor, **forward_kwargs: object) -> torch.Tensor:
     """The final hidden states ``[B, T, D]`` (after the last norm, before the output projection).
 
     Runs the model's own forward (so FSDP's hooks fire) with torchtitan's
     ``_skip_lm_head`` set, so no ``[B, T, V]`` logits are ever built. ``forward_kwargs``
     (``positions``, ``attention_masks``) go to the model's forward.
     """
-    skip = model._skip_lm_head
-    model._skip_lm_head = True
+    skip = getattr(model, "_skip_lm_head")  # a plain attribute of torchtitan's Decoder (not a module or tensor)
+    setattr(model, "_skip_lm_head", True)
     try:
-        return model(inputs_B_T, **forward_kwargs)
+        hidden_B_T_D: torch.Tensor = model(inputs_B_T, **forward_kwargs)
+        return hidden_B_T_D
     finally:
-        model._skip_lm_head = skip
+        setattr(model, "_skip_lm_head", skip)
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
@@ -36,7 +40,8 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """
     from torch.distributed.tensor import DTensor
 
-    weight = model.lm_head.weight
+    weight = model.get_submodule("lm_head").weight
+    assert isinstance(weight, torch.Tensor)
     if isinstance(weight, DTensor):
         raise RuntimeError(
             "lm_head.weight is still sharded after the forward pass: the FSDP unit holding the output projection "
@@ -82,17 +87,17 @@ def model_logprobs_entropy(
     return lp, ent
 
 
-def use_packing(pack: Any) -> bool:
+def use_packing(pack: PrefixPack) -> bool:
     """Whether a shared-prompt pack is worth running: it must run at most 80 % of the plain batch's tokens.
 
     The pack's attention is dense over its length, so the padded packed token count (what the
     model runs) is compared, not the real one.
     """
-    return pack.padded_tokens <= 0.8 * pack.plain_tokens
+    return bool(pack.padded_tokens <= 0.8 * pack.plain_tokens)
 
 
 def packed_logprobs_entropy(
-    model: torch.nn.Module, pack: Any, *, need_entropy: bool, chunk: int, device: torch.device | str
+    model: torch.nn.Module, pack: PrefixPack, *, need_entropy: bool, chunk: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`model_logprobs_entropy` of a `PrefixPack`: one masked forward over the packs, unpacked to ``[B, T]``."""
     from forgelab.algos.logprobs import chunked_logprobs_entropy

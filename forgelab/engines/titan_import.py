@@ -11,29 +11,46 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Generic, ParamSpec, Protocol, TypeVar
 
 _lock = threading.Lock()
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-class DeferredCompile:
+
+class CompileFn(Protocol):
+    """``torch.compile`` as forgelab calls it: a function and keyword options in, a compiled function out."""
+
+    def __call__(self, model: Callable[P, R], /, **kwargs: object) -> Callable[P, R]: ...
+
+
+class DeferredCompile(Generic[P, R]):
     """``torch.compile(fn, **kwargs)``, made on the first call (then every call goes to the compiled function)."""
 
-    def __init__(self, compile_fn: Callable[..., Any], fn: Callable[..., Any], kwargs: dict[str, Any]):
+    def __init__(self, compile_fn: CompileFn, fn: Callable[P, R], kwargs: dict[str, object]) -> None:
         self.compile_fn, self.fn, self.kwargs = compile_fn, fn, kwargs
-        self.compiled: Callable[..., Any] | None = None
+        self.compiled: Callable[P, R] | None = None
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.compiled is None:
             self.compiled = self.compile_fn(self.fn, **self.kwargs)
         return self.compiled(*args, **kwargs)
 
 
-def _deferring(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
-    def compile(model: Any = None, **kwargs: Any) -> Any:
+class _DeferringCompile(Protocol):
+    def __call__(self, model: Callable[P, R] | None = None, **kwargs: object
+                 ) -> DeferredCompile[P, R] | Callable[[Callable[P, R]], DeferredCompile[P, R]]: ...
+
+
+def _deferring(compile_fn: CompileFn) -> _DeferringCompile:
+    def compile(
+        model: Callable[P, R] | None = None, **kwargs: object
+    ) -> DeferredCompile[P, R] | Callable[[Callable[P, R]], DeferredCompile[P, R]]:
         if model is None:  # used as @torch.compile(...)
             return lambda fn: DeferredCompile(compile_fn, fn, kwargs)
         return DeferredCompile(compile_fn, model, kwargs)
@@ -52,7 +69,8 @@ def import_titan_models() -> None:
         if "torchtitan.models.common.attention" in sys.modules:
             return
         real = torch.compile
-        torch.compile = _deferring(real)
+        # torch.compile names its options (fullgraph=, dynamic=, ...); the stand-in passes whichever it gets on
+        torch.compile = _deferring(real)  # type: ignore[arg-type, assignment]
         try:
             import torchtitan.models.common  # noqa: F401
         finally:

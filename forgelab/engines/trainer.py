@@ -58,14 +58,15 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Unpack
 
 import torch
 from monarch.actor import endpoint
 
 from forgelab.config.components import WEIGHT_TRANSPORTS, ReferenceConfig, TrainerConfig  # noqa: F401 -- re-exported
-from forgelab.runtime.component import ActorHandle, Component, Configured, Placement
+from forgelab.runtime.component import ActorHandle, Component, Configured, Placement, PlacementOptions
 from forgelab.weights.sender import WeightSender
 from forgelab.engines.contracts import (
     AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, WeightPush, check_spans,
@@ -98,7 +99,7 @@ def free_port() -> int:
     """A TCP port that was free a moment ago on this host."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _mesh_rank_world() -> tuple[int, int]:
@@ -110,8 +111,8 @@ def _mesh_rank_world() -> tuple[int, int]:
     return current_rank().rank, world
 
 
-def _with_port(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    def fill(v):
+def _with_port(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
+    def fill(v: object) -> object:
         if not isinstance(v, TrainerConfig):
             return v
         v.validate()  # fail here, before spawning processes
@@ -120,13 +121,13 @@ def _with_port(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(fill(a) for a in args), {k: fill(v) for k, v in kwargs.items()}
 
 
-class _TrainerConfigured(Configured):
+class _TrainerConfigured(Configured["Trainer"]):
     """`Configured` that gives each spawned trainer mesh its own free rendezvous port."""
 
-    def options(self, **kwargs: Any) -> "_TrainerConfigured":
+    def options(self, **kwargs: Unpack[PlacementOptions]) -> "_TrainerConfigured":
         return _TrainerConfigured(self.cls, replace(self.placement, **kwargs))
 
-    async def as_actor(self, *args: Any, **kwargs: Any) -> ActorHandle:
+    async def as_actor(self, *args: object, **kwargs: object) -> ActorHandle[Trainer]:
         args, kwargs = _with_port(args, kwargs)
         return await super().as_actor(*args, **kwargs)
 
@@ -141,17 +142,20 @@ class Trainer(Component):
     Results are identical on every rank except where noted (rank 0 carries tensors).
     """
 
-    def __init__(self, config: TrainerConfig):
+    state: TrainerState
+    """Model, optimizer, schedule and loss (`setup`; rebuilt by `reinit`)."""
+
+    def __init__(self, config: TrainerConfig) -> None:
         config.validate()
         self.config = config
         self._sender = WeightSender(config.shm_dir)  # rank 0's sends and shared-memory file (forgelab.weights.sender)
 
     @classmethod
-    def options(cls, **kwargs: Any) -> _TrainerConfigured:
+    def options(cls, **kwargs: Unpack[PlacementOptions]) -> _TrainerConfigured:
         return _TrainerConfigured(cls, Placement(**kwargs))
 
     @classmethod
-    async def as_actor(cls, *args: Any, **kwargs: Any) -> ActorHandle:
+    async def as_actor(cls, *args: object, **kwargs: object) -> ActorHandle[Trainer]:
         return await cls.options().as_actor(*args, **kwargs)
 
     # -- lifecycle -------------------------------------------------------------
@@ -164,10 +168,12 @@ class Trainer(Component):
         self._sender.close()  # the shared-memory weights file
 
     @endpoint
-    async def reinit(self, config: TrainerConfig) -> dict[str, Any]:
+    async def reinit(self, config: TrainerConfig) -> dict[str, object]:
         """Start over from ``config`` in this process (a warm pool's next run): model, optimizer, schedule, loss."""
         config.validate()
-        self.config, self.state = config, None
+        self.config = config
+        if hasattr(self, "state"):
+            del self.state  # the old model and optimizer go before the next are built
         self.state = TrainerState.create(config, *_mesh_rank_world())  # the process group is kept
         return self.state.info()
 
@@ -179,7 +185,7 @@ class Trainer(Component):
         return set_schedule_peak(s.optimizer, s.scheduler, lr)
 
     @endpoint
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> dict[str, object]:
         """Rank, world size, device, step, policy version, current loss name, parameter count."""
         return self.state.info()
 
@@ -193,7 +199,7 @@ class Trainer(Component):
 
     @endpoint
     async def forward_backward(self, batch: TrainBatch, loss: LossSpec | None = None,
-                               loss_kwargs: dict[str, Any] | None = None) -> LossReport:
+                               loss_kwargs: dict[str, object] | None = None) -> LossReport:
         """Add ``loss``'s gradient on ``batch`` to the accumulated gradients (None: the current loss); see
         `TrainerState.forward_backward`."""
         return self.state.forward_backward(batch, loss, loss_kwargs)
@@ -209,18 +215,19 @@ class Trainer(Component):
         return self.state.forward_logprobs(batch)
 
     @endpoint
-    async def set_loss(self, fn_or_name: LossSpec, loss_kwargs: dict[str, Any] | None = None) -> str:
+    async def set_loss(self, fn_or_name: LossSpec, loss_kwargs: dict[str, object] | None = None) -> str:
         """Make ``fn_or_name`` (with ``loss_kwargs``, default none) the loss from the next ``train_step``; returns its name."""
         return self.state.set_loss(fn_or_name, loss_kwargs)
 
     @endpoint
     async def dry_run_loss(self, fn_or_name: LossSpec, batch: TrainBatch,
-                           loss_kwargs: dict[str, Any] | None = None) -> DryRunReport:
+                           loss_kwargs: dict[str, object] | None = None) -> DryRunReport:
         """Forward + loss + backward on ``batch`` with nothing changed after."""
         return self.state.dry_run_loss(fn_or_name, batch, loss_kwargs)
 
     @endpoint
-    async def compare_losses(self, specs: list, batch: dict[str, Any]) -> dict[str, Any]:
+    async def compare_losses(self, specs: Sequence[object], batch: TrainBatch | Mapping[str, object]
+                             ) -> dict[str, object]:
         """Each loss's value, grad norm and metrics on ``batch`` and the pairwise gradient cosines; nothing changes
         (see `forgelab.engines.loss_compare.compare_on_state`)."""
         from forgelab.engines.loss_compare import compare_on_state
@@ -245,7 +252,8 @@ class Trainer(Component):
         return sd if self.state.rank == 0 else {}
 
     @endpoint
-    async def push_weights(self, version: int, generators: list[Any], transport: str | None = None) -> WeightPush:
+    async def push_weights(self, version: int, generators: Sequence[object], transport: str | None = None
+                           ) -> WeightPush:
         """Gather the HF weights (with LoRA: the adapter only, PEFT names) and load them into each generator mesh
         as ``version``.
 
@@ -258,7 +266,7 @@ class Trainer(Component):
         every generator does with ``"message"``. Returns a `WeightPush` (times, bytes, per-generator transports,
         failures by position in ``generators``).
         """
-        out = await self._sender.push(self.state.push_state_dict, self.state.rank == 0, int(version), generators,
+        out = await self._sender.push(self.state.push_state_dict, self.state.rank == 0, int(version), list(generators),
                                       transport or self.config.weight_transport)
         self.state.policy_version = int(version)
         return WeightPush.of(out)
@@ -286,12 +294,12 @@ class Trainer(Component):
         return self.state.save(path)
 
     @endpoint
-    async def load(self, path: str) -> dict[str, Any]:
+    async def load(self, path: str) -> dict[str, object]:
         """Restore a `save` checkpoint (any world size for model/optimizer); returns ``info()``."""
         return self.state.load(path)
 
     @endpoint
-    async def fingerprint(self) -> dict[str, Any]:
+    async def fingerprint(self) -> dict[str, object]:
         """SHA-256 of this rank's parameters and optimizer state, and the schedule/step: for bit-exact checks."""
         return self.state.fingerprint()
 

@@ -8,14 +8,38 @@ import hashlib
 from collections.abc import Sequence
 import random
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, TCPStore  # what torch.distributed re-exports as dist.TCPStore
+
+if TYPE_CHECKING:
+    from forgelab.config.components import TrainerConfig
 
 __all__ = ["resolve_device", "rendezvous", "init_process_group", "shard_model", "all_gather_rows", "any_rank",
            "sum_across_ranks", "state_fingerprint", "local_tensor", "sum_of_squares", "sha256_hex", "rng_state", "set_rng_state"]
+
+
+class RngState(TypedDict):
+    """Every generator's state (`rng_state`): torch's CPU one, Python's, NumPy's global one and, with CUDA, each GPU's."""
+
+    torch: torch.Tensor
+    python: tuple[object, ...]
+    numpy: dict[str, object] | tuple[str, npt.NDArray[np.uint32], int, int, float]
+    cuda: NotRequired[list[torch.Tensor]]
+
+
+class StateFingerprint(TypedDict):
+    """`state_fingerprint`: hashes of the parameters and optimizer state, the schedule's state and the lr."""
+
+    params: str
+    optim: str
+    optim_entries: int
+    scheduler: str
+    lr: float
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,7 +66,7 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], piece: int = 1 << 16) -> tor
     metric then differed by 4e-5 between 1 and 2 FSDP ranks); fp32 norms of ``piece``-element views, combined
     in float64, are ~2e-7 off at the same speed.
     """
-    parts = [p for t in tensors for p in local_tensor(t).reshape(-1).split(piece)]
+    parts = [p for t in tensors for p in torch.split(local_tensor(t).reshape(-1), piece)]
     if not parts:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(torch._foreach_norm(parts, 2.0)).double().pow(2).sum()
@@ -54,14 +78,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+def rng_state() -> RngState:
+    state: RngState = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -70,7 +94,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, backend: str
-               ) -> tuple[Any, Any]:  # (torch TCPStore, gloo options or None): torch types them loosely
+               ) -> tuple[TCPStore, object]:  # (store, gloo options or None): torch types pg_options loosely
     """The process group's TCPStore and options, listening on `addr` only (docs/security.md).
 
     torch's TCPStore server binds every interface whatever host name it is
@@ -89,21 +113,23 @@ def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, 
         sock.bind(sockaddr)
         sock.listen(128)
         fd = sock.detach()  # the store's server owns it from here
-    store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
-    pg_options = None
+    store = TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+    pg_options: object = None
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
     except (OSError, ValueError):
         loopback = False
     if backend == "gloo" and loopback:
-        pg_options = dist.ProcessGroupGloo._Options()
-        pg_options._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+        # torch's stubs omit ProcessGroupGloo._Options (gloo's pybind options class) and its _devices
+        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+        pg_options = gloo_options
     return store, pg_options
 
 
 
 
-def init_process_group(config: Any, device: torch.device, rank: int, world: int) -> None:
+def init_process_group(config: TrainerConfig, device: torch.device, rank: int, world: int) -> None:
     """The trainer's process group (gloo on CPU, nccl on CUDA), once per process; a `TrainerConfig` gives the
     rendezvous address, port and timeout."""
     timeout = timedelta(seconds=config.pg_timeout_s)
@@ -112,7 +138,7 @@ def init_process_group(config: Any, device: torch.device, rank: int, world: int)
         return
     if world == 1:
         # No peer: an in-memory store needs no port.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     if config.master_port is None:
         raise ValueError(
@@ -175,11 +201,11 @@ def sum_across_ranks(values: list[float], world: int, device: torch.device) -> l
 
 
 def state_fingerprint(model: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                      scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+                      scheduler: torch.optim.lr_scheduler.LRScheduler) -> StateFingerprint:
     """SHA-256 of this rank's parameter shards (the whole state dict) and optimizer state, the schedule's state
     and the current lr: equal fingerprints mean bit-identical trainer states."""
     tensors = [local_tensor(v) for _, v in sorted(model.state_dict().items())]
-    opt = []
+    opt: list[torch.Tensor] = []
     for p in params:
         for k, v in sorted(optimizer.state.get(p, {}).items()):
             opt.append(local_tensor(v) if isinstance(v, torch.Tensor) else torch.tensor(float(v)))

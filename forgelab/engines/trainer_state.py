@@ -23,8 +23,9 @@ import os
 import pickle
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -36,12 +37,21 @@ from forgelab.engines.contracts import (
     AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, check_batch, check_spans,
     check_tokens, token_values_of,
 )
-from forgelab.engines.loss_specs import LossSpec, PackedLoss, pack_loss, resolve_loss
+from forgelab.engines.loss_specs import LossFunction, LossSpec, PackedLoss, pack_loss, resolve_loss
 from forgelab.engines.trainer_dist import (
     all_gather_rows, any_rank, init_process_group, resolve_device, rng_state, set_rng_state, shard_model,
     state_fingerprint, sum_across_ranks,
 )
 from forgelab.engines.trainer_optim import WarmupCosine, adam_hyperparameters, global_grad_norm
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType
+
+    from forgelab.config.components import LoraConfig, TrainerConfig
+    from forgelab.engines.titan import TitanCheckpoint
+
+PendingLoss = tuple[LossSpec, str, LossFunction, dict[str, object]]
+"""A `set_loss` waiting for the next accumulation window: ``(spec, name, function, kwargs)``."""
 
 _EXTRA_FILE = "trainer_rank{}.pkl"
 
@@ -53,10 +63,35 @@ class SkipStep(Exception):
 class TrainerState:
     """Model, optimizer, schedule and loss of one trainer rank. Every method is collective over the group."""
 
+    config: TrainerConfig
+    rank: int
+    world: int
+    device: torch.device
+    ckpt: TitanCheckpoint
+    lora: LoraConfig | None
+    """The adapters' config (LoRA on the frozen base), None for full fine-tuning."""
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    """The trainable parameters (with LoRA: the adapters'), what the optimizer and clipping see."""
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    step: int
+    policy_version: int
+    loss_spec: LossSpec
+    loss_name: str
+    loss_fn: LossFunction
+    loss_kwargs: dict[str, object]
+    _pending: PendingLoss | None
+    token_values: TokenValues | None
+    accumulated: int
+    _accum_norm: float
+    _total_norm: torch.Tensor | None
+    """The accumulated gradients' global norm as the tensor clipping takes (set by `forward_loss_backward`)."""
+
     # -- construction ------------------------------------------------------------
 
     @classmethod
-    def create(cls, config: Any, rank: int, world: int) -> "TrainerState":
+    def create(cls, config: "TrainerConfig", rank: int, world: int) -> "TrainerState":
         """Initialise the process group, build and shard the model, and the optimizer and schedule."""
         self = cls()
         self.config, self.rank, self.world = config, rank, world
@@ -85,7 +120,7 @@ class TrainerState:
         self.model = model.train()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+            self.params, lr=config.lr, betas=(config.betas[0], config.betas[1]), eps=config.eps,
             weight_decay=config.weight_decay, foreach=True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -93,35 +128,35 @@ class TrainerState:
         )
         self.step = 0
         self.policy_version = 0
-        self.loss_spec, self.loss_name, self.loss_fn = None, "", None
         self._apply_loss(config.loss, dict(config.loss_kwargs))
-        self._pending: tuple[Any, str, Callable, dict] | None = None
-        self.token_values: TokenValues | None = None
+        self._pending = None
+        self.token_values = None
         self.accumulated = 0  # forward_backward calls whose gradients await optim_step
         self._accum_norm = float("nan")  # the accumulated gradients' global norm (also in _total_norm)
         return self
 
     # -- loss swapping -------------------------------------------------------------
 
-    def _apply_loss(self, spec: Any, kwargs: dict) -> None:
+    def _apply_loss(self, spec: LossSpec, kwargs: dict[str, object]) -> None:
         self.loss_name, self.loss_fn = resolve_loss(spec)
         self.loss_spec, self.loss_kwargs = spec, kwargs
 
-    def next_loss(self) -> tuple[str, Callable, dict]:
+    def next_loss(self) -> tuple[str, LossFunction, dict[str, object]]:
         """``(name, function, kwargs)`` of the loss the next `train_step` runs: a pending swap's, else the current."""
         if self._pending is not None:
             _, name, fn, kwargs = self._pending
             return name, fn, dict(kwargs)
         return self.loss_name, self.loss_fn, dict(self.loss_kwargs)
 
-    def set_loss(self, spec: Any, loss_kwargs: dict | None) -> str:
-        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+    def set_loss(self, spec: LossSpec, loss_kwargs: dict[str, object] | None) -> str:
+        # the endpoint's callers are not all type-checked (a notebook, an older controller): check at run time
+        if loss_kwargs is not None and not isinstance(cast(object, loss_kwargs), dict):
             raise ValueError(f"set_loss: loss_kwargs must be a dict or None, got {type(loss_kwargs).__name__}")
         name, fn = resolve_loss(spec)  # fail now, not at the next step
         self._pending = (spec, name, fn, dict(loss_kwargs or {}))
         return name
 
-    def swap_run_state(self, saved: dict[str, Any] | None) -> dict[str, Any]:
+    def swap_run_state(self, saved: Mapping[str, object] | None) -> dict[str, object]:
         """This rank's run fields (loss, pending swap, step, version, config, token values), then ``saved``'s
         installed (None: kept): what a LoRA slot owns beside its tensors (`forgelab.engines.trainer_slots`)."""
         names = {k: k for k in ("loss_spec", "loss_name", "loss_fn", "loss_kwargs", "step", "policy_version", "config",
@@ -143,7 +178,7 @@ class TrainerState:
         return [mine[i * size:(i + 1) * size] for i in range(n_micro)]
 
     def _forward(self, tokens_B_L: torch.Tensor, rows: torch.Tensor, *, need_entropy: bool,
-                 spans_B_2: torch.Tensor | None = None):
+                 spans_B_2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(logprobs_R_T, entropy_R_T or None)`` for ``rows``; an empty row set runs one dummy row so collectives match.
 
         The model stops at its final hidden states; logprobs and entropy are
@@ -173,7 +208,7 @@ class TrainerState:
 
     # -- the step ------------------------------------------------------------------
 
-    def forward_loss_backward(self, batch: TrainBatch, fn: Callable[..., Any], name: str, kwargs: dict[str, Any]
+    def forward_loss_backward(self, batch: TrainBatch, fn: LossFunction, name: str, kwargs: dict[str, object]
                               ) -> tuple[float, dict[str, float], float]:
         """Accumulate ``dL/dtheta`` of the global-batch loss into ``.grad``; ``(loss, metrics, grad_norm)``, the
         norm being that of everything in ``.grad`` (earlier accumulated gradients included).
@@ -201,19 +236,22 @@ class TrainerState:
             ref_B_T = self.base_logprobs(tokens, spans_B_2).to(dev)
 
         # Pass 1: this rank's logprobs (keeping the graph when there is one micro-batch).
-        graphs, parts, ents = [], [], []
+        graphs: list[torch.Tensor | None] = []
+        parts: list[torch.Tensor] = []
+        ents: list[torch.Tensor] = []
         keep_graph = len(micro) == 1
         for i, mb in enumerate(micro):
             with torch.set_grad_enabled(keep_graph), self._dropout(i):
                 lp, ent = self._forward(tokens, mb, need_entropy=True, spans_B_2=spans_B_2)
             graphs.append(lp if keep_graph else None)
             parts.append(lp.detach())
+            assert ent is not None  # asked for (need_entropy)
             ents.append(ent)
         local_lp = torch.cat(parts)
         ent_local = torch.cat(ents)
         m_local = mask_B_T[rows]
         e_sum, e_cnt = self.sum_across_ranks([float((ent_local * m_local).sum()), float(m_local.sum())])
-        metrics: dict[str, Any] = {"entropy": e_sum / max(e_cnt, 1.0), "n_tokens": e_cnt, "n_seqs": float(B),
+        metrics: dict[str, float] = {"entropy": e_sum / max(e_cnt, 1.0), "n_tokens": e_cnt, "n_seqs": float(B),
                                    **({"ref_from_base": 1.0} if ref_from_base else {})}
 
         # The loss of the global batch, identical on every rank.
@@ -231,12 +269,13 @@ class TrainerState:
                      ref_logprobs_B_T=ref_B_T, is_weights_B_T=is_w, **extra, **kwargs)
             loss_t, loss_metrics = validate_loss_output(out, name, require_grad=True)
             metrics.update(loss_metrics)
-            loss_t.backward()
+            loss_t.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
             grad_B_T = lp_leaf.grad if lp_leaf.grad is not None else torch.zeros_like(lp_leaf)
         except Exception as e:  # a user's loss may raise anything: it must skip, not desynchronise ranks
             reason = f"loss {name!r}: {type(e).__name__}: {e}".strip()
         if any_rank(self.world, self.device, bool(reason)):
             raise SkipStep(reason or "another rank's loss failed")
+        assert loss_t is not None  # no rank failed, so this one's loss ran
         loss_value = float(loss_t.detach())
         self.token_values = token_values_of(lp_leaf.detach(), all_gather_rows(ent_local, B, self.world), gen_B_T, mask_B_T,
                                             adv_B, is_w, name, kwargs, metrics)  # per token, and mismatch metrics
@@ -245,11 +284,13 @@ class TrainerState:
         for i, mb in enumerate(micro):
             # the adapter-dropout mask of pass 1, also for blocks recomputed in backward (activation checkpointing)
             with self._dropout(i):
-                lp = graphs[i] if keep_graph else self._forward(tokens, mb, need_entropy=False, spans_B_2=spans_B_2)[0]
+                graph = graphs[i]  # None unless keep_graph
+                lp = graph if graph is not None else self._forward(tokens, mb, need_entropy=False,
+                                                                   spans_B_2=spans_B_2)[0]
                 if len(mb) == 0:
-                    lp.sum().backward()  # zero-valued: keeps this rank in the FSDP reduce-scatter
+                    lp.sum().backward()  # type: ignore[no-untyped-call]  # torch: unannotated; zero-valued: keeps this rank in the FSDP reduce-scatter
                 else:
-                    lp.backward(grad_B_T[mb].to(dev))
+                    lp.backward(grad_B_T[mb].to(dev))  # type: ignore[no-untyped-call]  # torch: unannotated
         del graphs
 
         grad_norm, self._total_norm = global_grad_norm(self.params, self.device, self.world)
@@ -257,13 +298,13 @@ class TrainerState:
             raise SkipStep(f"non-finite gradients (grad_norm={grad_norm}) from loss {name!r}")
         return loss_value, metrics, grad_norm
 
-    def _dropout(self, micro_index: int):
+    def _dropout(self, micro_index: int) -> AbstractContextManager[None]:
         """Adapter dropout for one micro-batch's training passes (`forgelab.engines.lora_adapters.step_dropout`)."""
         from forgelab.engines.lora_adapters import step_dropout
 
         return step_dropout(self.model, self.lora, self.config.seed, self.step, self.rank, micro_index)
 
-    def base_logprobs(self, tokens_B_L: Any, spans_B_2: Any = None) -> torch.Tensor:
+    def base_logprobs(self, tokens_B_L: object, spans_B_2: object = None) -> torch.Tensor:
         """`logprobs` of the base model (adapters off): the free reference, every row on every rank. LoRA only."""
         from forgelab.engines.lora_adapters import adapters_disabled
 
@@ -284,8 +325,8 @@ class TrainerState:
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated, self._accum_norm = 0, float("nan")
 
-    def forward_backward(self, batch: "TrainBatch | dict[str, Any]", loss: LossSpec | None = None,
-                         loss_kwargs: dict[str, Any] | None = None) -> LossReport:
+    def forward_backward(self, batch: "TrainBatch | Mapping[str, object]", loss: LossSpec | None = None,
+                         loss_kwargs: Mapping[str, object] | None = None) -> LossReport:
         """Add the gradient of ``loss`` on ``batch`` to the accumulated gradients (until `optim_step`).
 
         ``loss`` None: the trainer's current loss with its keywords (a pending `set_loss` lands at the first
@@ -339,7 +380,7 @@ class TrainerState:
         self.step += 1
         return OptimReport(step=self.step, lr=lr, grad_norm=grad_norm, scheduled=adam is None)
 
-    def train_step(self, batch: "TrainBatch | dict[str, Any]") -> StepMetrics:
+    def train_step(self, batch: "TrainBatch | Mapping[str, object]") -> StepMetrics:
         """The fused step: `forward_backward` with the current loss, then `optim_step(None)`, bit for bit.
 
         Gradients accumulated by earlier `forward_backward` calls are part of it (the window closes here)."""
@@ -354,8 +395,8 @@ class TrainerState:
             raise RuntimeError(f"{what}: {self.accumulated} forward_backward call(s) have gradients waiting for "
                                "optim_step; it would zero them. Call optim_step first")
 
-    def dry_run_loss(self, spec: LossSpec, batch: "TrainBatch | dict[str, Any]",
-                     loss_kwargs: dict[str, Any] | None) -> DryRunReport:
+    def dry_run_loss(self, spec: LossSpec, batch: "TrainBatch | Mapping[str, object]",
+                     loss_kwargs: Mapping[str, object] | None) -> DryRunReport:
         self.require_closed_window("dry_run_loss")
         name, fn = resolve_loss(spec)
         batch = check_batch(batch)
@@ -370,7 +411,7 @@ class TrainerState:
             set_rng_state(rng)
         return result
 
-    def forward_logprobs(self, batch: "TrainBatch | dict[str, Any]") -> torch.Tensor:
+    def forward_logprobs(self, batch: "TrainBatch | Mapping[str, object]") -> torch.Tensor:
         """The current policy's ``logprobs_B_T`` (float32, CPU, no grad) on ``batch``'s trained positions (0
         elsewhere): a forward only, nothing changes (accumulated gradients included)."""
         from forgelab.algos.packing import spans_from_mask
@@ -378,7 +419,7 @@ class TrainerState:
         batch = check_batch(batch)
         return self.logprobs(batch.tokens_B_L, spans_from_mask(batch.mask_B_T.cpu())) * (batch.mask_B_T != 0)
 
-    def logprobs(self, tokens_B_L: Any, spans_B_2: Any = None) -> torch.Tensor:
+    def logprobs(self, tokens_B_L: object, spans_B_2: object = None) -> torch.Tensor:
         tokens_B_L = check_tokens(tokens_B_L)
         B = tokens_B_L.shape[0]
         spans_B_2 = check_spans(spans_B_2, tokens_B_L)
@@ -422,7 +463,7 @@ class TrainerState:
             dist.barrier()
         return path
 
-    def _optim_sd(self) -> tuple[dict, bool]:
+    def _optim_sd(self) -> tuple[OptimizerStateType, bool]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         fresh = not self.optimizer.state
@@ -435,12 +476,12 @@ class TrainerState:
         return osd, fresh
 
     def save(self, path: str) -> str:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         from forgelab.engines.lora_adapters import checkpoint_model_state, checkpoint_record
 
         osd, fresh = self._optim_sd()
-        dcp.save({"model": checkpoint_model_state(self.model, self.lora), "optim": osd}, checkpoint_id=path)
+        dcp_save({"model": checkpoint_model_state(self.model, self.lora), "optim": osd}, checkpoint_id=path)
         loss_spec = self.loss_spec
         if not isinstance(loss_spec, (str, PackedLoss)):
             loss_spec = pack_loss(loss_spec)
@@ -455,9 +496,9 @@ class TrainerState:
             dist.barrier()
         return path
 
-    def load(self, path: str) -> dict[str, Any]:
-        import torch.distributed.checkpoint as dcp
+    def load(self, path: str) -> dict[str, object]:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         from forgelab.engines.lora_adapters import check_checkpoint_record, checkpoint_model_state, checkpoint_record
 
@@ -467,14 +508,17 @@ class TrainerState:
             raise FileNotFoundError(f"{path!r} is not a forgelab trainer checkpoint (no {_EXTRA_FILE.format(0)})")
         with open(extra_path, "rb") as f:
             extra = pickle.load(f)
-        check_checkpoint_record(extra.get("lora"), self.lora and checkpoint_record(self.lora, self.config.model_dir), path)
+        mine = None if self.lora is None else checkpoint_record(self.lora, self.config.model_dir)
+        check_checkpoint_record(extra.get("lora"), mine, path)
         model_sd = checkpoint_model_state(self.model, self.lora)
         osd, _ = self._optim_sd()
         state = {"model": model_sd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=self.lora is None)
+        dcp_load(state, checkpoint_id=path)
+        loaded_model, loaded_optim = state["model"], state["optim"]
+        assert isinstance(loaded_model, dict) and isinstance(loaded_optim, dict)  # DCP loads into the dicts given
+        missing, unexpected = self.model.load_state_dict(loaded_model, strict=self.lora is None)
         assert not unexpected, unexpected
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        set_optimizer_state_dict(self.model, self.optimizer, loaded_optim)
         if extra["optim_fresh"]:
             self.optimizer.state.clear()
         self._discard_window()
@@ -485,11 +529,11 @@ class TrainerState:
         set_rng_state(extra["rng"])
         return self.info()
 
-    def fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self) -> dict[str, object]:
         """SHA-256 of this rank's parameters and optimizer state, the schedule, step and lr (`state_fingerprint`)."""
         return {**state_fingerprint(self.model, self.params, self.optimizer, self.scheduler), "step": self.step}
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is the global size
         return {"rank": self.rank, "world": self.world, "device": str(self.device), "step": self.step,
                 "policy_version": self.policy_version, "loss": self.loss_name, "loss_kwargs": dict(self.loss_kwargs),
