@@ -41,7 +41,10 @@ class RunHook(StepHook, ScoringHook, Protocol):
     """What `RunFacade.attach_replayer` takes (`forgelab.experiments.replay.Replayer`): bound to the run, then
     called before each trained step and before each rollout is scored."""
 
-    def bind(self, run: RunFacade) -> None: ...
+    def bind(self, target: RunFacade, /) -> None:
+        """Bind to the run whose public commands re-apply the recorded changes (an experiments-layer object
+        receives the facade; no controller part does)."""
+        ...
 
 
 class RunFacade(Protocol):

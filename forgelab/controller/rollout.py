@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from forgelab.config.run_config import RunConfig
-    from forgelab.controller.lifecycle import Lifecycle
 
 log = logging.getLogger("forgelab.controller.rollout")
 
@@ -183,6 +182,15 @@ class LogprobService(RoutedService, Protocol):
     async def wait_healthy(self, count: int | None = None, timeout: float | None = None) -> None: ...
 
 
+class Pausable(Protocol):
+    """The run's lifecycle as the rollouts use it (`forgelab.controller.lifecycle.Lifecycle`): its gate and
+    ``pause(message)``."""
+
+    @property
+    def gate(self) -> Gate: ...
+    def pause(self, message: str | None = None) -> None: ...
+
+
 class Problems(Protocol):
     """Where rollouts take their problems (`forgelab.data.datasets.ProblemStream`)."""
 
@@ -287,7 +295,7 @@ class Rollouts:
     """
 
     def __init__(self, config: RunConfig, source: EpisodeSource, buffer: ReplayBuffer, rewards: RewardRunner,
-                 reference: LogprobService | None, stream: Problems, lifecycle: Lifecycle, bus: EventBus,
+                 reference: LogprobService | None, stream: Problems, lifecycle: Pausable, bus: EventBus,
                  controls: ScoringControls | None = None, pad_id: int = 0, teacher: LogprobService | None = None):
         self.config, self.source, self.buffer, self.rewards = config, source, buffer, rewards
         self.reference, self.stream, self.lifecycle, self.bus, self.pad_id = reference, stream, lifecycle, bus, pad_id
