@@ -43,6 +43,7 @@ import functools
 import logging
 import threading
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Awaitable, Callable
 
 from forgelab.algos.loss_checks import loss_label, reference_notes
@@ -50,8 +51,10 @@ from forgelab.config.run_config import ConfigError, RunConfig
 from forgelab.controller import checkpoint, controls, provenance
 from forgelab.controller.buffer import ReplayBuffer
 from forgelab.controller.controls import LossSwapRefused, RewardChangeRefused, RewardControls  # noqa: F401 -- re-exported
+from forgelab.controller.buffer import EpisodeCounts
 from forgelab.controller.evaluate import Evaluator
-from forgelab.controller.events import EventBus, EventLog
+from forgelab.controller.facade import RunHook
+from forgelab.controller.events import EventBus, EventLog, as_int
 from forgelab.controller.lifecycle import Lifecycle
 from forgelab.controller.reward_runner import RewardRunner, configured_rewards
 from forgelab.controller.rollout import EnvEpisodes, Gate, Rollouts, SingleTurn
@@ -61,8 +64,9 @@ from forgelab.controller.training import TokenRate, TrainingLoop
 from forgelab.controller.view import RunSnapshot
 from forgelab.data.datasets import ProblemStream, load_split
 from forgelab.data.tasks import Problem
-from forgelab.rewards.library import RewardComposer
-from forgelab.types import TrainBatch
+from forgelab.engines.contracts import TrainBatch
+from forgelab.engines.loss_specs import LossSpec
+from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
 
 log = logging.getLogger("forgelab.run")
@@ -205,7 +209,7 @@ class Run:
         after `timeout` seconds."""
         def logged() -> int:  # the step moves first; the row is logged after the weight push
             rows = self.tracker.rows if self.tracker is not None else []
-            return int(rows[-1]["step"]) if rows else 0
+            return as_int(rows[-1]["step"]) if rows else 0
 
         def met() -> bool:
             return ((step is None or (self.step >= step and logged() >= step))
@@ -256,14 +260,15 @@ class Run:
         # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
         tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
         try:
-            self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)
+            self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)  # Parts, or a slot's (pool, slot)
             parts.trainer = as_trainer(parts.trainer)  # typed calls (forgelab.engines.trainer_client)
         finally:
             await asyncio.gather(tokenizer, return_exceptions=True)
-        if tokenizer.exception() is not None:
+        failure = tokenizer.exception()
+        if failure is not None:
             await self.parts.shutdown()
             self.parts = None
-            raise tokenizer.exception()
+            raise failure
         self.weights = WeightSync(parts.trainer, parts.generators, self.bus.emit, lambda: loop.version)
         parts.generators.on_respawn = self.weights.catch_up
         teacher = getattr(parts, "teacher", None)
@@ -283,7 +288,8 @@ class Run:
         self.events.attach(self.out_dir, append=resumed_here)
         self.records.attach(self.out_dir, append=resumed_here)
         # config, versions, git state, hardware, model and data hashes
-        shared = parts.pool.provenance(parts.slot) if getattr(parts, "slot", "") else None  # a LoRA variant's
+        slot = getattr(parts, "slot", "")  # a LoRA variant's parts: a slot of the pool's shared engines
+        shared = getattr(parts, "pool").provenance(slot) if slot else None
         provenance.write_manifest(cfg, self.out_dir, train_problems=getattr(self.stream, "problems", None),
                                   heldout_problems=self.heldout, resume_from=self.resume_from, shared_engines=shared,
                                   data_split={"description": self.data.description, **self.data.info})
@@ -367,12 +373,12 @@ class Run:
         """Record a change to the reward set (the event carries its revision number)."""
         self.controls.changed(kind, **fields)
 
-    def set_loss(self, loss: str | Callable, **loss_kwargs: Any) -> controls.Command:
+    def set_loss(self, loss: LossSpec, **loss_kwargs: object) -> controls.Command[dict[str, object]]:
         """Hot-swap the loss: dry-run it on the last batch, then apply at the next step boundary. Starts at once
         (even if not awaited); `await` it for ``{"loss", "applies_at_step"}`` or its `LossSwapRefused`."""
         return controls.Command(self._swap_loss(loss, loss_kwargs), f"run.set_loss({loss_label(loss)!r})")
 
-    async def _swap_loss(self, loss: str | Callable, loss_kwargs: dict) -> dict:
+    async def _swap_loss(self, loss: LossSpec, loss_kwargs: dict[str, object]) -> dict[str, object]:
         name, packed, loss_kwargs = controls.prepare_loss(self.config, loss, loss_kwargs)
         from forgelab.controller.function_code import loss_record
 
@@ -410,7 +416,7 @@ class Run:
 
         return await replay(run_dir, until=until, run_cls=cls, **kwargs)
 
-    def rescore(self, reward: Any, episodes: list[int] | None = None) -> Any:
+    def rescore(self, reward: RewardFn | Mapping[str, float], episodes: list[int] | None = None) -> Any:
         """Old/new reward and advantage of recorded and recent rollouts under `reward`; no process touched."""
         from forgelab.controller.rollout_log import rescore_run
 
@@ -418,13 +424,13 @@ class Run:
         return rescore_run(self.out_dir, recent, self.buffer.status, self.config.name, self.config.rollout.advantage,
                            reward, episodes)
 
-    async def compare_losses(self, losses: list, batch: TrainBatch | None = None) -> Any:
+    async def compare_losses(self, losses: Sequence[LossSpec], batch: TrainBatch | None = None) -> Any:
         """Each loss on one frozen batch (default: the last trained one); trainer state untouched."""
         from forgelab.experiments.loss_ab import compare_losses
 
         return await compare_losses(self, losses, batch)
 
-    def attach_replayer(self, replayer: Any) -> None:
+    def attach_replayer(self, replayer: RunHook) -> None:
         """Re-apply a recorded run's changes where they took effect (`forgelab.experiments.replay.Replayer`)."""
         self.replayer = replayer
         replayer.bind(self)
@@ -471,27 +477,29 @@ class Run:
         return self.rollout.dataframe() if self.rollout else pd.DataFrame()
 
     @property
-    def episodes(self) -> dict:
+    def episodes(self) -> EpisodeCounts:
         """Episode accounting: generated = trained + evicted + dropped + buffered + in_flight."""
         return self.buffer.counts()
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, object]:
         """State, progress, loss, rewards, message, episode counters and each service's replicas."""
-        g, r, e = self.generators, self.reference, self.envs
         return {"state": self.state, "step": self.step, "steps": self.config.train.steps, "version": self.version,
                 "loss": self.loss_name, "reward_weights": self.rewards.weights, "message": self.message,
-                "episodes": self.buffer.counts(),
-                "services": {"generator": g.status() if g else [], "reference": r.status() if r else [],
-                             **({"env": e.status()} if e else {})}}
+                "episodes": self.buffer.counts(), "services": self._services()}
+
+    def _services(self) -> dict[str, Any]:
+        """Each service's replicas (`status()`): generator, reference and, on an environment run, env."""
+        g, r, e = self.generators, self.reference, self.envs
+        return {"generator": g.status() if g else [], "reference": r.status() if r else [],
+                **({"env": e.status()} if e else {})}
 
     def snapshot(self) -> RunSnapshot:
         """A typed, read-only copy of the run's state (what widgets read)."""
-        st = self.status()
-        return RunSnapshot(name=self.config.name, state=st["state"], step=st["step"], steps=st["steps"],
-                           version=st["version"], loss=str(st["loss"]), message=st["message"],
-                           reward_weights=st["reward_weights"], episodes=st["episodes"],
-                           accuracy_history=tuple(tuple(x) for x in self.evaluator.history),
-                           services=st["services"], events=len(self.events))
+        return RunSnapshot(name=self.config.name, state=self.state, step=self.step, steps=self.config.train.steps,
+                           version=self.version, loss=str(self.loss_name), message=self.message,
+                           reward_weights=self.rewards.weights, episodes=self.buffer.counts(),
+                           accuracy_history=tuple((s, a) for s, a in self.evaluator.history),
+                           services=self._services(), events=len(self.events))
 
     def dashboard(self):
         """The live lab: metrics, rollout inspector, reward and loss panels, controls."""

@@ -52,11 +52,12 @@ import dataclasses
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypedDict, cast
 
 from forgelab.controller.buffer_state import checked_state
 from forgelab.types import Episode
 
-__all__ = ["ReplayBuffer", "EpisodeAlreadyTrained", "STATUSES", "CLOSED"]
+__all__ = ["ReplayBuffer", "EpisodeAlreadyTrained", "EpisodeCounts", "STATUSES", "CLOSED"]
 
 log = logging.getLogger("forgelab.controller.buffer")
 
@@ -64,6 +65,19 @@ STATUSES = ("buffered", "in_flight", "trained", "evicted", "dropped")
 CLOSED = "closed"
 """`status` of an id below the watermark whose exact status is no longer kept (trained, evicted or dropped:
 the rollout log has which), or that was never generated (its rollout failed first)."""
+
+
+class EpisodeCounts(TypedDict):
+    """`ReplayBuffer.counts()`: ``generated == trained + evicted + dropped + buffered + in_flight``."""
+
+    generated: int
+    trained: int
+    evicted: int
+    dropped: int
+    buffered: int
+    in_flight: int
+    dropped_reasons: dict[str, int]
+    """Dropped episodes by reason (``step_skipped``, ``buffer_full``, ...)."""
 
 
 class EpisodeAlreadyTrained(RuntimeError):
@@ -238,19 +252,19 @@ class ReplayBuffer:
         """The sampled episodes not yet marked, oldest first."""
         return list(self._in_flight.values())
 
-    def counts(self) -> dict:
+    def counts(self) -> EpisodeCounts:
         """Counters: ``generated``, ``trained``, ``evicted``, ``dropped``, ``buffered``, ``in_flight``, ``dropped_reasons``."""
-        return {
-            "generated": self._generated,
-            "trained": self._trained,
-            "evicted": self._evicted,
-            "dropped": self._dropped,
-            "buffered": len(self._buffered),
-            "in_flight": len(self._in_flight),
-            "dropped_reasons": dict(self._dropped_reasons),
-        }
+        return EpisodeCounts(
+            generated=self._generated,
+            trained=self._trained,
+            evicted=self._evicted,
+            dropped=self._dropped,
+            buffered=len(self._buffered),
+            in_flight=len(self._in_flight),
+            dropped_reasons=dict(self._dropped_reasons),
+        )
 
-    def check_accounting(self) -> dict:
+    def check_accounting(self) -> EpisodeCounts:
         """Raise ``AssertionError`` unless ``generated == trained + evicted + dropped + buffered + in_flight``."""
         c = self.counts()
         accounted = c["trained"] + c["evicted"] + c["dropped"] + c["buffered"] + c["in_flight"]
@@ -379,7 +393,8 @@ class ReplayBuffer:
         order = list(self._buffered)
         if self.max_policy_age == 0:  # on-policy: groups in admission (id) order, so batches are deterministic
             try:
-                groups = dict(sorted(groups.items(), key=lambda kv: kv[0]))
+                # group ids are ints in forgelab's rollouts; ids that do not compare raise TypeError, caught below
+                groups = dict(sorted(groups.items(), key=lambda kv: cast(int, kv[0])))
             except TypeError:  # group ids that do not compare: keep age order
                 pass
             order = [i for ids in groups.values() for i in ids]
@@ -447,7 +462,7 @@ class ReplayBuffer:
 
     # --- checkpointing ----------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, object]:
         """Counters, episode statuses and the episodes still held, as plain Python (picklable, JSON-able).
 
         In-flight episodes are saved as buffered: the step that took them has
@@ -466,7 +481,7 @@ class ReplayBuffer:
             "episodes": [dataclasses.asdict(ep) for ep in [*self._in_flight.values(), *self._buffered.values()]],
         }
 
-    def load_state_dict(self, state: dict) -> list[Episode]:
+    def load_state_dict(self, state: object) -> list[Episode]:
         """Restore from ``state_dict()``; ``batch_size``, ``max_policy_age`` and ``max_size`` stay as constructed.
 
         Atomic: the whole state is checked first (format, counters, statuses,
@@ -476,7 +491,7 @@ class ReplayBuffer:
         ``"buffer_full"`` (counted like any other drop) and returned.
         """
         checked = checked_state(state)
-        episodes = checked.pop("episodes")
+        episodes = checked["episodes"]
         overflow: list[Episode] = []
         if self.max_size is not None and len(episodes) > self.max_size:
             overflow, episodes = episodes[: len(episodes) - self.max_size], episodes[len(episodes) - self.max_size:]

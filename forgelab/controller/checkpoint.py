@@ -22,9 +22,22 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Iterable, TypedDict, cast
 
 from forgelab.controller.function_code import FunctionRestoreError, loss_record, restore_fn, reward_record
+from forgelab.controller.events import Event, as_int
+
+if TYPE_CHECKING:
+    from forgelab.controller.buffer import ReplayBuffer
+    from forgelab.controller.controls import RewardControls
+    from forgelab.controller.evaluate import Evaluator
+    from forgelab.controller.events import EventBus
+    from forgelab.controller.rollout import Rollouts
+    from forgelab.controller.tracking import Tracker
+    from forgelab.controller.training import TrainingLoop
+    from forgelab.data.datasets import ProblemStream
+    from forgelab.engines.trainer_client import TrainerAPI
+    from forgelab.rewards.library import RewardComposer, RewardFn
 
 log = logging.getLogger("forgelab.controller.checkpoint")
 
@@ -42,25 +55,33 @@ def resolve(path: str | Path) -> Path:
     return path
 
 
-def code_records(path: str | Path) -> list[tuple[str, dict | None]]:
+def code_records(path: str | Path) -> list[tuple[str, dict[str, object] | None]]:
     """(label, code record) of the loss and every reward a checkpoint restores (read, never unpickled)."""
     state = json.loads((resolve(path) / "controller.json").read_text())
-    out: list[tuple[str, dict | None]] = [(f"loss {state.get('loss')!r}", state.get("loss_code"))]
+    out: list[tuple[str, dict[str, object] | None]] = [(f"loss {state.get('loss')!r}", state.get("loss_code"))]
     out += [(f"reward {r['name']!r}", r.get("fn")) for r in state.get("rewards", [])]
     return out
 
 
-def reward_state(rewards) -> list[dict[str, Any]]:
+class RewardRecord(TypedDict):
+    """One reward of a checkpoint's reward set: its name, weight and code record (`reward_record`)."""
+
+    name: str
+    weight: float
+    fn: dict[str, object]
+
+
+def reward_state(rewards: RewardComposer) -> list[RewardRecord]:
     """The reward set as data: name, weight and code record of each reward, in order."""
     terms = rewards.terms  # one read: a consistent snapshot even while a cell changes it
-    return [{"name": n, "weight": w, "fn": reward_record(fn)} for n, (fn, w) in terms.items()]
+    return [RewardRecord(name=n, weight=w, fn=reward_record(fn)) for n, (fn, w) in terms.items()]
 
 
-def rewards_from_state(saved: list[dict[str, Any]]):
+def rewards_from_state(saved: list[RewardRecord]) -> RewardComposer:
     """A `RewardComposer` rebuilt from `reward_state` output."""
     from forgelab.rewards.library import REWARDS, RewardComposer
 
-    terms = {}
+    terms: dict[str, tuple[RewardFn, float]] = {}
     for r in saved:
         # resuming from a checkpoint trusts it (its trainer state is a pickle too: docs/security.md);
         # the pickle's recorded sha256 still catches an edited or corrupted payload
@@ -86,15 +107,15 @@ class CheckpointParts:
         out_dir: the run directory (``checkpoints/step_NNNNNN`` by default).
     """
 
-    trainer: Any
-    loop: Any
-    stream: Any
-    buffer: Any
-    rewards: Any
-    rollouts: Any
-    evaluator: Any
-    bus: Any
-    tracker: Any
+    trainer: TrainerAPI
+    loop: TrainingLoop
+    stream: ProblemStream
+    buffer: ReplayBuffer
+    rewards: RewardControls
+    rollouts: Rollouts
+    evaluator: Evaluator
+    bus: EventBus
+    tracker: Tracker
     out_dir: Path
 
 
@@ -109,10 +130,11 @@ async def save(p: CheckpointParts, path: str | Path | None = None, *, trainer: b
     if trainer:
         await p.trainer.save(str(path / "trainer"))
     info = await p.trainer.info()
+    rewards = reward_state(p.rewards.composer)
     state = {
         "step": loop.step, "version": loop.version, "stream": p.stream.state_dict(),
         "buffer": p.buffer.state_dict(), "reward_weights": p.rewards.composer.weights,
-        "rewards": reward_state(p.rewards.composer),
+        "rewards": rewards,
         "distill_coef": p.rewards.distill_coef,  # on-policy distillation's live coefficient
         # the trainer keeps the loss itself (custom ones serialised); this copy is for people and diffs
         "loss": loop.loss_name if isinstance(loop.loss_name, str) else None,
@@ -126,7 +148,7 @@ async def save(p: CheckpointParts, path: str | Path | None = None, *, trainer: b
     (path / "controller.json").write_text(json.dumps(state))
     (path.parent / "LATEST").write_text(path.name)
     p.bus.emit("checkpoint", path=str(path), loss=state["loss"], loss_kwargs=state["loss_kwargs"],
-               rewards={r["name"]: r["weight"] for r in state["rewards"]})
+               rewards={r["name"]: r["weight"] for r in rewards})
     return path
 
 
@@ -167,29 +189,30 @@ async def restore(p: CheckpointParts, path: str | Path) -> None:
                rewards_code={r["name"]: _no_pickle(r["fn"]) for r in state.get("rewards", [])})
 
 
-def _no_pickle(rec: dict | None) -> dict | None:
+def _no_pickle(rec: dict[str, object] | None) -> dict[str, object] | None:
     return None if rec is None else {k: v for k, v in rec.items() if k != "pickle"}
 
 
-def _loss_code(events: Any, loss_name: str) -> dict | None:
+def _loss_code(events: Iterable[Event], loss_name: str) -> dict[str, object] | None:
     """Code record of the run's current loss: the last swap's (it holds custom code), else the built-in's."""
     swaps = [e for e in events if e["kind"] == "loss_swapped" and e.get("code")]
     if swaps:
-        return _no_pickle(swaps[-1]["code"])
+        code = swaps[-1]["code"]
+        return _no_pickle(code if isinstance(code, dict) else None)
     try:
         return _no_pickle(loss_record(loss_name))
     except KeyError:
         return None
 
 
-def restore_metrics(tracker: Any, csv_path: Path, step: int) -> None:
+def restore_metrics(tracker: Tracker | None, csv_path: Path, step: int) -> None:
     """Put the rows up to the restored `step` back in the tracker, so the learning curve continues."""
     if tracker is None or tracker.rows or not csv_path.is_file():
         return
     with csv_path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     for raw in rows:
-        row: dict[str, Any] = {}
+        row: Event = {}
         for k, v in raw.items():
             if v in ("", None):
                 continue
@@ -199,6 +222,7 @@ def restore_metrics(tracker: Any, csv_path: Path, step: int) -> None:
                 row[k] = v
         for k in ("step", "version"):
             if k in row:
-                row[k] = int(row[k])
-        if 0 < row.get("step", 0) <= step:
+                row[k] = as_int(row[k])
+        # int() above converted step (or raised): a number here
+        if 0 < cast(int, row.get("step", 0)) <= step:
             tracker.log(row)

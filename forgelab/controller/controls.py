@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Protocol
+from collections.abc import Coroutine, Generator
+from typing import TYPE_CHECKING, Callable, Generic, Protocol, TypeVar
 
 from forgelab.algos import LOSSES
-from forgelab.rewards.library import RewardComposer, validate
+from forgelab.controller.buffer import ReplayBuffer
+from forgelab.controller.events import Emitter, Event, EventBus
+from forgelab.rewards.library import RewardComposer, RewardFn, validate
+from forgelab.types import Episode
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RunConfig
+    from forgelab.engines.loss_specs import LossSpec
+
+T = TypeVar("T")
 
 log = logging.getLogger("forgelab.controller.controls")
 
@@ -20,7 +30,7 @@ __all__ = ["Command", "LossSwapRefused", "RewardChangeRefused", "RewardRevisions
            "wait_until"]
 
 
-class Command:
+class Command(Generic[T]):
     """A live command, started at once on the running event loop: ``await`` it for its result or its error.
 
     A coroutine that is never awaited never runs, silently (``run.set_loss("dapo")`` without ``await`` in a
@@ -28,22 +38,25 @@ class Command:
     running (a plain script), it starts when awaited, like a coroutine.
     """
 
-    def __init__(self, coro: Any, what: str):
+    def __init__(self, coro: Coroutine[object, object, T], what: str):
         self.what, self.awaited = what, False
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         self._coro = coro if loop is None else None
-        self.task = None if loop is None else loop.create_task(coro)
+        self.task: asyncio.Task[T] | None = None if loop is None else loop.create_task(coro)
         if self.task is not None:
             self.task.add_done_callback(self._done)
 
-    def __await__(self):
+    def __await__(self) -> Generator[object, None, T]:
         self.awaited = True
-        return (self.task if self.task is not None else self._coro).__await__()
+        if self.task is not None:
+            return self.task.__await__()
+        assert self._coro is not None  # __init__ keeps the coroutine exactly when it made no task
+        return self._coro.__await__()
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[T]) -> None:
         if not task.cancelled() and task.exception() is not None and not self.awaited:
             log.warning("forgelab: %s failed and nothing awaited it: %s: %s", self.what,
                         type(task.exception()).__name__, task.exception())
@@ -88,7 +101,8 @@ class RewardChangeRefused(ValueError):
     """A reward failed validation on recent rollouts; the old rewards stay."""
 
 
-def prepare_loss(config: Any, loss: str | Callable, loss_kwargs: dict) -> tuple[str, Any, dict]:
+def prepare_loss(config: RunConfig, loss: LossSpec,
+                 loss_kwargs: dict[str, object]) -> tuple[str, LossSpec, dict[str, object]]:
     """``(name, spec for the trainer, keywords)`` of a loss as the trainer will run it: the name checked, the
     keywords checked (a misspelt hyperparameter is refused before anything runs) and completed with the
     completion budget (``max_tokens``, for ``dr_grpo``-style losses), a function packed by value.
@@ -137,8 +151,8 @@ class RewardControls:
         recent: ``() -> episodes`` a new reward is validated on (the newest rollouts), empty before any.
     """
 
-    def __init__(self, composer: RewardComposer, bus: Any, *, teacher_enabled: bool, distill_coef: float,
-                 recent: Callable[[], list[Any]] = list) -> None:
+    def __init__(self, composer: RewardComposer, bus: Emitter, *, teacher_enabled: bool, distill_coef: float,
+                 recent: Callable[[], list[Episode]] = list) -> None:
         self.composer, self.bus, self.teacher_enabled = composer, bus, teacher_enabled
         self.distill_coef = float(distill_coef)
         self.revisions = RewardRevisions()
@@ -149,7 +163,7 @@ class RewardControls:
     def names(self) -> list[str]:
         return self.composer.names
 
-    def validate_on(self, recent: Callable[[], list[Any]]) -> None:
+    def validate_on(self, recent: Callable[[], list[Episode]]) -> None:
         """Where new rewards find the rollouts they are validated on (the run's `Rollouts`, once it has one)."""
         self.recent = recent
 
@@ -157,7 +171,7 @@ class RewardControls:
         """Called before each rollout is scored (a replay's `Replayer`)."""
         self.hook = hook
 
-    def changed(self, kind: str, **fields: Any) -> None:
+    def changed(self, kind: str, **fields: object) -> None:
         """Record a change to the reward set (the event carries its revision number)."""
         self.bus.emit(kind, **fields, rev=self.revisions.bump())
 
@@ -170,7 +184,7 @@ class RewardControls:
         self.composer.remove(name)
         self.changed("reward_removed", name=name)
 
-    def add(self, name: str, fn: Callable[..., float], weight: float, replace: bool) -> None:
+    def add(self, name: str, fn: RewardFn, weight: float, replace: bool) -> None:
         """Validate `fn` on the latest 64 rollouts (if any), then add it; raises `RewardChangeRefused`."""
         from forgelab.controller.function_code import reward_record
 
@@ -207,7 +221,7 @@ class RewardControls:
         if distill_coef is not None:  # the coefficient as the run had changed it, not the config's
             self.distill_coef = float(distill_coef)
 
-    def rewards_for(self, flat: list) -> RewardComposer:
+    def rewards_for(self, flat: list[Episode]) -> RewardComposer:
         """The reward set one rollout is scored with (a change lands between rollouts); the first rollout scored
         after a change records where it took effect (``reward_effective``: its first episode id)."""
         if self.hook is not None and flat:
@@ -220,30 +234,32 @@ class RewardControls:
         return snapshot
 
 
-async def wait_until(met: Callable[[], bool], *, bus: Any, buffer: Any, main_task: Callable[[], "asyncio.Task | None"],
-                     describe: Callable[[], str], timeout: float | None) -> None:
+async def wait_until(met: Callable[[], bool], *, bus: EventBus, buffer: ReplayBuffer,
+                     main_task: Callable[[], "asyncio.Task[None] | None"], describe: Callable[[], str],
+                     timeout: float | None) -> None:
     """Wait until ``met()`` holds, re-checked on each step and event the `bus` tells its listeners of and each
     time episodes close in the `buffer` (trained, evicted or dropped; no polling). Raises `RuntimeError` if the
     run's ``main_task()`` ends first (its own failure if it failed; ``describe()`` says where the run stopped)
     and `asyncio.TimeoutError` after `timeout` seconds."""
     loop, changed = asyncio.get_running_loop(), asyncio.Event()
 
-    def wake(_msg: dict) -> None:  # service events may arrive on other threads
+    def wake(_msg: Event) -> None:  # service events may arrive on other threads
         loop.call_soon_threadsafe(changed.set)
 
     async def wait() -> None:
         while not met():
             main = main_task()
             if main is None or main.done():
-                if main is not None and not main.cancelled() and main.exception() is not None:
-                    raise main.exception()  # type: ignore[misc]
+                failure = None if main is None or main.cancelled() else main.exception()
+                if failure is not None:
+                    raise failure
                 raise RuntimeError(f"run ended ({describe()}) before the awaited condition held")
             changed.clear()
             waiter = asyncio.ensure_future(changed.wait())
             await asyncio.wait({waiter, main}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
 
-    def closed(_episodes: list, _status: str, _reason: str) -> None:  # drops and evictions between steps too
+    def closed(_episodes: list[Episode], _status: str, _reason: str) -> None:  # drops and evictions between steps too
         wake({})
 
     bus.add_listener(wake)

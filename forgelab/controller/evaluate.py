@@ -14,13 +14,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from forgelab.data.prompts import format_prompt
 from forgelab.data.tasks import Problem, get_task
 from forgelab.envs.episode import final_answer
+from forgelab.rewards.library import RewardFn
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RolloutConfig
+    from forgelab.controller.lifecycle import Lifecycle
+    from forgelab.controller.rollout import EpisodeSource, TextTokenizer
+    from forgelab.generation import SamplingSettings
 
 
 def load_model_and_tokenizer(model_dir: str):
@@ -99,7 +106,7 @@ def greedy_accuracy_hf(
     return sum(rewards) / len(rewards)
 
 
-def heldout_reward(rollout) -> Callable[..., float]:
+def heldout_reward(rollout: RolloutConfig) -> RewardFn:
     """The reward held-out answers are scored with: a toy task's own; for a dataset file, ``math_answer`` when
     the run trains on it (GSM8K/MATH-style answers), else ``exact_answer``."""
     from forgelab.rewards.library import REWARDS
@@ -110,7 +117,8 @@ def heldout_reward(rollout) -> Callable[..., float]:
     return REWARDS["math_answer" if "math_answer" in (rollout.rewards or {}) else "exact_answer"]
 
 
-async def heldout_accuracy(source, problems: Sequence[Problem], tokenizer, sampling, reward) -> float:
+async def heldout_accuracy(source: EpisodeSource, problems: Sequence[Problem], tokenizer: TextTokenizer | None,
+                           sampling: SamplingSettings, reward: RewardFn) -> float:
     """Greedy accuracy of the generator's current weights, played through the run's rollout `source`.
 
     One path for single-turn and multi-turn runs: each problem is one episode of
@@ -141,15 +149,15 @@ class Evaluator:
         lifecycle: the run's `Lifecycle` (its gate: new rollouts wait while an evaluation runs).
     """
 
-    def __init__(self, rollout: Any, heldout: Sequence[Problem], lifecycle: Any) -> None:
+    def __init__(self, rollout: RolloutConfig, heldout: Sequence[Problem], lifecycle: Lifecycle) -> None:
         self.rollout, self.heldout, self.lifecycle = rollout, list(heldout), lifecycle
         self.reward = heldout_reward(rollout)
         self.history: list[tuple[int, float]] = []
-        self.source: Any = None
-        self.tokenizer: Any = None
+        self.source: EpisodeSource | None = None
+        self.tokenizer: TextTokenizer | None = None
         self._observers: list[Callable[[int, float, float], None]] = []
 
-    def bind(self, source: Any, tokenizer: Any) -> None:
+    def bind(self, source: EpisodeSource, tokenizer: TextTokenizer) -> None:
         """The rollout source episodes are played through (`SingleTurn` / `EnvEpisodes`) and the tokenizer."""
         self.source, self.tokenizer = source, tokenizer
 

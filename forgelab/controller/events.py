@@ -22,14 +22,50 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator, Protocol, SupportsFloat, SupportsIndex, SupportsInt, overload
 
 EVENTS_FILE = "events.jsonl"
+
+Event = dict[str, object]
+"""One event as the log keeps it: ``kind`` (str), ``step`` (int), ``time`` (unix seconds) and its own fields, each
+a JSON value. Metrics rows passed to the listeners are dicts of the same shape."""
+
+Listener = Callable[[Event], None]
+"""What `EventBus.add_listener` takes: called with a metrics row or ``{"event": event}``."""
+
+
+def as_int(value: object) -> int:
+    """``int(value)`` for a JSON value read back from an event, a record or a manifest (typed: the value is
+    ``object``); a value ``int()`` does not take raises ``TypeError`` as ``int()`` would."""
+    if isinstance(value, (str, bytes, bytearray, SupportsInt, SupportsIndex)):
+        return int(value)
+    raise TypeError(f"int() argument must be a string, a bytes-like object or a real number, not "
+                    f"'{type(value).__name__}'")
+
+
+def as_float(value: object) -> float:
+    """``float(value)`` for a JSON value read back from an event, a record or a manifest; ``TypeError`` as
+    ``float()`` would for a value it does not take."""
+    if isinstance(value, (str, bytes, bytearray, SupportsFloat, SupportsIndex)):
+        return float(value)
+    raise TypeError(f"float() argument must be a string or a real number, not '{type(value).__name__}'")
+
+
+class Emitter(Protocol):
+    """What a part that records events receives (an `EventBus`, or a test's recorder)."""
+
+    def emit(self, kind: str, **fields: object) -> None: ...
+
+
+class Emit(Protocol):
+    """``emit(kind, **fields)``: the bound `EventBus.emit` a part receives when it records events and nothing else."""
+
+    def __call__(self, kind: str, **fields: object) -> None: ...
 
 _log = logging.getLogger("forgelab.run")
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> object:
     """Fallback for json.dumps: sets/tuples as lists, numbers as numbers, anything else as its repr."""
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
@@ -44,23 +80,23 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-class EventLog(Sequence):
+class EventLog(Sequence[Event]):
     """Append-only list of event dicts, mirrored line by line to a JSONL file once attached."""
 
     def __init__(self, path: str | Path | None = None, *, append: bool = False):
-        self._events: list[dict[str, Any]] = []
-        self._listeners: list[Callable[[dict], None]] = []
+        self._events: list[Event] = []
+        self._listeners: list[Listener] = []
         self._lock = threading.Lock()  # service callbacks may emit from other threads
         self.path: Path | None = None
         if path is not None:
             self.attach(path, append=append)
 
     # ------------------------------------------------------------------ writing
-    def emit(self, kind: str, *, step: int = 0, **fields: Any) -> dict[str, Any]:
+    def emit(self, kind: str, *, step: int = 0, **fields: object) -> Event:
         """Record one event; returns it as stored (and as written to the file)."""
         raw = {"kind": str(kind), "step": int(step), "time": time.time(), **fields}
         line = json.dumps(raw, default=_jsonable)
-        ev = json.loads(line)
+        ev: Event = json.loads(line)
         with self._lock:
             self._events.append(ev)
             if self.path is not None:
@@ -93,17 +129,17 @@ class EventLog(Sequence):
                     f.write(json.dumps(ev, default=_jsonable) + "\n")
             self.path = path
 
-    def add_listener(self, fn: Callable[[dict], None]) -> None:
+    def add_listener(self, fn: Listener) -> None:
         """fn(event) after each new event (exceptions in fn are ignored)."""
         self._listeners.append(fn)
 
-    def remove_listener(self, fn: Callable[[dict], None]) -> None:
+    def remove_listener(self, fn: Listener) -> None:
         if fn in self._listeners:
             self._listeners.remove(fn)
 
     # ------------------------------------------------------------------ reading
     @staticmethod
-    def read(path: str | Path) -> list[dict[str, Any]]:
+    def read(path: str | Path) -> list[Event]:
         """The events of a run directory (or of an events.jsonl file), oldest first."""
         path = Path(path)
         if path.is_dir():
@@ -112,17 +148,21 @@ class EventLog(Sequence):
             raise FileNotFoundError(f"no event log at {path} (runs write it when they start)")
         return _read_lines(path)
 
-    def of_kind(self, *kinds: str) -> list[dict[str, Any]]:
+    def of_kind(self, *kinds: str) -> list[Event]:
         return [e for e in self if e["kind"] in kinds]
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> Event: ...
+    @overload
+    def __getitem__(self, i: "slice[object, object, object]") -> list[Event]: ...
+    def __getitem__(self, i: "int | slice[object, object, object]") -> Event | list[Event]:
         with self._lock:
             return self._events[i]
 
     def __len__(self) -> int:
         return len(self._events)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Event]:
         with self._lock:
             snapshot = list(self._events)
         return iter(snapshot)
@@ -132,8 +172,8 @@ class EventLog(Sequence):
         return f"<EventLog {len(self)} events, last {kinds}{' -> ' + str(self.path) if self.path else ''}>"
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    out = []
+def _read_lines(path: Path) -> list[Event]:
+    out: list[Event] = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -157,17 +197,18 @@ class EventBus:
     def __init__(self, log: EventLog | None = None, step: Callable[[], int] | None = None) -> None:
         self.log = log if log is not None else EventLog()
         self._step: Callable[[], int] = step or (lambda: 0)
-        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        self._listeners: list[Listener] = []
 
     def read_step_from(self, step: Callable[[], int]) -> None:
         """Where `emit` reads the current step (the training loop, once the run has one)."""
         self._step = step
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, kind: str, **fields: object) -> None:
         """Record an event (kind, the current step, fields) in the log and tell the listeners."""
-        self.notify({"event": self.log.emit(kind, **{"step": self._step(), **fields})})
+        step = as_int(fields.pop("step")) if "step" in fields else self._step()  # an explicit step= wins
+        self.notify({"event": self.log.emit(kind, step=step, **fields)})
 
-    def notify(self, msg: dict[str, Any]) -> None:
+    def notify(self, msg: Event) -> None:
         """Tell every listener about a metrics row or an event; a failing listener is logged."""
         for fn in list(self._listeners):
             try:
@@ -175,9 +216,9 @@ class EventBus:
             except Exception:
                 _log.exception("forgelab: run listener failed")
 
-    def add_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
+    def add_listener(self, fn: Listener) -> None:
         self._listeners.append(fn)
 
-    def remove_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
+    def remove_listener(self, fn: Listener) -> None:
         if fn in self._listeners:
             self._listeners.remove(fn)

@@ -11,8 +11,7 @@ pause the run (a loss that keeps failing, a reward that hangs) and to read the g
 from __future__ import annotations
 
 import logging
-from typing import Any
-
+from forgelab.controller.events import Emitter
 from forgelab.controller.rollout import Gate
 
 log = logging.getLogger("forgelab.run")
@@ -29,7 +28,7 @@ class Lifecycle:
         bus: the run's `forgelab.controller.events.EventBus` (``paused`` / ``resumed`` events).
     """
 
-    def __init__(self, bus: Any) -> None:
+    def __init__(self, bus: Emitter) -> None:
         self.bus = bus
         self.state = "created"
         self.message = ""

@@ -27,9 +27,14 @@ import itertools
 import queue
 import threading
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable
 
-from forgelab.rewards.library import RewardComposer, RewardFailure
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RolloutConfig
+    from forgelab.controller.events import Emit
+
+from forgelab.rewards.library import RewardComposer, RewardFailure, RewardResult
 from forgelab.types import Episode
 
 __all__ = ["RewardRunner", "MAX_HUNG_REWARD_CALLS", "DEFAULT_REWARDS", "reward_weights", "configured_rewards"]
@@ -42,20 +47,23 @@ DEFAULT_REWARDS = {"exact_answer": 1.0, "answer_format": 0.1}
 """`rollout.rewards: null` on a single-turn run; an environment run adds no reward to the environment's."""
 
 
-def reward_weights(rollout: Any) -> dict[str, float]:
+def reward_weights(rollout: RolloutConfig | Mapping[str, object]) -> dict[str, float]:
     """The rewards a run starts with (name -> weight): `rollout.rewards`, or the default for the run's kind.
     `rollout` is a `RolloutConfig` or its dict (a saved run's config).
 
     >>> reward_weights({"rewards": None, "env": None}), reward_weights({"rewards": None, "env": "echo"})
     ({'exact_answer': 1.0, 'answer_format': 0.1}, {})
     """
-    get = rollout.get if isinstance(rollout, dict) else lambda k: getattr(rollout, k)
-    if get("rewards") is not None:
-        return dict(get("rewards"))
-    return {} if get("env") is not None else dict(DEFAULT_REWARDS)
+    if isinstance(rollout, dict):
+        rewards, env = rollout.get("rewards"), rollout.get("env")
+    else:
+        rewards, env = getattr(rollout, "rewards"), getattr(rollout, "env")
+    if rewards is not None:
+        return dict(rewards)
+    return {} if env is not None else dict(DEFAULT_REWARDS)
 
 
-def configured_rewards(rollout: Any) -> RewardComposer:
+def configured_rewards(rollout: RolloutConfig | Mapping[str, object]) -> RewardComposer:
     """The `RewardComposer` a run starts with (`reward_weights`)."""
     from forgelab.rewards.library import resolve_reward
 
@@ -121,7 +129,7 @@ class RewardRunner:
             with its reason, its input (prompt, completion, target) and the error's text.
     """
 
-    def __init__(self, composer: RewardComposer, timeout_s: float, emit: Callable[..., None] | None = None):
+    def __init__(self, composer: RewardComposer, timeout_s: float, emit: Emit | None = None) -> None:
         self.composer = composer
         self.timeout_s = timeout_s
         self.emit = emit
@@ -147,7 +155,7 @@ class RewardRunner:
                 failed[ep.id] = self._fail(ep, fail, fail.drop_reason)
             elif res.failed:
                 self.failures.extend(res.errors[1:])
-                failed[ep.id] = self._fail(ep, res.errors[0], res.drop_reason)
+                failed[ep.id] = self._fail(ep, res.errors[0], res.errors[0].drop_reason)  # = res.drop_reason
             else:
                 ep.reward += res.total
                 ep.reward_parts = {**ep.reward_parts, **res.parts}
@@ -160,15 +168,21 @@ class RewardRunner:
                       error=failure.error_text[-500:])
         return reason
 
-    async def _score_one(self, ep: Episode, composer: RewardComposer) -> Any:
+    async def _score_one(self, ep: Episode, composer: RewardComposer) -> RewardResult:
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[RewardResult] = loop.create_future()
 
-        def settle(value: Any, error: BaseException | None) -> None:
-            if not fut.done():  # already cancelled by the timeout
-                fut.set_exception(error) if error is not None else fut.set_result(value)
+        def settle(value: RewardResult | None, error: BaseException | None) -> None:
+            if fut.done():  # already cancelled by the timeout
+                return
+            if error is not None:
+                fut.set_exception(error)
+            elif value is not None:  # always, when there is no error
+                fut.set_result(value)
 
         def work() -> None:
+            value: RewardResult | None
+            error: BaseException | None
             try:
                 value, error = composer.score_episode(ep), None  # TRL-style rewards read its token ids
             except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine

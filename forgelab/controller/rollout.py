@@ -35,7 +35,8 @@ import json
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Callable, Protocol, cast
 
 import torch
 
@@ -43,8 +44,17 @@ from forgelab.algos import ADVANTAGES
 from forgelab.controller.buffer import ReplayBuffer
 from forgelab.quiet import RepeatLimiter
 from forgelab.controller.reward_runner import RewardRunner
-from forgelab.generation import Envs, Generators
+from forgelab.controller.events import EventBus
+from forgelab.data.tasks import Problem
+from forgelab.engines.trainer_client import RoutedService
+from forgelab.generation import Envs, GeneratorMesh, Generators, SamplingSettings
+from forgelab.rewards.library import RewardComposer
 from forgelab.types import Episode
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from forgelab.config.run_config import RunConfig
 
 log = logging.getLogger("forgelab.controller.rollout")
 
@@ -66,7 +76,7 @@ class Gate:
         """Evaluations running now (`hold`): while any runs, rollout workers admit nothing new."""
 
     @contextlib.asynccontextmanager
-    async def hold(self):
+    async def hold(self) -> AsyncIterator[None]:
         """Admit no new rollouts while the body runs (an evaluation): its requests then have the generator to
         themselves, beside the rollouts already in flight, instead of queueing behind new ones. Rollouts
         resume when the last hold ends; nothing is dropped."""
@@ -94,7 +104,7 @@ class Gate:
 class Admitted:
     """Problems taken from the stream with their group ids and first episode id (assigned at admission)."""
 
-    problems: list
+    problems: list[Problem]
     first_group: int
     first_episode: int
     group_size: int
@@ -110,14 +120,16 @@ class Admitted:
                 self.created.append(ep)
 
 
-def _takes_seeds(fn: Any) -> bool:
+def _takes_seeds(fn: object) -> bool:
+    if not callable(fn):  # what inspect.signature refuses with TypeError
+        return False
     try:
         return "seeds" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
 
-def determinism(config: Any) -> tuple[bool, str | None]:
+def determinism(config: RunConfig) -> tuple[bool, str | None]:
     """``(True, None)`` when a run with `config` seeds every sample for an exact replay, else ``(False, why)``.
 
     Deterministic mode is the synchronous one (`train.max_policy_age` 0) on single-turn tasks: each rollout is
@@ -150,6 +162,49 @@ def check_seeded_generate() -> None:
                            "inconsistent; reinstall it, or set train.max_policy_age > 0 to train unseeded")
 
 
+class TextTokenizer(Protocol):
+    """What the controller calls on the model's tokenizer (a ``transformers`` tokenizer; `format_prompt` and
+    `forgelab.envs.episode.final_answer` also use its chat template and ``decode``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class EpisodeSource(Protocol):
+    """Plays problems as episodes: `SingleTurn` or `EnvEpisodes` (the rollouts and the evaluator use it)."""
+
+    async def play(self, problems: list[Problem], n: int, sampling: SamplingSettings | None = None,
+                   seeds: list[list[int]] | None = None) -> list[list[Episode]]: ...
+
+
+class LogprobService(RoutedService, Protocol):
+    """The reference or teacher service: ``route("logprobs", ...)`` and, after a replica died, ``wait_healthy``."""
+
+    async def wait_healthy(self, count: int | None = None, timeout: float | None = None) -> None: ...
+
+
+class Pausable(Protocol):
+    """The run's lifecycle as the rollouts use it (`forgelab.controller.lifecycle.Lifecycle`): its gate and
+    ``pause(message)``."""
+
+    @property
+    def gate(self) -> Gate: ...
+    def pause(self, message: str | None = None) -> None: ...
+
+
+class Problems(Protocol):
+    """Where rollouts take their problems (`forgelab.data.datasets.ProblemStream`)."""
+
+    def next(self, k: int) -> list[Problem]: ...
+
+
+class ScoringControls(Protocol):
+    """The live reward set a rollout is scored with and the distillation coefficient now (`RewardControls`)."""
+
+    @property
+    def distill_coef(self) -> float: ...
+    def rewards_for(self, flat: list[Episode]) -> RewardComposer: ...
+
+
 class SingleTurn:
     """A single-turn task as a one-step environment played in the controller: one generate call per rollout,
     the prompt rendered once for its G samples; the episode's reward comes from `rollout.rewards` alone."""
@@ -157,11 +212,11 @@ class SingleTurn:
     #: Rendered prompts kept (`prompt_ids`); past this the oldest are forgotten (re-rendered if met again).
     PROMPT_CACHE = 65536
 
-    def __init__(self, generators: Generators, tokenizer: Any, sampling: Any = None):
+    def __init__(self, generators: Generators, tokenizer: TextTokenizer, sampling: SamplingSettings | None = None):
         self.generators, self.tokenizer, self.sampling = generators, tokenizer, sampling
-        self._prompt_cache: dict[Any, list[int]] = {}
+        self._prompt_cache: dict[str, list[int]] = {}
 
-    def prompt_ids(self, prompt: str | list[dict]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt (text, or a chat-format problem's messages) rendered by the chat template.
 
         Cached by the prompt's content: the held-out set is rendered once, not at every evaluation."""
@@ -176,7 +231,8 @@ class SingleTurn:
             self._prompt_cache[key] = ids
         return list(ids)
 
-    async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
+    async def play(self, problems: list[Problem], n: int, sampling: SamplingSettings | None = None,
+                   seeds: list[list[int]] | None = None) -> list[list[Episode]]:
         from forgelab.data.prompts import problem_chat
         from forgelab.generation import GenerateRequest
 
@@ -195,17 +251,21 @@ class EnvEpisodes:
     """Multi-turn episodes of `rollout.env`, played by the EnvActor service against the healthy generator replicas
     (the env actors call them directly: no turn passes through the controller)."""
 
-    def __init__(self, envs: Envs, generators: Generators, config: Any):
+    def __init__(self, envs: Envs, generators: Generators, config: RunConfig):
         self.envs, self.generators, self.config = envs, generators, config
 
-    async def play(self, problems: list, n: int, sampling: Any = None, seeds: list[list[int]] | None = None) -> list[list[Episode]]:
+    async def play(self, problems: list[Problem], n: int, sampling: SamplingSettings | None = None,
+                   seeds: list[list[int]] | None = None) -> list[list[Episode]]:
         from forgelab.engines.generator import SamplingConfig
 
         r = self.config.rollout
+        if r.env is None:
+            raise ValueError("EnvEpisodes: the run's config names no rollout.env (single-turn runs use SingleTurn)")
         sampling = sampling or SamplingConfig(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens)
         from forgelab.generation import EnvGroupsRequest
 
-        gens = [h.actor for h in self.generators.handles() if h is not None]
+        # each healthy replica's generator actor (a GeneratorMesh: the env actors call its ``generate``)
+        gens = [cast(GeneratorMesh, h.actor) for h in self.generators.handles() if h is not None]
         return await self.envs.run_groups(EnvGroupsRequest(
             env=r.env, tasks_P=problems, n=n, generators=gens, sampling=sampling, env_kwargs=dict(r.env_kwargs),
             max_turns=r.max_turns, max_total_tokens=self.config.model.max_model_len,
@@ -234,8 +294,9 @@ class Rollouts:
         teacher: the teacher's logprob service (on-policy distillation; may be `reference` itself) or None.
     """
 
-    def __init__(self, config: Any, source: Any, buffer: ReplayBuffer, rewards: RewardRunner, reference: Any,
-                 stream: Any, lifecycle: Any, bus: Any, controls: Any = None, pad_id: int = 0, teacher: Any = None):
+    def __init__(self, config: RunConfig, source: EpisodeSource, buffer: ReplayBuffer, rewards: RewardRunner,
+                 reference: LogprobService | None, stream: Problems, lifecycle: Pausable, bus: EventBus,
+                 controls: ScoringControls | None = None, pad_id: int = 0, teacher: LogprobService | None = None):
         self.config, self.source, self.buffer, self.rewards = config, source, buffer, rewards
         self.reference, self.stream, self.lifecycle, self.bus, self.pad_id = reference, stream, lifecycle, bus, pad_id
         self.controls, self.teacher = controls, teacher
@@ -271,7 +332,7 @@ class Rollouts:
         tokens, self.tokens = self.tokens, 0
         return tokens
 
-    def zero_variance_count(self, config: Any) -> int | None:
+    def zero_variance_count(self, config: RunConfig) -> int | None:
         """Episodes of zero-variance groups kept for their distillation signal, when this run keeps them."""
         if self.teacher is not None and config.rollout.drop_zero_variance_groups:
             return self.zero_variance_kept
@@ -398,7 +459,7 @@ class Rollouts:
             for ep, lps in zip(keep, await self._service_logprobs(self.reference, keep, "reference")):
                 ep.ref_logprobs = lps
         if self.teacher is not None:
-            await self._distill(keep, distill_coef)
+            await self._distill(self.teacher, keep, distill_coef)
         async with self.gate.changed:
             self.buffer.add(keep)
             self._remember(keep)
@@ -413,19 +474,20 @@ class Rollouts:
         self.recent.extend(eps)
         self.recent_total += len(eps)
 
-    async def _distill(self, eps: list[Episode], coef: float) -> None:
+    async def _distill(self, teacher: LogprobService, eps: list[Episode], coef: float) -> None:
         """The teacher's logprob of every sampled token, and each token's advantage moved toward it."""
         from forgelab.algos.advantages import distill_advantages
 
-        shared = self.teacher is self.reference  # the teacher is the run's model in the reference's process
-        lps_E = ([ep.ref_logprobs for ep in eps] if shared
-                 else await self._service_logprobs(self.teacher, eps, "teacher"))
+        shared = teacher is self.reference  # the teacher is the run's model in the reference's process
+        # shared: the reference's logprobs were set on every kept episode just before (`_score`)
+        lps_E = ([cast("list[float]", ep.ref_logprobs) for ep in eps] if shared
+                 else await self._service_logprobs(teacher, eps, "teacher"))
         for ep, lps in zip(eps, lps_E):
             ep.teacher_logprobs = list(lps)
             ep.token_advantages = distill_advantages(ep.advantage, ep.teacher_logprobs, ep.generator_logprobs, coef,
                                                      ep.loss_mask)
 
-    async def _service_logprobs(self, service: Any, eps: list[Episode], what: str) -> list[list[float]]:
+    async def _service_logprobs(self, service: LogprobService, eps: list[Episode], what: str) -> list[list[float]]:
         """Each episode's completion-token logprobs under `service` (the reference or the teacher)."""
         from forgelab.engines.trainer_client import ReferenceClient
         from forgelab.runtime.service import NoHealthyReplicaError, ReplicaFailedError
@@ -449,7 +511,7 @@ class Rollouts:
                 for i, ep in enumerate(eps)]
 
     # -- views --------------------------------------------------------------------------------------------
-    def dataframe(self):
+    def dataframe(self) -> pd.DataFrame:
         """The newest `RECENT` episodes (newest last) with token ids, logprobs, rewards, advantages and buffer
         status; ``df.attrs``: ``shown``, ``older`` (how many earlier ones are not shown) and where they are."""
         import pandas as pd

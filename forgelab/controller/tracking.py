@@ -12,7 +12,13 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from forgelab.controller.events import Event, as_int
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger("forgelab.controller.tracking")
 
@@ -20,10 +26,11 @@ log = logging.getLogger("forgelab.controller.tracking")
 class Tracker:
     """Rows of per-step metrics, mirrored to out_dir/metrics.csv and (optionally) wandb."""
 
-    def __init__(self, out_dir: str | Path, *, use_wandb: bool = True, run_name: str = "forgelab", config: dict | None = None):
+    def __init__(self, out_dir: str | Path, *, use_wandb: bool = True, run_name: str = "forgelab",
+                 config: dict[str, object] | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[Event] = []
         self.csv_path = self.out_dir / "metrics.csv"
         self._columns: list[str] = []
         self._wandb = None
@@ -46,7 +53,7 @@ class Tracker:
                 log.warning("forgelab: wandb disabled (%s: %s)", type(e).__name__, e)
                 self._wandb = None
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: Event) -> None:
         self.rows.append(row)
         new_cols = [k for k in row if k not in self._columns]
         if new_cols:
@@ -58,7 +65,7 @@ class Tracker:
         if self._wandb is not None:
             try:
                 clean = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-                self._wandb.log(clean, step=int(row.get("step", len(self.rows))))
+                self._wandb.log(clean, step=as_int(row.get("step", len(self.rows))))
             except Exception as e:
                 log.warning("forgelab: wandb log failed (%s)", e)
 
@@ -69,7 +76,7 @@ class Tracker:
             for r in self.rows:
                 w.writerow(r)
 
-    def dataframe(self):
+    def dataframe(self) -> pd.DataFrame:
         import pandas as pd
 
         return pd.DataFrame(self.rows, columns=self._columns or None)
@@ -92,7 +99,7 @@ MARKED_EVENTS = ("loss_swapped", "reward_weights", "reward_added", "replica_fail
                  "step_skipped", "paused", "resumed_from_checkpoint")
 
 
-def plot_learning_curve(df, path: str | Path, events: list[dict] | None = None,
+def plot_learning_curve(df: pd.DataFrame, path: str | Path, events: Iterable[Event] | None = None,
                         accuracy: list[tuple[int, float]] | None = None) -> Path:
     """Reward, held-out accuracy (`accuracy`: (step, acc) pairs, step 0 included) and loss against step, as a PNG.
 

@@ -20,12 +20,22 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
 from forgelab.algos.batching import collate
+from forgelab.controller.buffer import EpisodeCounts, ReplayBuffer
+from forgelab.controller.events import Event, EventBus
 from forgelab.controller.generator_meter import GeneratorMeter
-from forgelab.engines.contracts import StepMetrics, TokenValues
+from forgelab.controller.lifecycle import Lifecycle
+from forgelab.engines.contracts import StepMetrics, TokenValues, TrainBatch
+from forgelab.engines.loss_specs import LossSpec
+from forgelab.engines.trainer_client import TrainerAPI
+from forgelab.generation import Generators
 from forgelab.types import Episode
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RolloutConfig, RunConfig
+    from forgelab.weights.sync import PushReport
 
 log = logging.getLogger("forgelab.controller.training")
 
@@ -36,6 +46,44 @@ class StepHook(Protocol):
     """Called before each trained step (a replay re-applies its recorded loss swaps here)."""
 
     async def before_step(self, step: int) -> None: ...
+
+
+class WeightPusher(Protocol):
+    """Sends the trainer's weights to the generators (`forgelab.weights.sync.WeightSync`)."""
+
+    async def push(self, version: int) -> PushReport: ...
+
+
+class StepTokens(Protocol):
+    """What a step's metrics row reads of the rollouts (`forgelab.controller.rollout.Rollouts`)."""
+
+    def take_tokens(self) -> int: ...
+    def zero_variance_count(self, config: RunConfig) -> int | None: ...
+
+
+class StepEvaluator(Protocol):
+    """Held-out accuracy when due (`forgelab.controller.evaluate.Evaluator`)."""
+
+    async def evaluate(self, step: int, n: int | None = None) -> float: ...
+
+
+class RowLog(Protocol):
+    """Where metrics rows go (`forgelab.controller.tracking.Tracker`)."""
+
+    def log(self, row: Event) -> None: ...
+
+
+class StepRecords(Protocol):
+    """The rollout log, told when a step is done (`forgelab.controller.rollout_log.RolloutRecorder`)."""
+
+    def step_done(self, step: int) -> None: ...
+
+
+class RewardNames(Protocol):
+    """The reward set's names, in order (`forgelab.controller.controls.RewardControls`)."""
+
+    @property
+    def names(self) -> list[str]: ...
 
 
 class TrainingLoop:
@@ -50,20 +98,33 @@ class TrainingLoop:
         loss_name: the configured loss's label.
     """
 
-    def __init__(self, config: Any, lifecycle: Any, buffer: Any, bus: Any, loss_name: str) -> None:
+    trainer: TrainerAPI
+    weights: WeightPusher
+    generators: Generators
+    rollouts: StepTokens
+    evaluator: StepEvaluator
+    tracker: RowLog
+    records: StepRecords
+    rewards: RewardNames
+    pad_id: int
+    checkpoint: Callable[[], Awaitable[Path]]
+
+    def __init__(self, config: RunConfig, lifecycle: Lifecycle, buffer: ReplayBuffer, bus: EventBus,
+                 loss_name: str) -> None:
         self.config, self.lifecycle, self.buffer, self.bus = config, lifecycle, buffer, bus
         self.step = 0
         self.version = 0
         self.loss_name = loss_name
-        self.last_batch: dict | None = None
+        self.last_batch: TrainBatch | None = None
         self.training_in_flight = False
         self.consecutive_failures = 0
         self.token_rate = TokenRate()
         self.hook: StepHook | None = None
         self._bound = False
 
-    def bind(self, *, trainer: Any, weights: Any, generators: Any, rollouts: Any, evaluator: Any, tracker: Any,
-             records: Any, rewards: Any, pad_id: int, checkpoint: Callable[[], Awaitable[Path]]) -> None:
+    def bind(self, *, trainer: TrainerAPI, weights: WeightPusher, generators: Generators, rollouts: StepTokens,
+             evaluator: StepEvaluator, tracker: RowLog, records: StepRecords, rewards: RewardNames, pad_id: int,
+             checkpoint: Callable[[], Awaitable[Path]]) -> None:
         """The parts a step uses once the processes are up: trainer handle, `WeightSync`, generator service
         (engine counters), `Rollouts` (token counts), `Evaluator`, `Tracker`, `RolloutRecorder`, the reward
         controls (reward names), the pad id and the checkpoint writer."""
@@ -83,7 +144,7 @@ class TrainingLoop:
         """Called before each trained step (a replay's `Replayer`)."""
         self.hook = hook
 
-    def use_last_batch(self, batch: dict | None) -> None:
+    def use_last_batch(self, batch: TrainBatch | None) -> None:
         """A forked child's first loss swap is dry-run on the batch its parent trained last."""
         self.last_batch = batch
 
@@ -91,7 +152,7 @@ class TrainingLoop:
         """A resume after a pause: the count of skipped steps in a row starts again."""
         self.consecutive_failures = 0
 
-    async def swap_loss(self, name: str, packed: Any, loss_kwargs: dict) -> int:
+    async def swap_loss(self, name: str, packed: LossSpec, loss_kwargs: dict[str, object]) -> int:
         """Dry-run the loss on the last batch (if any), then set it on the trainer; returns the step it applies
         at (a step in flight finishes with the old loss). Raises `LossSwapRefused` when the dry run fails."""
         from forgelab.controller.controls import LossSwapRefused
@@ -109,7 +170,7 @@ class TrainingLoop:
         self.loss_name = name
         return applies_at
 
-    async def push_weights(self) -> Any:
+    async def push_weights(self) -> PushReport:
         """Trainer -> every healthy generator replica, as version `self.version`; frees admission for it."""
         report = await self.weights.push(self.version)
         gate = self.lifecycle.gate
@@ -137,7 +198,7 @@ class TrainingLoop:
                 await self.train_on(batch_eps, meter)
         await gate.notify()
 
-    async def train_on(self, batch_eps: list[Episode], meter: GeneratorMeter | None = None) -> dict | None:
+    async def train_on(self, batch_eps: list[Episode], meter: GeneratorMeter | None = None) -> Event | None:
         """One trainer step on `batch_eps` (in flight in the buffer), then weights, metrics, eval and checkpoint;
         `meter` adds the generators' engine counters (``generator/*``) to the row. Returns the metrics row, or
         None for a skipped step."""
@@ -190,8 +251,6 @@ class TrainingLoop:
         return row
 
 
-_TOKEN_COLUMNS = {"trainer_logprobs": "trainer_logprobs_B_T", "entropy": "entropy_B_T", "is_weight": "is_weights_B_T",
-                  "clipped": "clipped_B_T"}
 
 
 def attach_token_values(episodes: list[Episode], token_values: TokenValues, step: int) -> None:
@@ -201,8 +260,9 @@ def attach_token_values(episodes: list[Episode], token_values: TokenValues, step
 
     P = [len(ep.prompt_ids) for ep in episodes]
     C = [len(ep.completion_ids) for ep in episodes]
-    per = {k: None if token_values.get(v) is None else per_episode(token_values[v], P, C)
-           for k, v in _TOKEN_COLUMNS.items()}
+    columns = {"trainer_logprobs": token_values.trainer_logprobs_B_T, "entropy": token_values.entropy_B_T,
+               "is_weight": token_values.is_weights_B_T, "clipped": token_values.clipped_B_T}
+    per = {k: None if v is None else per_episode(v, P, C) for k, v in columns.items()}
     for b, ep in enumerate(episodes):
         ep.train_values = {k: None if vals is None else vals[b] for k, vals in per.items()}
         ep.train_values["step"] = step
@@ -232,17 +292,17 @@ class StepFacts:
     __slots__ = ("step", "version", "loss_name", "reward_names", "env", "tokens", "counts", "zero_variance_kept")
 
     def __init__(self, step: int, version: int, loss_name: str, reward_names: list[str], env: bool, tokens: int,
-                 counts: dict[str, Any], zero_variance_kept: int | None) -> None:
+                 counts: EpisodeCounts, zero_variance_kept: int | None) -> None:
         self.step, self.version, self.loss_name, self.reward_names = step, version, loss_name, reward_names
         self.env, self.tokens, self.counts, self.zero_variance_kept = env, tokens, counts, zero_variance_kept
 
 
 def metrics_row(f: StepFacts, eps: list[Episode], m: StepMetrics, token_rate: TokenRate, t_train: float, sync_ms: float,
-                t_step: float) -> dict:
+                t_step: float) -> Event:
     """The per-step metrics row: rewards (total and per part), policy age, lengths, the trainer's metrics,
     throughput, times and the episode counters. Columns are stable: widgets, CSVs and tests read them."""
     now = time.time()
-    row: dict[str, Any] = {"step": f.step, "time": now, "version": f.version,
+    row: Event = {"step": f.step, "time": now, "version": f.version,
                            "reward_mean": sum(ep.reward for ep in eps) / len(eps)}
     names = f.reward_names
     for name in [*names, *sorted({k for ep in eps for k in ep.reward_parts} - set(names))]:
@@ -267,8 +327,9 @@ def metrics_row(f: StepFacts, eps: list[Episode], m: StepMetrics, token_rate: To
     row["step_time_s"] = t_step
     row["train_time_s"] = t_train
     row["weight_sync_ms"] = sync_ms
-    for k in ("generated", "trained", "evicted", "dropped", "buffered"):
-        row[f"episodes_{k}"] = f.counts[k]
+    c = f.counts
+    row.update({"episodes_generated": c["generated"], "episodes_trained": c["trained"], "episodes_evicted": c["evicted"],
+                "episodes_dropped": c["dropped"], "episodes_buffered": c["buffered"]})
     if f.zero_variance_kept is not None:
         row["episodes_zero_variance_kept"] = f.zero_variance_kept  # not dropped: they distil
     return row

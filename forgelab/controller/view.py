@@ -10,7 +10,12 @@ through the run's public commands; they never touch the run's parts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from forgelab.controller.events import as_float, as_int
+
+if TYPE_CHECKING:
+    from forgelab.controller.buffer import EpisodeCounts
 
 __all__ = ["RunSnapshot", "RunEvent", "events_of"]
 
@@ -22,14 +27,15 @@ class RunEvent:
     kind: str
     step: int
     time: float
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, object] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, ev: Mapping[str, Any]) -> "RunEvent":
-        return cls(kind=str(ev.get("kind", "")), step=int(ev.get("step", 0)), time=float(ev.get("time", 0.0)),
+    def of(cls, ev: Mapping[str, object]) -> "RunEvent":
+        return cls(kind=str(ev.get("kind", "")), step=as_int(ev.get("step", 0)),
+                   time=as_float(ev.get("time", 0.0)),
                    fields={k: v for k, v in ev.items() if k not in ("kind", "step", "time")})
 
-    def get(self, name: str, default: Any = None) -> Any:
+    def get(self, name: str, default: object = None) -> object:
         """A field by name, `kind`/`step`/`time` included (so code written for the log's dicts reads it too)."""
         if name in ("kind", "step", "time"):
             return getattr(self, name)
@@ -49,9 +55,9 @@ class RunSnapshot:
     loss: str
     message: str
     reward_weights: dict[str, float]
-    episodes: dict[str, Any]
+    episodes: "EpisodeCounts"
     accuracy_history: tuple[tuple[int, float], ...]
-    services: dict[str, Any]
+    services: dict[str, Sequence[object]]
     events: int
     """How many events the log holds (read new ones with `run.events[n:]`)."""
 
@@ -65,6 +71,6 @@ class RunSnapshot:
         return self.accuracy_history[-1][1] if self.accuracy_history else None
 
 
-def events_of(events: Sequence[Mapping[str, Any]], since: int = 0) -> list[RunEvent]:
+def events_of(events: Sequence[Mapping[str, object]], since: int = 0) -> list[RunEvent]:
     """A run's events from index `since` on, typed (the log keeps the dicts; this is a read-only copy)."""
     return [RunEvent.of(e) for e in list(events)[since:]]
