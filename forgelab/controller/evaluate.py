@@ -28,19 +28,20 @@ if TYPE_CHECKING:
     from forgelab.controller.lifecycle import Lifecycle
     from forgelab.controller.rollout import EpisodeSource, TextTokenizer
     from forgelab.generation import SamplingSettings
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-def load_model_and_tokenizer(model_dir: str):
+def load_model_and_tokenizer(model_dir: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` from a saved checkpoint, float32 on CPU in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)  # type: ignore[no-untyped-call]  # transformers: PreTrainedModel.eval is unannotated
 
 
 @torch.no_grad()
 def greedy_generate_hf(
-    model, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 8, batch_size: int = 256
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, max_new_tokens: int = 8, batch_size: int = 256
 ) -> list[str]:
     """Greedy completions (special tokens stripped) of already-templated ``prompts``.
 
@@ -55,7 +56,7 @@ def greedy_generate_hf(
             padding=True,
             add_special_tokens=False,
         )
-        ids_B_T = model.generate(
+        ids_B_T = model.generate(  # type: ignore[operator]  # transformers: generate comes from GenerationMixin, mixed into each causal-LM class, not PreTrainedModel
             **batch,
             do_sample=False,
             max_new_tokens=max_new_tokens,
@@ -68,8 +69,8 @@ def greedy_generate_hf(
 
 
 def greedy_accuracy_hf(
-    model_dir_or_model,
-    tokenizer,
+    model_dir_or_model: str | os.PathLike[str] | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
     problems: Sequence[Problem],
     max_new_tokens: int = 8,
     batch_size: int = 256,
@@ -92,7 +93,7 @@ def greedy_accuracy_hf(
     if not problems:
         raise ValueError("greedy_accuracy_hf: no problems to evaluate")
     was_training = model.training
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers: PreTrainedModel.eval is unannotated
     try:
         prompts = [format_prompt(tokenizer, p.prompt) for p in problems]
         completions = greedy_generate_hf(
