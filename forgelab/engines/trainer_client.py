@@ -83,7 +83,7 @@ def _mapping(answer: object) -> dict[str, object]:
 class EndpointHandle(Protocol):
     """A spawned component as the client sees it: ``call(endpoint, *args)`` answers one value per rank."""
 
-    async def call(self, endpoint_name: str, *args: object, **kwargs: object) -> list[object]: ...
+    async def call(self, endpoint_name: str, /, *args: object, **kwargs: object) -> list[object]: ...
 
 
 class TrainerAPI(Protocol):

@@ -33,13 +33,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack, runtime_checkable
 
+from forgelab.controller.events import as_int
 from forgelab.controller.facade import RunFacade, SpawnParts
 
 if TYPE_CHECKING:
     from forgelab.algos.losses import LossFn
     from forgelab.config.run_config import RunConfig
     from forgelab.rewards.library import RewardFn
-    from forgelab.engines.spawn import Parts
+    from forgelab.engines.shared_parts import SlotParts
     from forgelab.engines.trainer_client import TrainerAPI
     from forgelab.types import TrainBatch
 
@@ -85,7 +86,7 @@ class _Releasable(Protocol):
 class _SlotCopier(Protocol):
     """A spawn whose slots can be copied in memory (`forgelab.experiments.variants.SharedEngines`)."""
 
-    async def __call__(self, cfg: RunConfig) -> "Parts": ...
+    async def __call__(self, cfg: RunConfig) -> SlotParts: ...
 
     async def copy_slot(self, src: str) -> SpawnParts: ...
 
@@ -125,7 +126,7 @@ def _mapping(value: object, what: str) -> Mapping[str, object]:
 
 def _quiet(run: RunFacade) -> bool:
     rows = run.tracker.rows if run.tracker is not None else []
-    logged = run.step == 0 or (rows and int(rows[-1].get("step", -1)) == run.step)
+    logged = run.step == 0 or (rows and as_int(rows[-1].get("step", -1)) == run.step)
     return run.buffer.reserved == 0 and not run.buffer.in_flight() and not run.training_in_flight and bool(logged)
 
 

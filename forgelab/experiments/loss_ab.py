@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from forgelab.engines.loss_compare import CURRENT_LOSS, loss_spec
 from forgelab.controller.facade import RunFacade
@@ -31,6 +31,7 @@ from forgelab.controller.facade import RunFacade
 if TYPE_CHECKING:
     import pandas as pd
 
+    from forgelab.engines.loss_specs import LossFunction, LossSpec
     from forgelab.engines.trainer_client import Fingerprint, TrainerInfo
     from forgelab.types import TrainBatch
 
@@ -88,12 +89,20 @@ def _resolve(run: RunFacade, item: object, current: "TrainerInfo") -> tuple[obje
     """``(spec, kwargs)`` for the trainer, resolved as `Run.set_loss` resolves a loss (`controls.prepare_loss`):
     checked keywords, the completion budget, a function packed. A bare name of the run's current loss means
     it with the run's keywords (``train.loss_kwargs`` or the last swap's)."""
-    from forgelab.controller.controls import prepare_loss
+    from forgelab.controller.controls import LossSwapRefused, prepare_loss
+    from forgelab.engines.loss_specs import PackedLoss
 
     spec, kwargs = loss_spec(item)
     if isinstance(spec, str) and spec == current.get("loss") and not kwargs:
         kwargs = dict(current.get("loss_kwargs") or {})
-    _, packed, kwargs = prepare_loss(run.config, spec, kwargs)
+    loss: LossSpec
+    if isinstance(spec, (str, PackedLoss)):
+        loss = spec
+    elif callable(spec):  # a function: its signature is the trainer's to check when it calls it
+        loss = cast("LossFunction", spec)
+    else:  # what prepare_loss refuses, with its words
+        raise LossSwapRefused(f"expected a loss name or a function, got {spec!r}")
+    _, packed, kwargs = prepare_loss(run.config, loss, kwargs)
     return packed, kwargs
 
 

@@ -31,15 +31,17 @@ import itertools
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, cast
 
 from forgelab.controller.facade import RunFacade
 
 if TYPE_CHECKING:
     from forgelab.config.run_config import RunConfig
-    from forgelab.engines.generator_service import GeneratorService
+    from forgelab.engines.generator_service import GeneratorService, ReplicaActor
     from forgelab.engines.shared_parts import SlotParts
     from forgelab.engines.spawn import Parts
+    from forgelab.engines.trainer_slots import SlotTrainer
+    from forgelab.runtime.mesh import ActorHandle
     from forgelab.engines.trainer_client import TrainerClient
     from forgelab.experiments.fork import ForkOverrides
 
@@ -68,7 +70,7 @@ class SharedEngines:
         self.config = self._shared_config(cfg.validate())
         self._check(self.config)
         self.name = f"engines{next(_ids)}"
-        self.parts: Parts | None = None
+        self.parts: Parts[GeneratorService, ActorHandle[SlotTrainer]] | None = None
         self.attached: dict[str, SlotParts | None] = {}  # slot -> SlotParts (None: reserved)
         self.run_names: dict[str, str] = {}  # slot -> the attached run's name
         self.spawn_s = 0.0
@@ -107,14 +109,16 @@ class SharedEngines:
     async def _spawn(self) -> None:
         from forgelab.engines.trainer_slots import SlotTrainer
         from forgelab.engines.generator_slots import SlotGenerator
-        from forgelab.engines.spawn import Parts, component_configs, reference_process, start_all
+        from forgelab.engines.generator_service import GeneratorService
+        from forgelab.engines.spawn import Parts, ServicePart, Stoppable, component_configs, reference_process, start_all
         from forgelab.engines.trainer import ReferenceModel
         from forgelab.engines.pool import engine_key
+        from forgelab.runtime.mesh import ActorHandle
 
         cfg, p = self.config, self.config.placement
         cc = component_configs(cfg)
         threads, gpus = p.threads, p.with_gpus
-        jobs = [SlotGenerator.options(num_replicas=p.generator_replicas, threads=threads, with_gpus=gpus)
+        jobs: list[Awaitable[Stoppable]] = [SlotGenerator.options(num_replicas=p.generator_replicas, threads=threads, with_gpus=gpus)
                 .as_service(cc["generator"]),
                 SlotTrainer.options(procs=p.trainer_procs, threads=threads, with_gpus=gpus).as_actor(cc["trainer"])]
         if reference_process(cfg):
@@ -123,15 +127,20 @@ class SharedEngines:
         t0 = time.time()
         results = await start_all(jobs)
         self.spawn_s = time.time() - t0
-        self.parts = Parts(generators=results[0], trainer=results[1], reference=results[2] if len(results) > 2 else None,
-                           seconds=self.spawn_s)
-        self.parts.generators.on_respawn = self._respawned
+        generators, trainer, services = results[0], results[1], cast("list[ServicePart]", results[2:])
+        # as_service answers the component's SERVICE class; as_actor an ActorHandle of it
+        if not isinstance(generators, GeneratorService) or not isinstance(trainer, ActorHandle):
+            raise TypeError(f"{self.name}: got {type(generators).__name__} and {type(trainer).__name__}, not a "
+                            "GeneratorService and an ActorHandle")
+        self.parts = Parts(generators=generators, trainer=cast("ActorHandle[SlotTrainer]", trainer),
+                           reference=services[0] if services else None, seconds=self.spawn_s)
+        generators.on_respawn = self._respawned
         self.key = engine_key(cfg)
 
-    async def _respawned(self, handle: object) -> None:
+    async def _respawned(self, handle: "ReplicaActor") -> None:
         """A generator replica came back empty: every attached run pushes its adapter to it (its catch_up)."""
         for parts in list(self.attached.values()):
-            if parts is None:  # a slot reserved for a fork's child: no run, no adapter pushed yet
+            if parts is None or parts.generators is None:  # a slot reserved for a fork's child: no run, no adapter
                 continue
             hook = parts.generators.on_respawn
             if hook is not None:
@@ -144,13 +153,19 @@ class SharedEngines:
     async def __call__(self, cfg: "RunConfig") -> "SlotParts":
         return await self.attach(cfg)
 
+    def _handles(self) -> "tuple[ActorHandle[SlotTrainer], GeneratorService]":
+        """The shared trainer actor and generator service; raises when the processes are down."""
+        parts = self.parts
+        if parts is None or parts.trainer is None or parts.generators is None:
+            raise RuntimeError(f"{self.name}: its processes are not running (await engines.start())")
+        return parts.trainer, parts.generators
+
     def _processes(self) -> "tuple[TrainerClient, GeneratorService]":
         """The shared trainer (typed calls) and generator service; raises when the processes are down."""
         from forgelab.engines.trainer_client import TrainerClient
 
-        if self.parts is None:
-            raise RuntimeError(f"{self.name}: its processes are not running (await engines.start())")
-        return TrainerClient(self.parts.trainer), self.parts.generators
+        trainer, generators = self._handles()
+        return TrainerClient(trainer), generators
 
     async def copy_slot(self, src: str) -> "ReservedSlot":
         """Reserve a free slot holding an exact copy of slot ``src``'s trainer state (adapter, optimizer,
@@ -222,8 +237,9 @@ class SharedEngines:
                 raise
         if self.parts is None:
             raise RuntimeError(f"{self.name}: its processes stopped while {cfg.name!r} attached")
-        parts = SlotParts(generators=SlotGenerators(self.parts.generators, slot),
-                          trainer=SlotTrainerHandle(self.parts.trainer, slot), reference=self.parts.reference,
+        shared_trainer, shared_generators = self._handles()
+        parts = SlotParts(generators=SlotGenerators(shared_generators, slot),
+                          trainer=SlotTrainerHandle(shared_trainer, slot), reference=self.parts.reference,
                           seconds=time.time() - t0, pool=self, slot=slot)
         self.attached[slot], self.run_names[slot] = parts, cfg.name
         self.last_note = f"{cfg.name} attached to {slot} in {parts.seconds:.2f} s"
@@ -242,7 +258,8 @@ class SharedEngines:
         if parts is None or self.attached.get(parts.slot) is not parts:
             return  # detached already (the slot may hold another run now)
         slot = parts.slot
-        parts.generators.detach()
+        if parts.generators is not None:  # always set on attach; SlotParts.shutdown detaches, never clears it
+            parts.generators.detach()
         self.attached[slot] = None  # still reserved while the processes forget it
         try:
             if self.parts is not None:
@@ -317,11 +334,13 @@ class SharedEngines:
             slot = f"slot{i}"
             parts = self.attached.get(slot)
             rows.append({"engines": self.name, "slot": slot, "run": self.run_names.get(slot),
-                         "versions": dict(parts.generators.versions) if parts is not None else {}})
+                         "versions": (dict(parts.generators.versions)
+                                      if parts is not None and parts.generators is not None else {})})
         return rows
 
-    def line(self, parts: "Parts | None" = None) -> str:
-        """One line for the services panel: which runs use which slots."""
+    def line(self, parts: object = None) -> str:
+        """One line for the services panel: which runs use which slots (``parts``: a run's parts; its ``slot``
+        is named when it has one)."""
         used = ", ".join(f"{s}: {n}" for s, n in sorted(self.run_names.items())) or "none"
         slot: str = getattr(parts, "slot", "") if parts is not None else ""
         here = f"this run in {slot}; " if slot else ""
