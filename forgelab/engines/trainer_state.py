@@ -455,7 +455,9 @@ class TrainerState:
             dist.barrier()
         return path
 
-    def load(self, path: str) -> dict[str, Any]:
+    def load(self, path: str, with_optimizer: bool = True) -> dict[str, Any]:
+        """Restore a `save` checkpoint; ``with_optimizer`` False: the weights and the rest, but the AdamW moments
+        start fresh (as a checkpoint saved before any step)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -475,7 +477,7 @@ class TrainerState:
         missing, unexpected = self.model.load_state_dict(state["model"], strict=self.lora is None)
         assert not unexpected, unexpected
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        if extra["optim_fresh"]:
+        if extra["optim_fresh"] or not with_optimizer:
             self.optimizer.state.clear()
         self._discard_window()
         self.scheduler.load_state_dict(extra["scheduler"])
