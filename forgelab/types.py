@@ -50,6 +50,9 @@ class Completion:
     """The policy version of each token, run-length: ``(version, first token index)`` pairs in order, the
     first at index 0 with `policy_version` (the oldest). One pair unless a weight update landed while this
     completion was generated (``generator.update_mode: inflight``); empty means all `policy_version`."""
+    prompt_logprobs: list[float | None] | None = None
+    """With prompt logprobs asked for (a sampling setting whose ``to_vllm`` sets ``prompt_logprobs=0``): the logprob of
+    each prompt token given the ones before it (None for the first); None when not asked for."""
 
 
 @dataclass

@@ -288,6 +288,8 @@ class VLLMEngine:
             prompt=text,
             num_cached_tokens=int(out.num_cached_tokens or 0),
             token_versions=runs,
+            prompt_logprobs=None if getattr(out, "prompt_logprobs", None) is None else [
+                None if d is None else float(d[t].logprob) for t, d in zip(prompt_ids, out.prompt_logprobs)],
         )
 
     def mark_new_version(self, version: int) -> None:

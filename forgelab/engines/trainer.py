@@ -294,9 +294,10 @@ class Trainer(Component):
         return self.state.save(path)
 
     @endpoint
-    async def load(self, path: str) -> dict[str, object]:
-        """Restore a `save` checkpoint (any world size for model/optimizer); returns ``info()``."""
-        return self.state.load(path)
+    async def load(self, path: str, with_optimizer: bool = True) -> dict[str, object]:
+        """Restore a `save` checkpoint (any world size for model/optimizer); returns ``info()``. ``with_optimizer``
+        False: the AdamW moments start fresh."""
+        return self.state.load(path, with_optimizer)
 
     @endpoint
     async def fingerprint(self) -> dict[str, object]:

@@ -224,8 +224,9 @@ class TrainerClient(TrainerAPI):
     async def save(self, path: str) -> str:
         return str(await self._one("save", str(path)))
 
-    async def load(self, path: str) -> TrainerInfo:
-        return cast(TrainerInfo, _mapping(await self._one("load", str(path))))
+    async def load(self, path: str, with_optimizer: bool = True) -> TrainerInfo:
+        args: tuple[object, ...] = (str(path),) if with_optimizer else (str(path), False)
+        return cast(TrainerInfo, _mapping(await self._one("load", *args)))
 
     async def info(self) -> TrainerInfo:
         return cast(TrainerInfo, _mapping(await self._one("info")))

@@ -496,7 +496,9 @@ class TrainerState:
             dist.barrier()
         return path
 
-    def load(self, path: str) -> dict[str, object]:
+    def load(self, path: str, with_optimizer: bool = True) -> dict[str, object]:
+        """Restore a `save` checkpoint; ``with_optimizer`` False: the weights and the rest, but the AdamW moments
+        start fresh (as a checkpoint saved before any step)."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
@@ -519,7 +521,7 @@ class TrainerState:
         missing, unexpected = self.model.load_state_dict(loaded_model, strict=self.lora is None)
         assert not unexpected, unexpected
         set_optimizer_state_dict(self.model, self.optimizer, loaded_optim)
-        if extra["optim_fresh"]:
+        if extra["optim_fresh"] or not with_optimizer:
             self.optimizer.state.clear()
         self._discard_window()
         self.scheduler.load_state_dict(extra["scheduler"])
