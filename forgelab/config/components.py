@@ -11,15 +11,31 @@ import math
 import os
 from dataclasses import dataclass, field
 from collections.abc import Callable
+from typing import Protocol
 
 from forgelab.envs.episode import EnvActorConfig  # noqa: F401 -- re-exported: the envs section derives from it
 
-__all__ = ["LOGPROBS_MODES", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSPORTS", "TrainerConfig",
+__all__ = ["LOGPROBS_MODES", "PackedLossLike", "SamplingConfig", "GeneratorConfig", "WEIGHT_TRANSPORTS", "TrainerConfig",
            "ReferenceConfig", "TeacherConfig", "EnvActorConfig", "LoraConfig", "LORA_TARGETS", "LORA_REFERENCES", "check_lora_targets"]
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 UPDATE_MODES = ("drain", "inflight")
 """How a generator loads a weight push (`GeneratorConfig.update_mode`, forgelab.weights.receiver)."""
+
+
+class PackedLossLike(Protocol):
+    """A loss packed by value to cross a process boundary: `forgelab.engines.loss_specs.PackedLoss`, which
+    `forgelab.engines.spawn.component_configs` puts in `TrainerConfig.loss` in place of a function (or of a
+    notebook's own LOSSES entry). Written here as a protocol because this layer sits below the engines."""
+
+    @property
+    def name(self) -> str:
+        """The loss's name (a function's ``__name__``, or the LOSSES key it was registered under)."""
+        ...
+
+    def unpack(self) -> Callable[..., object]:
+        """The loss function, unpickled."""
+        ...
 
 
 # --- LoRA (shared by the trainer and the generator) -----------------------------
@@ -290,8 +306,9 @@ class TrainerConfig:
     """Final LR as a fraction of ``lr`` (cosine schedule only)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this; None: no clipping (the norm is still reported)."""
-    loss: str | Callable = "grpo"
-    """A name in ``forgelab.algos.losses.LOSSES`` or a loss function (see that module for the signature)."""
+    loss: str | Callable | PackedLossLike = "grpo"
+    """A name in ``forgelab.algos.losses.LOSSES`` or a loss function (see that module for the signature); in the
+    config a trainer process is spawned with, a function travels packed by value (a `PackedLossLike`)."""
     loss_kwargs: dict = field(default_factory=dict)
     """Hyperparameters passed to the loss (a built-in loss refuses unknown ones, naming them: forgelab.algos.loss_checks)."""
     is_cap: float | None = None

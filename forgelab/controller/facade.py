@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from forgelab.controller.view import RunSnapshot
     from forgelab.engines.contracts import TrainBatch
     from forgelab.engines.loss_specs import LossSpec
-    from forgelab.engines.spawn import Parts
+    from forgelab.engines.pool import PooledParts
+    from forgelab.engines.shared_parts import SlotParts
+    from forgelab.engines.spawn import SpawnedParts
     from forgelab.engines.trainer_client import TrainerAPI
     from forgelab.generation import Generators
     from forgelab.rewards.library import RewardComposer, RewardFailure, RewardFn
@@ -39,7 +41,7 @@ __all__ = ["RunFacade", "RunHook", "SpawnParts"]
 #: What starts a run's processes from its config (`Run(cfg, spawn=...)`): `forgelab.engines.spawn.spawn_parts`,
 #: a `forgelab.engines.pool.ProcessPool`, a `forgelab.experiments.variants.SharedEngines` (or a slot it reserved),
 #: the test fakes' `fake_spawn`.
-SpawnParts = Callable[["RunConfig"], Awaitable["Parts"]]
+SpawnParts = Callable[["RunConfig"], Awaitable["SpawnedParts | PooledParts | SlotParts"]]
 
 
 class RunHook(StepHook, ScoringHook, Protocol):
@@ -59,7 +61,7 @@ class RunFacade(Protocol):
     out_dir: Path
     buffer: "ReplayBuffer"
     rewards: "RewardComposer"
-    parts: "Parts | None"
+    parts: "SpawnedParts | PooledParts | SlotParts | None"
     """The run's processes (`forgelab.engines.spawn.Parts`, or a slot of shared engines); None when down."""
     tracker: "Tracker | None"
 

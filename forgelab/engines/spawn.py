@@ -151,14 +151,14 @@ class ComponentConfigs(TypedDict):
 def component_configs(cfg: RunConfig) -> ComponentConfigs:
     """The config object each component is spawned with: {"generator", "trainer", "reference", "envs"}."""
     from forgelab.algos.loss_checks import completion_budget, with_completion_budget, without_reference
-    from forgelab.engines.loss_specs import shipped_loss
+    from forgelab.engines.loss_specs import as_loss_spec, shipped_loss
 
     cc = cast(ComponentConfigs, {section: cfg.component(section) for section in ("generator", "trainer", "reference", "envs")})
     t = cc["trainer"]  # dr_grpo normalises by the completion budget unless loss_kwargs set max_tokens
     t.loss_kwargs = with_completion_budget(t.loss, t.loss_kwargs, completion_budget(cfg.rollout))
     if not cfg.placement.reference:  # grpo's default kl_coef cannot apply: 0, written in (Run says so)
         t.loss_kwargs, _ = without_reference(t.loss, t.loss_kwargs)
-    t.loss = shipped_loss(t.loss)  # a function, or a LOSSES entry the trainer process lacks, travels by value
+    t.loss = shipped_loss(as_loss_spec(t.loss))  # a function, or a LOSSES entry the trainer process lacks, travels by value
     if t.lora.enabled and not cfg.placement.reference:  # no reference at all: the trainer computes none either
         t.lora = dataclasses.replace(t.lora, reference="process")
     return cc

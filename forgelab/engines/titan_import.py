@@ -70,7 +70,7 @@ def import_titan_models() -> None:
             return
         real = torch.compile
         # torch.compile names its options (fullgraph=, dynamic=, ...); the stand-in passes whichever it gets on
-        torch.compile = _deferring(real)  # type: ignore[arg-type, assignment]
+        torch.compile = _deferring(real)  # type: ignore[arg-type, assignment]  # torch's overloaded stub, patched
         try:
             import torchtitan.models.common  # noqa: F401
         finally:

@@ -264,8 +264,8 @@ def as_trainer(trainer: "TrainerAPI | EndpointHandle") -> TrainerAPI:
     """``trainer`` itself when it speaks `TrainerAPI` by declaration (a `TrainerClient`, a fake that subclasses
     the Protocol), else a `TrainerClient` over it (an actor handle)."""
     if TrainerAPI in type(trainer).__mro__:
-        return trainer  # type: ignore[return-value]
-    return TrainerClient(trainer)  # type: ignore[arg-type]
+        return cast(TrainerAPI, trainer)
+    return TrainerClient(cast(EndpointHandle, trainer))  # not a TrainerAPI by declaration: a handle
 
 
 # --- the reference --------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def rendezvous(addr: str, port: int, rank: int, world: int, timeout: timedelta, 
         loopback = False
     if backend == "gloo" and loopback:
         # torch's stubs omit ProcessGroupGloo._Options (gloo's pybind options class) and its _devices
-        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # missing from torch's stubs
         gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
         pg_options = gloo_options
     return store, pg_options

@@ -23,16 +23,23 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, SupportsFloat, SupportsInt, TypedDict, cast
 
 import torch
 from monarch.actor import endpoint
 
-from forgelab.engines.contracts import WeightPush
+from forgelab.engines.contracts import TrainBatch, WeightPush
 from forgelab.engines.trainer import Trainer
+from forgelab.engines.trainer_client import SlotList
 from forgelab.engines.trainer_optim import set_schedule_peak
+from forgelab.engines.trainer_state import TrainerState
 
-__all__ = ["SlotTable", "SlotTrainer", "slot_call", "set_peak_lr", "SLOT_CALLS"]
+if TYPE_CHECKING:
+    from forgelab.config.components import TrainerConfig
+    from forgelab.engines.generator_slots import SlotGenerator
+
+__all__ = ["SlotTable", "SlotTrainer", "SavedSlot", "slot_call", "set_peak_lr", "SLOT_CALLS"]
 
 #: Trainer endpoints that run inside a slot (`Trainer.in_slot`); anything else is refused.
 SLOT_CALLS = frozenset({"train_step", "forward_backward", "optim_step", "forward_logprobs", "token_values", "set_loss", "dry_run_loss", "compare_losses", "logprobs",
@@ -40,7 +47,22 @@ SLOT_CALLS = frozenset({"train_step", "forward_backward", "optim_step", "forward
                         "export_hf", "push_weights"})
 
 
-def set_peak_lr(state: Any, lr: float) -> float:
+class SavedSlot(TypedDict):
+    """One slot while another is active: deep copies of what belongs to its run."""
+
+    params: list[torch.Tensor]
+    """The adapter parameters, in ``TrainerState.params`` order."""
+    grads: list[torch.Tensor | None]
+    """Their accumulated gradients (None: none yet), an open ``forward_backward`` window's."""
+    optim: dict[str, object]
+    """``optimizer.state_dict()``: the AdamW moments, step counts and hyperparameters."""
+    sched: dict[str, object]
+    """``scheduler.state_dict()``: the schedule's position and shape."""
+    run: dict[str, object]
+    """The run fields, as `TrainerState.swap_run_state` returns and installs them."""
+
+
+def set_peak_lr(state: TrainerState, lr: float) -> float:
     """Make ``lr`` the peak learning rate of ``state`` (a `TrainerState`) from now on, keeping the schedule's
     position; returns the current lr."""
     from dataclasses import replace
@@ -49,17 +71,25 @@ def set_peak_lr(state: Any, lr: float) -> float:
     return set_schedule_peak(state.optimizer, state.scheduler, lr)
 
 
-def _capture(state: Any) -> dict[str, Any]:
+def _copy_run(run: Mapping[str, object]) -> dict[str, object]:
+    """``run`` (`TrainerState.swap_run_state`'s fields) with its mutable values copied: the loss keywords (a
+    dict, or None: empty) and the trainer config."""
+    kwargs = run["loss_kwargs"]
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"LoRA slot: loss_kwargs must be a dict, got {type(kwargs).__name__}")
+    return {**run, "loss_kwargs": dict(kwargs or {}), "config": copy.deepcopy(run["config"])}
+
+
+def _capture(state: TrainerState) -> SavedSlot:
     """A deep copy of the active slot's tensors and run fields."""
-    run = state.swap_run_state(None)
     return {"params": [p.detach().clone() for p in state.params],
             "grads": [None if p.grad is None else p.grad.detach().clone() for p in state.params],
             "optim": copy.deepcopy(state.optimizer.state_dict()),
             "sched": copy.deepcopy(state.scheduler.state_dict()),
-            "run": {**run, "loss_kwargs": dict(run["loss_kwargs"] or {}), "config": copy.deepcopy(run["config"])}}
+            "run": _copy_run(state.swap_run_state(None))}
 
 
-def _install(state: Any, saved: dict[str, Any]) -> None:
+def _install(state: TrainerState, saved: SavedSlot) -> None:
     with torch.no_grad():
         for p, t in zip(state.params, saved["params"]):
             p.copy_(t)
@@ -67,21 +97,20 @@ def _install(state: Any, saved: dict[str, Any]) -> None:
     for p, g in zip(state.params, saved.get("grads") or [None] * len(state.params)):
         p.grad = None if g is None else g.clone()  # an open forward_backward window goes on
     state.scheduler.load_state_dict(copy.deepcopy(saved["sched"]))
-    state.swap_run_state({**saved["run"], "loss_kwargs": dict(saved["run"]["loss_kwargs"] or {}),
-                          "config": copy.deepcopy(saved["run"]["config"])})
+    state.swap_run_state(_copy_run(saved["run"]))
 
 
 class SlotTable:
     """The slots of one trainer process. Args: state: its `TrainerState` (LoRA), whose current adapters (fresh,
     as `add_adapters` drew them) are the template every new slot starts from."""
 
-    def __init__(self, state: Any):
+    def __init__(self, state: TrainerState):
         if getattr(state, "lora", None) is None:
             raise ValueError("LoRA slots need a LoRA trainer (lora.enabled): a full-parameter run keeps its own "
                              "processes")
         self.state = state
         self.fresh = _capture(state)
-        self.saved: dict[str, dict[str, Any]] = {}
+        self.saved: dict[str, SavedSlot] = {}
         self.active: str | None = None
         self.swaps = 0
         self.swap_s = 0.0
@@ -110,7 +139,7 @@ class SlotTable:
         self.swaps += 1
         self.swap_s += time.perf_counter() - t0
 
-    def new(self, slot: str, config: Any) -> dict[str, Any]:
+    def new(self, slot: str, config: TrainerConfig) -> SlotList:
         """A new slot from the fresh adapters, with ``config``'s (a `TrainerConfig`) loss, lr and schedule."""
         from forgelab.engines.loss_specs import resolve_loss
         from forgelab.engines.trainer_optim import WarmupCosine
@@ -124,7 +153,9 @@ class SlotTable:
             torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=config.lr),
             WarmupCosine(config.warmup_steps, config.total_steps, config.min_lr_ratio))
         saved["sched"] = sched.state_dict()
-        for g in saved["optim"]["param_groups"]:
+        groups = saved["optim"]["param_groups"]
+        assert isinstance(groups, list), type(groups)  # torch's Optimizer.state_dict: a list of dicts
+        for g in groups:
             g.update(lr=float(sched.get_last_lr()[0]), initial_lr=float(config.lr), betas=tuple(config.betas),
                      eps=config.eps, weight_decay=config.weight_decay)
         name, fn = resolve_loss(config.loss)
@@ -136,14 +167,14 @@ class SlotTable:
         self.saved[slot] = saved
         return {"slot": slot, "slots": self.names}
 
-    def copy(self, src: str, dst: str) -> dict[str, Any]:
+    def copy(self, src: str, dst: str) -> SlotList:
         """``dst`` becomes an exact copy of ``src`` (adapters, optimizer, schedule, loss, step, version)."""
         self._check(src)
         self._check(dst, exists=False)
         self.saved[dst] = _capture(self.state) if src == self.active else copy.deepcopy(self.saved[src])
         return {"slot": dst, "slots": self.names}
 
-    def free(self, slot: str) -> dict[str, Any]:
+    def free(self, slot: str) -> SlotList:
         """Forget ``slot`` (its run detached)."""
         self._check(slot)
         if slot == self.active:
@@ -152,42 +183,73 @@ class SlotTable:
             del self.saved[slot]
         return {"slot": slot, "slots": self.names}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {"slots": self.names, "active": self.active, "swaps": self.swaps, "swap_s": self.swap_s}
 
 
-async def _push_slot(actor: Any, slot: str, version: int, generators: list[Any], transport: str | None = None
+def _set_lr(state: TrainerState, lr: object) -> float:
+    """`Trainer.set_lr` in a slot."""
+    if not isinstance(lr, SupportsFloat):
+        raise TypeError(f"set_lr: lr must be a number, got {type(lr).__name__}")
+    return set_peak_lr(state, float(lr))
+
+
+def _compare_losses(state: TrainerState, specs: object, batch: object) -> dict[str, object]:
+    """`Trainer.compare_losses` in a slot."""
+    from forgelab.engines.loss_compare import compare_on_state
+
+    if not isinstance(specs, Sequence):
+        raise TypeError(f"compare_losses: specs must be a list of losses, got {type(specs).__name__}")
+    if not isinstance(batch, (TrainBatch, Mapping)):
+        raise TypeError(f"compare_losses: batch must be a TrainBatch, got {type(batch).__name__}")
+    return compare_on_state(state, specs, batch)
+
+
+async def _push_slot(actor: Trainer, slot: str, version: object, generators: object, transport: object = None
                      ) -> WeightPush:
     """The active slot's adapter (PEFT names) to each generator mesh's ``update_adapter_slot(slot, version, ...)``:
-    only this slot's adapter changes there; the other slots' requests go on. Adapters travel as messages."""
+    only this slot's adapter changes there; the other slots' requests go on. Adapters travel as messages.
+    ``version``: an int; ``generators``: a list of `SlotGenerator` meshes, or of handles whose ``actor`` is one
+    (as `Trainer.push_weights`); ``transport`` is accepted for that endpoint's signature and unused."""
     import asyncio
+
+    if not isinstance(version, SupportsInt) or not isinstance(generators, Sequence):
+        raise TypeError(f"push_weights: expected (version: int, generators: list), got "
+                        f"({type(version).__name__}, {type(generators).__name__})")
 
     state = actor.state
     t0 = time.perf_counter()
     sd = state.push_state_dict()
-    out: dict[str, Any] = {"version": int(version), "gather_ms": (time.perf_counter() - t0) * 1e3, "write_ms": 0.0,
-                           "send_ms": 0.0, "bytes": sum(v.numel() * v.element_size() for v in sd.values()),
-                           "sent": 0, "failed": {}, "transport": "none", "transports": [], "fallback": {}}
+    gather_ms = (time.perf_counter() - t0) * 1e3
+    send_ms, sent = 0.0, 0
+    failed: dict[int, str] = {}
+    transports: list[str | None] = []
     if state.rank == 0 and generators:
         t1 = time.perf_counter()
-        meshes = [getattr(g, "actor", g) for g in generators]
+        # Monarch meshes are opaque at run time; typed as the actor class, as `ProcMesh.spawn` types them
+        meshes = [cast("SlotGenerator", getattr(g, "actor", g)) for g in generators]
         results = await asyncio.gather(*(m.update_adapter_slot.call(slot, int(version), sd) for m in meshes),
                                        return_exceptions=True)
-        out["send_ms"] = (time.perf_counter() - t1) * 1e3
+        send_ms = (time.perf_counter() - t1) * 1e3
         for i, r in enumerate(results):
             if isinstance(r, BaseException):
-                out["failed"][i] = f"{type(r).__name__}: {str(r)[-800:]}"
-                out["transports"].append(None)
+                failed[i] = f"{type(r).__name__}: {str(r)[-800:]}"
+                transports.append(None)
             else:
-                out["sent"] += 1
-                out["transports"].append("message")
-        out["transport"] = "message" if out["sent"] else "none"
+                sent += 1
+                transports.append("message")
     state.policy_version = int(version)
-    return WeightPush.of(out)
+    return WeightPush(version=int(version), gather_ms=gather_ms, send_ms=send_ms,
+                      bytes=sum(v.numel() * v.element_size() for v in sd.values()), sent=sent, failed=failed,
+                      transport="message" if sent else "none", transports=transports)
 
 
-async def slot_call(actor: Any, slot: str, name: str, args: tuple, kwargs: dict) -> Any:
-    """Trainer endpoint ``name`` run with ``slot`` active (`Trainer.in_slot`); ``actor`` is the Trainer actor."""
+async def slot_call(actor: SlotTrainer, slot: str, name: str, args: tuple[object, ...], kwargs: dict[str, object]
+                    ) -> object:
+    """Trainer endpoint ``name`` run with ``slot`` active (`Trainer.in_slot`); ``actor`` is the Trainer actor.
+
+    ``args`` and ``kwargs`` are the endpoint's own arguments, typed where `forgelab.engines.trainer_client.TrainerClient`
+    sends them; here they are checked at run time (a call by name, as Monarch delivers it)."""
     if name not in SLOT_CALLS:
         raise ValueError(f"Trainer.in_slot: {name!r} does not run in a LoRA slot (those that do: {sorted(SLOT_CALLS)})")
     actor.slot_table().activate(slot)
@@ -195,46 +257,47 @@ async def slot_call(actor: Any, slot: str, name: str, args: tuple, kwargs: dict)
     if name == "token_values":
         return state.token_values
     if name == "set_lr":
-        return set_peak_lr(state, *args)
+        return _set_lr(state, *args, **kwargs)
     if name == "compare_losses":
-        from forgelab.engines.loss_compare import compare_on_state
-
-        return compare_on_state(state, *args, **kwargs)
+        return _compare_losses(state, *args, **kwargs)
     if name == "push_weights":
         return await _push_slot(actor, slot, *args, **kwargs)
-    return getattr(state, name)(*args, **kwargs)
+    return getattr(state, name)(*args, **kwargs)  # a TrainerState method: the endpoint of that name delegates to it
 
 
 class SlotTrainer(Trainer):
     """A `Trainer` holding several runs in LoRA slots (`SlotTable`); a run's calls go through `in_slot`."""
 
+    slots: SlotTable | None = None
+
     def slot_table(self) -> SlotTable:
         """This process's slots (made on first use; a `reinit` starts a new table from its fresh adapters)."""
-        table = getattr(self, "slots", None)
+        table = self.slots
         if table is None or table.state is not self.state:
             self.slots = table = SlotTable(self.state)
         return table
 
     @endpoint
-    async def in_slot(self, slot: str, name: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+    async def in_slot(self, slot: str, name: str, args: Sequence[object] = (),
+                      kwargs: Mapping[str, object] | None = None) -> object:
         """Endpoint ``name`` (one of `SLOT_CALLS`) run with ``slot``'s adapters, optimizer and run state."""
         return await slot_call(self, slot, name, tuple(args), dict(kwargs or {}))
 
     @endpoint
-    async def slot_new(self, slot: str, config: Any) -> dict[str, Any]:
+    async def slot_new(self, slot: str, config: TrainerConfig) -> SlotList:
         """A new slot from the fresh adapters with ``config``'s (a `TrainerConfig`) loss, lr and schedule."""
         config.validate()
         return self.slot_table().new(slot, config)
 
     @endpoint
-    async def slot_copy(self, src: str, dst: str) -> dict[str, Any]:
+    async def slot_copy(self, src: str, dst: str) -> SlotList:
         """``dst`` becomes an exact copy of ``src`` (a fork into a slot, no disk)."""
         return self.slot_table().copy(src, dst)
 
     @endpoint
-    async def slot_free(self, slot: str) -> dict[str, Any]:
+    async def slot_free(self, slot: str) -> SlotList:
         return self.slot_table().free(slot)
 
     @endpoint
-    async def slot_stats(self) -> dict[str, Any]:
+    async def slot_stats(self) -> dict[str, object]:
         return self.slot_table().stats()

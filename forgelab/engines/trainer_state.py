@@ -37,7 +37,7 @@ from forgelab.engines.contracts import (
     AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, check_batch, check_spans,
     check_tokens, token_values_of,
 )
-from forgelab.engines.loss_specs import LossFunction, LossSpec, PackedLoss, pack_loss, resolve_loss
+from forgelab.engines.loss_specs import LossFunction, LossSpec, PackedLoss, as_loss_spec, pack_loss, resolve_loss
 from forgelab.engines.trainer_dist import (
     all_gather_rows, any_rank, init_process_group, resolve_device, rng_state, set_rng_state, shard_model,
     state_fingerprint, sum_across_ranks,
@@ -128,7 +128,7 @@ class TrainerState:
         )
         self.step = 0
         self.policy_version = 0
-        self._apply_loss(config.loss, dict(config.loss_kwargs))
+        self._apply_loss(as_loss_spec(config.loss), dict(config.loss_kwargs))
         self._pending = None
         self.token_values = None
         self.accumulated = 0  # forward_backward calls whose gradients await optim_step

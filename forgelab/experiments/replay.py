@@ -298,7 +298,7 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
     ckpt, replayer, notes = _check_before_running(run_dir, manifest, trusted, allow_mismatch)
-    cfg = RunConfig.from_dict(manifest["config"])
+    cfg = RunConfig.from_dict(_fields(manifest["config"]))
     cfg.name = name or f"{cfg.name}-replay"
     if out_dir is not None:
         cfg.tracking.out_dir = str(out_dir)
@@ -316,9 +316,11 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
     replayed = pd.read_csv(run.out_dir / "metrics.csv")
     done = int(replayed["step"].max()) if len(replayed) else 0
     mismatches = compare_metrics(original, replayed, until=done)
-    deterministic = manifest.get("deterministic", cfg.train.max_policy_age == 0)
+    recorded = manifest.get("deterministic", cfg.train.max_policy_age == 0)
+    deterministic = recorded if isinstance(recorded, bool) else bool(recorded)
+    reason = manifest.get("nondeterministic_reason")
     return ReplayReport(run_dir, run.out_dir, done, deterministic, mismatches, replayer.applied,
-                        manifest.get("nondeterministic_reason"), notes)
+                        None if reason is None else str(reason), notes)
 
 
 def _check_before_running(run_dir: Path, manifest: dict[str, object], trusted: bool,
@@ -349,7 +351,8 @@ def _check_before_running(run_dir: Path, manifest: dict[str, object], trusted: b
     notes = [f"allowed mismatch: {p}" for p in problems]
     commit = _fields(_fields(manifest.get("forgelab") or {}).get("git") or {}).get("commit")
     recorded = None if commit is None else str(commit)
-    here = (git_state() or {}).get("commit")
+    state = git_state()
+    here = state["commit"] if state else None
     if recorded and here and recorded != here:
         notes.append(f"forgelab commit {here[:12]} here, {recorded[:12]} when recorded")
     return ckpt, replayer, notes
