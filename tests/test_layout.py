@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"forgelab.testing"},
     {"forgelab.controller"},
     {"forgelab.experiments"},
+    {"forgelab.serve"},
     {"forgelab.lab"},
     {"forgelab.run"},
     {"forgelab.demo"},

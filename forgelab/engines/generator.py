@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from vllm import LLM
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
+    from vllm.logprobs import FlatLogprobs, Logprob
     from vllm.outputs import RequestOutput
 
     from forgelab.weights.shm import SharedWeightsReader
@@ -288,8 +289,7 @@ class VLLMEngine:
             prompt=text,
             num_cached_tokens=int(out.num_cached_tokens or 0),
             token_versions=runs,
-            prompt_logprobs=None if getattr(out, "prompt_logprobs", None) is None else [
-                None if d is None else float(d[t].logprob) for t, d in zip(prompt_ids, out.prompt_logprobs)],
+            prompt_logprobs=_prompt_logprobs(prompt_ids, out.prompt_logprobs),
         )
 
     def mark_new_version(self, version: int) -> None:
@@ -416,6 +416,15 @@ class VLLMEngine:
         return EngineStatus(version=self.version, in_flight_requests=len(self._pending),
                             update_mode=self.config.update_mode, admitting=self.admitting.is_set(), device=self.device,
                             stats=EngineStats.from_counters(self.stats()))
+
+
+def _prompt_logprobs(prompt_ids: Sequence[int],
+                     given: "FlatLogprobs | list[dict[int, Logprob] | None] | None") -> list[float | None] | None:
+    """Each prompt token's logprob under the model (None for the first, which has no context), or None when the
+    request asked for none."""
+    if given is None:
+        return None
+    return [None if d is None else float(d[t].logprob) for t, d in zip(prompt_ids, given)]
 
 
 def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

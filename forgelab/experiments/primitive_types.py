@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from forgelab.types import AdamParams as TrainerAdamParams
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams as VSamplingParamsT
 
 __all__ = ["ModelInput", "Datum", "AdamParams", "SamplingParams", "ForwardBackwardOutput", "SampledSequence",
            "SampleResponse", "OptimStepResponse", "VLLMSampling", "as_tensor"]
@@ -66,8 +70,9 @@ class Datum:
     loss_fn_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_input, ModelInput):
-            self.model_input = ModelInput.from_ints(self.model_input)  # a plain list of token ids
+        given: object = self.model_input
+        if not isinstance(given, ModelInput):  # a plain list of token ids
+            self.model_input = ModelInput.from_ints(cast("Sequence[int]", given))
         self.loss_fn_inputs = {k: as_tensor(v, k) for k, v in self.loss_fn_inputs.items()}
         n = self.model_input.length
         for k, v in self.loss_fn_inputs.items():
@@ -192,7 +197,7 @@ class VLLMSampling:
         if self.top_k < 0:
             raise ValueError(f"{where}.top_k must be -1 (off) or positive, got {self.top_k!r}")
 
-    def to_vllm(self, seed: int | None = None) -> object:
+    def to_vllm(self, seed: int | None = None) -> "VSamplingParamsT":
         """One-sample `vllm.SamplingParams` returning each sampled token's logprob (and the prompt's if asked)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind

@@ -47,6 +47,7 @@ from forgelab.generation import AdapterUpdate, GenerateRequest
 from forgelab.types import AdamParams as TrainerAdamParams
 
 if TYPE_CHECKING:
+    from forgelab.engines.generator_service import GeneratorService
     from forgelab.engines.shared_parts import SlotParts
     from forgelab.experiments.variants import SharedEngines
 
@@ -133,6 +134,8 @@ class TrainingClient:
     def __init__(self, primitives: "Primitives", parts: "SlotParts", name: str):
         self.primitives, self.parts, self.name = primitives, parts, name
         self.slot: str = parts.slot
+        if parts.trainer is None:
+            raise RuntimeError(f"slot {parts.slot!r} of the shared engines has no trainer (was it detached?)")
         self.trainer = TrainerClient(parts.trainer)
         self._lock = asyncio.Lock()  # FIFO: this client's calls run in the order they were made
         self._packed: dict[str, PackedLoss] = {}
@@ -277,7 +280,7 @@ class SamplingClient:
         seeds = None if params.seed is None else [[params.seed + g for g in range(num_samples)]]
         request = GenerateRequest(prompts_P=[ids], n=num_samples, sampling=sampling, seeds_P_G=seeds,
                                   lora_slot=self.adapter_slot)
-        groups = await self.primitives.engines_parts().generators.generate(request)
+        groups = await self.primitives.generators().generate(request)
         completions = groups[0]
         return SampleResponse(
             sequences=[SampledSequence(tokens=list(c.completion_ids), logprobs=list(c.logprobs),
@@ -287,7 +290,7 @@ class SamplingClient:
 
     async def close(self) -> None:
         if self.adapter_slot is not None:
-            await self.primitives.engines_parts().generators.drop_slot(self.adapter_slot)
+            await self.primitives.generators().drop_slot(self.adapter_slot)
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.adapter_slot or 'base'}{f' from {self.path}' if self.path else ''}>"
@@ -306,11 +309,12 @@ class Primitives:
         self.root = os.path.abspath(os.fspath(root))
         self._names = itertools.count(1)
 
-    def engines_parts(self) -> "SharedParts":
-        if self.engines.parts is None:
+    def generators(self) -> "GeneratorService":
+        """The shared engines' generator service (every slot's sampler)."""
+        parts = self.engines.parts
+        if parts is None or parts.generators is None:
             raise RuntimeError(f"{self.engines.name} is not started (or was shut down): await engines.start()")
-        parts: SharedParts = self.engines.parts
-        return parts
+        return parts.generators
 
     def path(self, *names: str) -> str:
         for n in names:
@@ -337,9 +341,7 @@ class Primitives:
             return SamplingClient(self, None)
         tensors, _ = read_adapter(model_path)
         slot = f"sampler{next(_sampler_ids)}"
-        await self.engines_parts().generators.update_adapter(AdapterUpdate(slot=slot, version=1, tensors=tensors))
+        await self.generators().update_adapter(AdapterUpdate(slot=slot, version=1, tensors=tensors))
         return SamplingClient(self, slot, model_path)
 
 
-if TYPE_CHECKING:
-    from forgelab.engines.spawn import Parts as SharedParts
