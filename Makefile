@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo docs screenshot typecheck test test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup browser sshd demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -65,12 +65,18 @@ typecheck: setup
 # module-scoped processes, fixtures and test order stay on one worker). One file at a time leaves a core idle
 # while processes start and engines wait on each other; two side by side keep both nearly busy (measured:
 # docs/benchmarks.md, History). TEST_WORKERS=0 runs everything in this process, one test at a time; with more
-# cores, give each worker about two.
+# cores, give each worker about two. Files go out longest first (conftest.py, from tests/durations.json, which
+# `make durations` refreshes from a whole run) so both workers end together.
 TEST_WORKERS ?= 2
-PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup docs
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 --nbval-lax tests tutorials notebooks
+	FORGELAB_DURATIONS_OUT=artifacts/test_durations.json $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 --nbval-lax tests tutorials notebooks
+
+# Refresh the record the scheduler orders files by: the whole suite, then its per-file times.
+durations:
+	$(MAKE) test
+	cp artifacts/test_durations.json tests/durations.json
 
 # The development loop's fast tier: pure functions, doctests and the controller
 # against in-process fakes (tests/test_controller_unit.py): every test not marked integration.

@@ -1,0 +1,47 @@
+"""The suite's file order for two xdist workers (the root conftest.py): longest first from the record."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("forgelab_root_conftest", ROOT / "conftest.py")
+assert _spec is not None and _spec.loader is not None
+schedule = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(schedule)
+
+
+def test_longest_first_unknown_files_lead() -> None:
+    record = {"a.py": 10.0, "b.py": 300.0, "c.py": 50.0}
+    files = ["a.py", "new.py", "b.py", "c.py", "other.ipynb"]
+    assert schedule.longest_first(files, record) == ["new.py", "other.ipynb", "b.py", "c.py", "a.py"]
+
+
+def test_greedy_two_workers_end_closer_than_collection_order() -> None:
+    # the case the scheduler exists for: a long file collected last runs alone at the end
+    record = {"f1": 10.0, "f2": 10.0, "f3": 10.0, "f4": 10.0, "long": 40.0}
+
+    def makespan(order: list[str]) -> float:
+        ends = [0.0, 0.0]
+        for f in order:  # each file goes to the worker that frees first
+            i = ends.index(min(ends))
+            ends[i] += record[f]
+        return max(ends)
+
+    collected = ["f1", "f2", "f3", "f4", "long"]
+    assert makespan(collected) == 60.0
+    assert makespan(schedule.longest_first(collected, record)) == 40.0
+
+
+def test_record_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"total_s": 3.0, "files": {"tests/x.py": 2.0, "tests/y.py": 1.0}}))
+    assert schedule.load_record(path) == {"tests/x.py": 2.0, "tests/y.py": 1.0}
+    assert schedule.load_record(tmp_path / "missing.json") == {}
+
+
+def test_committed_record_names_files_that_exist() -> None:
+    record = schedule.load_record()
+    stale = [f for f in record if not (ROOT / f).exists()]
+    assert not stale, f"tests/durations.json names files that are gone: {stale}; run `make durations`"
