@@ -35,6 +35,7 @@ EXTRA_KEYS = {
     "distill": {"censored", "curves", "target", "teacher_accuracy", "s_per_step"},
     "inflight": {"heldout_accuracy_drain", "heldout_accuracy_inflight", "accuracy_spread", "learning_not_worse",
                  "censored", "time_to_target_s", "inflight_over_drain_s_per_step", "drain_wait_s"},
+    "primitives": {"primitives_over_fused_ci95", "fused_s_per_step", "primitives_s_per_step"},
 }
 
 

@@ -12,7 +12,7 @@ _NOT_SUITES = {"common"}
 #: would repeat a module elsewhere in forgelab (`generator` is also `forgelab.engines.generator`).
 MODULES = {"async": "async_", "generator": "generator_bench", "envs": "envs_bench", "runtime": "runtime_bench",
            "dashboard": "dashboard_bench", "lora": "lora_bench", "variants": "variants_bench", "distill": "distill_bench",
-           "inflight": "inflight_bench"}
+           "inflight": "inflight_bench", "primitives": "primitives_bench"}
 
 
 def suites() -> list[str]:
