@@ -33,6 +33,7 @@ _LAZY = {
     "ConfigError": "forgelab.config",
     "ProcessPool": "forgelab.engines",
     "SharedEngines": "forgelab.experiments.variants",
+    "Primitives": "forgelab.experiments.primitives",
     "rescore": "forgelab.controller",
     "replay": "forgelab.run",
     "Episode": "forgelab.types",

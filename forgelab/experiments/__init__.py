@@ -16,6 +16,15 @@ _LAZY = {
     "LossComparison": "forgelab.experiments.loss_ab",
     "ReplayReport": "forgelab.experiments.replay",
     "compare_metrics": "forgelab.experiments.replay",
+    # Tinker's primitives (forgelab.experiments.primitives) and their data types
+    "Primitives": "forgelab.experiments.primitives",
+    "TrainingClient": "forgelab.experiments.primitives",
+    "SamplingClient": "forgelab.experiments.primitives",
+    "Datum": "forgelab.experiments.primitive_types",
+    "ModelInput": "forgelab.experiments.primitive_types",
+    "AdamParams": "forgelab.experiments.primitive_types",
+    "SamplingParams": "forgelab.experiments.primitive_types",
+    "SampleResponse": "forgelab.experiments.primitive_types",
 }
 __all__ = sorted(_LAZY)
 #: old public names, still resolved with a DeprecationWarning for one release (issue #38)
