@@ -212,3 +212,24 @@ def test_forward_backward_custom_and_importance_sampling(loop: Any, prims: Any) 
     assert math.isclose(custom.metrics["loss:sum"], fwd.metrics["loss:sum"], rel_tol=1e-6)
     # on-policy: every ratio is 1, so the loss is -(sum of advantages) = -4 within float32 rounding
     assert abs(is_out.metrics["loss:sum"] + len(ANSWER)) < 1e-4
+
+
+@integration
+def test_the_lab_opens_a_client(loop: Any, prims: Any) -> None:
+    """A's run directory, as the lab reads it (`forgelab.lab.open`): a metrics row per optim step A took in this
+    module (10 + 1 + 1, steps 1..12, the first ten's loss falling as in the cross-entropy test), a ``trained``
+    rollout row per datum it trained on (10 + 2 + 1) with the trainer's logprobs for the token view, and a
+    ``sampled`` row per sequence its snapshot sampler drew (1 + 2 + 1 + 6 + 1)."""
+    import forgelab.lab
+
+    a = prims.clients["a"]
+    a.records.flush()
+    view = forgelab.lab.open(a.out_dir)
+    metrics, rollouts = view.run.metrics, view.run.rollouts
+    assert list(metrics["step"]) == list(range(1, 13)) and set(metrics["loss_name"]) == {"cross_entropy"}
+    assert metrics["loss"].iloc[9] < 0.5 * metrics["loss"].iloc[0]
+    trained = rollouts[rollouts["status"] == "trained"]
+    assert len(trained) == 13 and trained["trainer_logprobs"].map(len).equals(trained["completion_ids"].map(len))
+    assert (rollouts["status"] == "sampled").sum() == 11
+    view.inspector.widget  # builds headless, as in a notebook
+    assert set(view.inspector.filtered()["status"]) == {"trained", "sampled"}

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import os
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from forgelab.algos.primitive_losses import PRIMITIVE_LOSSES
 from forgelab.engines.contracts import OptimReport, TrainBatch
 from forgelab.engines.loss_specs import LossSpec, PackedLoss, pack_loss
 from forgelab.engines.trainer_client import TrainerClient
+from forgelab.experiments.primitive_records import ClientRecords
 from forgelab.experiments.primitive_types import (
     AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse, SampledSequence, SampleResponse,
     SamplingParams, VLLMSampling,
@@ -140,6 +142,14 @@ class TrainingClient:
         self._lock = asyncio.Lock()  # FIFO: this client's calls run in the order they were made
         self._packed: dict[str, PackedLoss] = {}
         self.samplers: list[SamplingClient] = []
+        self.records = ClientRecords(Path(primitives.path(name)), name, primitives.engines.config.model.path,
+                                     primitives.engines.config.to_dict())
+        """Its run directory (`forgelab.experiments.primitive_records`): ``forgelab.lab.open(client.out_dir)``."""
+
+    @property
+    def out_dir(self) -> Path:
+        """``<root>/<name>``: its metrics, rollouts and events (a run directory the lab opens), and checkpoints."""
+        return self.records.out_dir
 
     # -- losses -----------------------------------------------------------------------------------
     def _loss(self, loss_fn: str) -> tuple[LossSpec, bool]:
@@ -170,8 +180,14 @@ class TrainingClient:
                                    "gradients accumulated since the last optim_step were discarded")
             values = await self.trainer.token_values()
             assert values is not None, "the trainer keeps the token values of the batch it just trained"
-            return ForwardBackwardOutput(loss_fn_outputs=_per_datum(values.trainer_logprobs_B_T, data),
-                                         metrics=_metrics(report.loss, report.metrics))
+            out = ForwardBackwardOutput(loss_fn_outputs=_per_datum(values.trainer_logprobs_B_T, data),
+                                        metrics=_metrics(report.loss, report.metrics))
+            self._record(data, out, loss_fn)
+            return out
+
+    def _record(self, data: Sequence[Datum], out: ForwardBackwardOutput, loss_name: str) -> None:
+        self.records.trained([d.loss_fn_inputs for d in data], [d.model_input.to_ints() for d in data],
+                             [o["logprobs"] for o in out.loss_fn_outputs], loss_name, out.metrics)
 
     async def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
                       loss_fn_config: dict[str, float] | None = None) -> ForwardBackwardOutput:
@@ -208,8 +224,10 @@ class TrainingClient:
             report = await self.trainer.forward_backward(datum_batch(weighted, primitive=True), spec, {})
             if report.skipped:
                 raise RuntimeError(f"forward_backward_custom on {self.name}: {report.skip_reason}")
-            return ForwardBackwardOutput(loss_fn_outputs=fwd.loss_fn_outputs,
-                                         metrics={**_metrics(float(loss.detach()), metrics)})
+            out = ForwardBackwardOutput(loss_fn_outputs=fwd.loss_fn_outputs,
+                                        metrics={**_metrics(float(loss.detach()), metrics)})
+            self._record(data, out, "custom")
+            return out
 
     async def optim_step(self, adam_params: AdamParams | TrainerAdamParams) -> OptimStepResponse:
         """AdamW on the gradients accumulated since the last step, with ``adam_params`` (per call), then zeroes
@@ -219,6 +237,7 @@ class TrainingClient:
             report: OptimReport = await self.trainer.optim_step(adam)
         if report.skipped:
             raise RuntimeError(f"optim_step on {self.name}: {report.skip_reason}")
+        self.records.stepped(report.step, report.lr, report.grad_norm)
         return OptimStepResponse(step=report.step, metrics={"grad_norm:mean": report.grad_norm,
                                                             "learning_rate:mean": report.lr})
 
@@ -226,13 +245,16 @@ class TrainingClient:
     async def save_state(self, name: str) -> str:
         """Adapter, AdamW state, step and RNG under ``<root>/<client>/state/<name>``; the path."""
         async with self._lock:
-            return await self.trainer.save(self.primitives.path(self.name, "state", name))
+            path = await self.trainer.save(self.primitives.path(self.name, "state", name))
+        self.records.event("checkpoint_saved", path=path)
+        return path
 
     async def load_state(self, path: str, with_optimizer: bool = True) -> None:
         """Restore a `save_state` checkpoint (of any client of the same model and adapter shape) into this slot;
         ``with_optimizer`` False: the weights only, AdamW starts fresh. Accumulated gradients are discarded."""
         async with self._lock:
             await self.trainer.load(path, with_optimizer)
+        self.records.event("checkpoint_loaded", path=path, with_optimizer=with_optimizer)
 
     async def save_weights_for_sampler(self, name: str) -> "SamplingClient":
         """The adapter as it is now, written as a PEFT directory (``<root>/<client>/sampler/<name>``) and served
@@ -240,7 +262,9 @@ class TrainingClient:
         async with self._lock:
             path = await self.trainer.export_adapter(self.primitives.path(self.name, "sampler", name))
         sampler = await self.primitives.create_sampling_client(path)
+        sampler.records = self.records
         self.samplers.append(sampler)
+        self.records.event("sampler_saved", path=path, sampler=name)
         return sampler
 
     async def fingerprint(self) -> dict[str, object]:
@@ -254,6 +278,8 @@ class TrainingClient:
             for s in self.samplers:
                 await s.close()
             await self.primitives.engines.detach(self.parts)
+        self.records.flush()
+        self.records.event("finished")
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.name} in {self.slot} of {self.primitives.engines.name}>"
@@ -269,6 +295,8 @@ class SamplingClient:
 
     def __init__(self, primitives: "Primitives", adapter_slot: str | None, path: str | None = None):
         self.primitives, self.adapter_slot, self.path = primitives, adapter_slot, path
+        self.records: ClientRecords | None = None
+        """Where its samples are recorded (the training client's, for a `save_weights_for_sampler` snapshot)."""
 
     async def sample(self, prompt: ModelInput | Sequence[int], num_samples: int = 1,
                      sampling_params: SamplingParams | None = None,
@@ -282,6 +310,9 @@ class SamplingClient:
                                   lora_slot=self.adapter_slot)
         groups = await self.primitives.generators().generate(request)
         completions = groups[0]
+        if self.records is not None:
+            self.records.sampled(ids, [(list(c.completion_ids), list(c.logprobs), c.finish_reason)
+                                       for c in completions], os.path.basename(self.path or "base"))
         return SampleResponse(
             sequences=[SampledSequence(tokens=list(c.completion_ids), logprobs=list(c.logprobs),
                                        stop_reason="length" if c.finish_reason == "length" else "stop")
