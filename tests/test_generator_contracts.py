@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
-import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -122,38 +119,4 @@ def test_old_slot_module_paths_warn_and_give_the_same_objects(old, new, names):
     assert all(getattr(alias, n) is getattr(moved, n) for n in names)
 
 
-PROBE = '''
-from forgelab.engines.generator_service import GeneratorService
-from forgelab.generation import Envs, GenerateRequest, Generators
-from forgelab.testing.fakes import FakeEnvs, FakeGenerators
-
-
-async def calls(svc: GeneratorService) -> None:
-    await svc.generate(GenerateRequest(prompts_P=[[1, 2]], n=2))
-    {wrong}
-
-fakes: Generators = FakeGenerators(1)
-envs: Envs = FakeEnvs.__new__(FakeEnvs)
-'''
-
-
-def _has_mypy() -> bool:
-    return importlib.util.find_spec("mypy") is not None
-
-
-@pytest.mark.slow  # one mypy run over forgelab and torch: minutes on a busy 2-core machine
-@pytest.mark.skipif(not _has_mypy(), reason="mypy not installed")
-def test_type_checker_refuses_a_wrongly_typed_generator_call(tmp_path):
-    """One mypy run over three probes: right calls pass; a list where a `GenerateRequest` goes and an int where a
-    `WeightUpdate` goes fail with arg-type, each on its own probe."""
-    probes = {"right": ("", False), "prompts_list": ("await svc.generate([[1, 2]])", True),
-              "int_update": ("await svc.update_weights(3)", True)}
-    for name, (wrong, _) in probes.items():
-        (tmp_path / f"probe_{name}.py").write_text(textwrap.dedent(PROBE).replace("{wrong}", wrong))
-    out = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports",
-                          "--cache-dir", str(tmp_path / "cache"), *(str(tmp_path / f"probe_{n}.py") for n in probes)],
-                         cwd=ROOT, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    for name, (_, fails) in probes.items():
-        errors = [ln for ln in out.stdout.splitlines() if f"probe_{name}.py" in ln and "error" in ln]
-        assert bool(errors) == fails, (name, out.stdout + out.stderr)
-        assert all("arg-type" in ln for ln in errors), errors
+# The type checker's probe of the generator's contract runs in tests/test_typecheck.py (one mypy run there).

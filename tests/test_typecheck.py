@@ -16,6 +16,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "pyproject.toml"
 
@@ -52,9 +54,24 @@ def test_config_is_strict_for_the_goal_packages() -> None:
     assert STRICT and set(STRICT) <= set(GOAL)
 
 
-def test_strict_packages_pass() -> None:
-    rc, out = _mypy(*STRICT)
-    assert rc == 0, f"mypy reports errors in {STRICT} (run `python -m mypy {' '.join(STRICT)}`):\n{out}"
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    """ONE mypy run over the strict packages and every probe below (a run costs a minute or more of a busy
+    2-core machine, most of it reading torch's and vLLM's types): (the probes' folder, exit status, output).
+    The probes are plain modules beside the packages, checked with the same configuration."""
+    probes = tmp_path_factory.mktemp("typecheck_probes")
+    (probes / "typecheck_probe.py").write_text(textwrap.dedent(PROBE))
+    for name, (wrong, _) in GENERATOR_PROBES.items():
+        (probes / f"probe_{name}.py").write_text(textwrap.dedent(GENERATOR_PROBE).replace("{wrong}", wrong))
+    rc, out = _mypy(*STRICT, *sorted(str(p) for p in probes.glob("*.py")))
+    return probes, rc, out
+
+
+def test_strict_packages_pass(checked: tuple[Path, int, str]) -> None:
+    probes, _, out = checked
+    errors = [ln for ln in out.splitlines() if ": error:" in ln and not ln.startswith(str(probes))]
+    assert not errors, f"mypy reports errors in {STRICT} (run `python -m mypy {' '.join(STRICT)}`):\n{out}"
+    assert "error:" in out, "the probes' planted errors are missing: did mypy check anything?\n" + out
 
 
 def test_every_ignore_in_the_strict_packages_names_its_code_and_says_why() -> None:
@@ -118,10 +135,9 @@ async def wrong(learner: ActorHandle[Learner], svc: Service[Learner], trainer: A
 '''
 
 
-def test_probe_wrongly_typed_engine_calls_fail_the_checker(tmp_path: Path) -> None:
-    probe = tmp_path / "typecheck_probe.py"
-    probe.write_text(textwrap.dedent(PROBE))
-    rc, out = _mypy(str(probe))
+def test_probe_wrongly_typed_engine_calls_fail_the_checker(checked: tuple[Path, int, str]) -> None:
+    probes, rc, out = checked
+    probe = probes / "typecheck_probe.py"
     want = {(n, m.group(1)) for n, line in enumerate(textwrap.dedent(PROBE).splitlines(), 1)
             if (m := re.search(r"# E: ([a-z-]+)$", line))}
     # the probe imports engines modules that are not yet strict-clean: only the probe's own lines count here
@@ -129,3 +145,31 @@ def test_probe_wrongly_typed_engine_calls_fail_the_checker(tmp_path: Path) -> No
         rf"^{re.escape(str(probe))}:(\d+): error: .*\[([a-z-]+)\]$", out, re.M)}
     assert rc != 0
     assert got == want, f"expected errors at {sorted(want)}, mypy said:\n{out}"
+
+
+# The generator's typed contract (`forgelab.engines.generator_service`, `forgelab.generation`): right calls and
+# the fakes' conformance to the Protocols pass; a list where a `GenerateRequest` goes and an int where a
+# `WeightUpdate` goes fail with arg-type, each on its own probe.
+GENERATOR_PROBE = '''
+from forgelab.engines.generator_service import GeneratorService
+from forgelab.generation import Envs, GenerateRequest, Generators
+from forgelab.testing.fakes import FakeEnvs, FakeGenerators
+
+
+async def calls(svc: GeneratorService) -> None:
+    await svc.generate(GenerateRequest(prompts_P=[[1, 2]], n=2))
+    {wrong}
+
+fakes: Generators = FakeGenerators(1)
+envs: Envs = FakeEnvs.__new__(FakeEnvs)
+'''
+GENERATOR_PROBES = {"right": ("", False), "prompts_list": ("await svc.generate([[1, 2]])", True),
+                    "int_update": ("await svc.update_weights(3)", True)}
+
+
+def test_type_checker_refuses_a_wrongly_typed_generator_call(checked: tuple[Path, int, str]) -> None:
+    probes, _, out = checked
+    for name, (_, fails) in GENERATOR_PROBES.items():
+        errors = [ln for ln in out.splitlines() if ln.startswith(str(probes / f"probe_{name}.py")) and ": error:" in ln]
+        assert bool(errors) == fails, (name, out)
+        assert all("arg-type" in ln for ln in errors), errors
