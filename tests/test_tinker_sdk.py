@@ -1,0 +1,132 @@
+"""Tinker's REST API (`forgelab.serve.tinker_api`) against the unmodified ``tinker==0.38.0`` SDK.
+
+One set of shared engines (2 LoRA slots, the shipped tiny model) and the server run in this process for the
+module; the SDK runs in its own virtualenv (``.venv-tinker``, `make tinker-venv`, requirements-tinker.lock) as a
+subprocess, tests/tinker_sdk_client.py: a plain Tinker program that creates a LoRA training client, takes K
+``cross_entropy`` steps on one batch, saves weights for a sampler, samples with logprobs, scores the samples
+with ``forward``, and records the errors of a wrong key, ``train_unembed`` and an unsupported loss.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from numerics import check, max_abs, max_abs_diff, model_tol
+
+integration = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+SDK_PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
+CLIENT = Path(__file__).resolve().parent / "tinker_sdk_client.py"
+RANK, K, LR = 8, 5, 2e-3
+PROMPT = [1, 27, 28, 21, 29, 30, 39]  # bos "12+34="
+# two sequences (a prompt and its answer; weights 0 on the prompt's targets, 1 on the answer's)
+SEQS = [(PROMPT, [30, 32, 24, 8]), ([1, 27, 21], [28, 8])]
+
+
+def _batch() -> list[tuple[list[int], list[float]]]:
+    return [(p + a, [0.0] * (len(p) - 1) + [1.0] * len(a)) for p, a in SEQS]
+
+
+@pytest.fixture(scope="module")
+def served(loop: Any, tmp_path_factory: Any) -> Any:
+    if not SDK_PYTHON.exists():
+        pytest.skip(f"{SDK_PYTHON} is missing: `make tinker-venv` builds the SDK's virtualenv (make test does)")
+    from forgelab.config.components import LoraConfig
+    from forgelab.config.run_config import EvalConfig, RunConfig, TrackingConfig
+    from forgelab.experiments.primitives import Primitives
+    from forgelab.experiments.variants import SharedEngines
+    from forgelab.serve.http import LoopbackServer
+    from forgelab.serve.tinker_api import serve_primitives
+
+    out = tmp_path_factory.mktemp("tinker")
+    cfg = RunConfig(name="tinker", lora=LoraConfig(enabled=True, rank=RANK, alpha=16.0), eval=EvalConfig(every=0),
+                    tracking=TrackingConfig(out_dir=str(out)))
+    engines = SharedEngines(cfg, slots=2)
+    prims = Primitives(engines, out / "ckpt")
+    server = LoopbackServer("tinker")
+    api = loop.run_until_complete(serve_primitives(prims, server))
+    yield api, server
+    loop.run_until_complete(api.close())
+    loop.run_until_complete(server.stop())
+    loop.run_until_complete(engines.shutdown())
+
+
+@pytest.fixture(scope="module")
+def sdk_run(loop: Any, served: Any) -> dict[str, Any]:
+    """The client's JSON. It runs while this process's loop serves its requests (awaited, not blocked on)."""
+    api, server = served
+    spec = {"model": api.base_model, "rank": RANK, "data": _batch(), "steps": K, "lr": LR, "prompt": PROMPT,
+            "text": "12+34="}
+    env = {**os.environ, "TINKER_BASE_URL": api.base_url, "TINKER_API_KEY": server.secret, "TINKER_TELEMETRY": "0",
+           "HF_HUB_OFFLINE": "1"}
+
+    async def run() -> tuple[int, bytes, bytes]:
+        proc = await asyncio.create_subprocess_exec(str(SDK_PYTHON), str(CLIENT), json.dumps(spec), env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=240)
+        return proc.returncode or 0, stdout, stderr
+
+    rc, stdout, stderr = loop.run_until_complete(run())
+    assert rc == 0, stderr.decode()[-4000:]
+    return dict(json.loads(stdout.decode().strip().splitlines()[-1]))
+
+
+@integration
+def test_sdk_loss_equals_primitives_and_decreases(loop: Any, served: Any, sdk_run: dict[str, Any]) -> None:
+    """The SDK's first ``loss:sum`` and per-datum logprobs are bit-equal to the same datums' ``forward_backward``
+    through `Primitives` on a fresh slot of the same engines (the same path: the same adapter template, the
+    same batch, the same trainer call; only the transport differs, and float32 logprobs and float64 metrics
+    cross protobuf exactly). K optimizer steps on the batch lower ``loss:sum`` every step."""
+    from forgelab.experiments.primitive_types import Datum, ModelInput
+
+    api, _ = served
+    assert sdk_run["version"] == "0.38.0"
+
+    async def reference() -> Any:
+        client = await api.primitives.create_lora_training_client("reference")
+        try:
+            data = [Datum(model_input=ModelInput.from_ints(t[:-1]), loss_fn_inputs={"target_tokens": t[1:],
+                                                                                      "weights": w})
+                    for t, w in _batch()]
+            return await client.forward_backward(data, "cross_entropy")
+        finally:
+            await client.close()
+
+    ref = loop.run_until_complete(reference())
+    losses = sdk_run["losses"]
+    assert losses[0] == ref.metrics["loss:sum"]
+    assert sdk_run["logprobs"] == [o["logprobs"].tolist() for o in ref.loss_fn_outputs]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+@integration
+def test_sdk_samples_logprobs_equal_a_forward(served: Any, sdk_run: dict[str, Any]) -> None:
+    """The sampler from ``save_weights_and_get_sampling_client`` (vLLM with the adapter) returns each sampled
+    token's logprob; the trainer's ``forward`` of prompt + sample under the same adapter gives the same numbers
+    within the float32 bound of two forwards of the model (numerics.model_tol at the logprobs' scale)."""
+    from forgelab.config.run_config import SHIPPED_MODEL
+
+    samples = sdk_run["samples"]
+    assert len(samples) == 2
+    for s in samples:
+        assert 1 <= len(s["tokens"]) <= 6 and len(s["logprobs"]) == len(s["tokens"]) == len(s["forward"])
+        assert s["stop"] in ("stop", "length")
+        check(max_abs_diff(s["logprobs"], s["forward"]), model_tol(SHIPPED_MODEL, max_abs(s["forward"])),
+              "sampled logprobs vs the trainer's forward")
+
+
+@integration
+def test_sdk_sees_refusals(served: Any, sdk_run: dict[str, Any]) -> None:
+    """A wrong key is refused (401, naming the run's key); the SDK's default ``train_unembed=True`` and the
+    ``dro`` loss answer errors naming what is supported; the tokenizer loads from the local model path."""
+    assert sdk_run["wrong_key"] is not None and "wrong key" in sdk_run["wrong_key"], sdk_run["wrong_key"]
+    assert "train_unembed" in (sdk_run["unembed"] or ""), sdk_run["unembed"]
+    assert "'dro' is not supported" in (sdk_run["bad_loss"] or "") and "cross_entropy" in sdk_run["bad_loss"]
+    assert sdk_run["tokenized"] == PROMPT[1:]
+
