@@ -62,7 +62,7 @@ def sdk_run(loop: Any, served: Any) -> dict[str, Any]:
     """The client's JSON. It runs while this process's loop serves its requests (awaited, not blocked on)."""
     api, server = served
     spec = {"model": api.base_model, "rank": RANK, "data": _batch(), "steps": K, "lr": LR, "prompt": PROMPT,
-            "text": "12+34="}
+            "text": "12+34=", "outside": "x"}
     env = {**os.environ, "TINKER_BASE_URL": api.base_url, "TINKER_API_KEY": server.secret, "TINKER_TELEMETRY": "0",
            "HF_HUB_OFFLINE": "1"}
 
@@ -124,9 +124,11 @@ def test_sdk_samples_logprobs_equal_a_forward(served: Any, sdk_run: dict[str, An
 @integration
 def test_sdk_sees_refusals(served: Any, sdk_run: dict[str, Any]) -> None:
     """A wrong key is refused (401, naming the run's key); the SDK's default ``train_unembed=True`` and the
-    ``dro`` loss answer errors naming what is supported; the tokenizer loads from the local model path."""
+    ``dro`` loss answer errors naming what is supported; a ``tinker://`` path that would leave the checkpoint
+    root is refused; the tokenizer loads from the local model path."""
     assert sdk_run["wrong_key"] is not None and "wrong key" in sdk_run["wrong_key"], sdk_run["wrong_key"]
     assert "train_unembed" in (sdk_run["unembed"] or ""), sdk_run["unembed"]
     assert "'dro' is not supported" in (sdk_run["bad_loss"] or "") and "cross_entropy" in sdk_run["bad_loss"]
+    assert "a checkpoint name must be a plain name" in (sdk_run["outside"] or ""), sdk_run["outside"]
     assert sdk_run["tokenized"] == PROMPT[1:]
 

@@ -62,6 +62,8 @@ def main() -> None:
         samples.append({"tokens": list(seq.tokens), "logprobs": list(seq.logprobs), "stop": seq.stop_reason,
                         "forward": fwd.loss_fn_outputs[0]["logprobs"].tolist()[-len(seq.tokens):]})
     out["samples"] = samples
+    out["outside"] = error_of(lambda: service.create_sampling_client(
+        model_path="tinker://../sampler_weights/" + spec["outside"]).result())
     out["bad_loss"] = error_of(lambda: tc.forward_backward(data, "dro").result())
     print(json.dumps(out))
 

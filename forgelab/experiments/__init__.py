@@ -16,6 +16,7 @@ _LAZY = {
     "LossComparison": "forgelab.experiments.loss_ab",
     "ReplayReport": "forgelab.experiments.replay",
     "compare_metrics": "forgelab.experiments.replay",
+    "Primitives": "forgelab.experiments.primitives",
 }
 __all__ = sorted(_LAZY)
 #: old public names, still resolved with a DeprecationWarning for one release (issue #38)

@@ -91,6 +91,8 @@ class _Sampler:
     sampler_id: str
     client: "SamplingClient"
     model_path: str | None
+    model_id: str | None = None
+    """The training client that saved it (its adapter is dropped when that client closes); None: made from a path."""
 
 
 @dataclass
@@ -213,6 +215,8 @@ class TinkerAPI:
         s = self.sessions.pop(session_id, None)
         for model_id in s.models if s else []:
             m = self.models.pop(model_id, None)
+            for sid in [k for k, v in self.samplers.items() if v.model_id == model_id]:
+                del self.samplers[sid]
             if m is not None:
                 try:
                     await m.client.close()
@@ -397,9 +401,9 @@ class TinkerAPI:
             raise UserError(f"no sampler checkpoint {tinker_path!r} on this server")
         return local
 
-    def _add_sampler(self, client: "SamplingClient", model_path: str | None) -> str:
+    def _add_sampler(self, client: "SamplingClient", model_path: str | None, model_id: str | None = None) -> str:
         sid = f"sampler{next(self._ids)}"
-        self.samplers[sid] = _Sampler(sid, client, model_path)
+        self.samplers[sid] = _Sampler(sid, client, model_path, model_id)
         return sid
 
     async def save_weights_for_sampler(self, request: Request) -> dict[str, Any]:
@@ -413,9 +417,10 @@ class TinkerAPI:
             sampler = await m.client.save_weights_for_sampler(name or f"ephemeral-{body.get('seq_id')}")
             if name:
                 path = self.tinker_path(m.model_id, name)
-                self._add_sampler(sampler, path)
+                self._add_sampler(sampler, path, m.model_id)
                 return {"type": "save_weights_for_sampler", "path": path}
-            return {"type": "save_weights_for_sampler", "sampling_session_id": self._add_sampler(sampler, None)}
+            return {"type": "save_weights_for_sampler",
+                    "sampling_session_id": self._add_sampler(sampler, None, m.model_id)}
 
         return self._in_order(m, body.get("seq_id"), work)
 
@@ -434,7 +439,8 @@ class TinkerAPI:
                         return s.sampler_id
                 return self._add_sampler(await self.primitives.create_sampling_client(local), model_path)
             self._check_base(base_model)
-        except UserError as e:
+        except ValueError as e:  # UserError, and Primitives.path's refusal of a name that is not plain
+            # a 400, not a 500: the SDK retries 5xx answers for minutes
             raise HTTPException(400, str(e)) from e
         return self._add_sampler(await self.primitives.create_sampling_client(), None)
 
@@ -462,13 +468,16 @@ class TinkerAPI:
         for c in body.get("prompt", {}).get("chunks", []):
             if c.get("type", "encoded_text") != "encoded_text":
                 raise HTTPException(400, f"prompt chunks of type {c.get('type')!r} are not supported: tokens only")
-            chunks.append(tuple(int(t) for t in c["tokens"]))
+            chunks.append(tuple(int(t) for t in c.get("tokens", [])))
         p = body.get("sampling_params", {})
         if p.get("stop") == []:
             raise HTTPException(400, "stop=[] (no stop, not even eos) is not supported: the model's eos always stops")
-        params = SamplingParams(max_tokens=p.get("max_tokens") or SamplingParams().max_tokens,
-                                temperature=float(p.get("temperature", 1.0)), top_k=int(p.get("top_k", -1)),
-                                top_p=float(p.get("top_p", 1.0)), seed=p.get("seed"), stop=p.get("stop"))
+        try:
+            params = SamplingParams(max_tokens=p.get("max_tokens") or SamplingParams().max_tokens,
+                                    temperature=float(p.get("temperature", 1.0)), top_k=int(p.get("top_k", -1)),
+                                    top_p=float(p.get("top_p", 1.0)), seed=p.get("seed"), stop=p.get("stop"))
+        except (TypeError, ValueError) as e:
+            raise HTTPException(400, f"sampling_params {p}: {e}") from e
         ids = [f"{sid}-{body.get('seq_id', 0)}-{i}" for i in range(n)]
         work = sampler.client.sample(ModelInput(tuple(chunks)), n, params,
                                      include_prompt_logprobs=bool(body.get("prompt_logprobs")))
@@ -478,6 +487,9 @@ class TinkerAPI:
         """Free every model's slot and forget the futures (the server is stopping)."""
         for sid in list(self.sessions):
             await self._close_session(sid)
+        for s in list(self.samplers.values()):  # the ones made from a tinker:// path
+            await s.client.close()
+        self.samplers.clear()
         for f in self.futures.values():
             f.task.cancel()
         self.futures.clear()

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory  # type: ignore[import-untyped]
 
 from forgelab.experiments.primitive_types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse
 
@@ -116,10 +116,11 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, list[Datum], str, di
         inputs = {e.key: _tensor(e.value, f"datum {i} loss_fn_inputs[{e.key!r}]") for e in d.loss_fn_inputs}
         data.append(Datum(model_input=ModelInput(tuple(chunks)), loss_fn_inputs=inputs))
     config: dict[str, float] = {e.key: float(e.value) for e in msg.loss_fn_config}
-    for e in msg.loss_fn_config_v2:  # the SDK writes both; v2 wins, and only it can hold text
-        if e.value.text:
-            raise WireError(f"loss_fn_config[{e.key!r}] is text ({e.value.text!r}); forgelab's losses take numbers")
-        config[e.key] = float(e.value.number)
+    for entry in msg.loss_fn_config_v2:  # the SDK writes both; v2 wins, and only it can hold text
+        if entry.value.text:
+            raise WireError(f"loss_fn_config[{entry.key!r}] is text ({entry.value.text!r}); forgelab's losses take "
+                            "numbers")
+        config[entry.key] = float(entry.value.number)
     return msg.model_id, int(msg.seq_id), data, msg.loss_fn, config, bool(msg.forward_only)
 
 
