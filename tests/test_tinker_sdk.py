@@ -106,6 +106,18 @@ def test_sdk_loss_equals_primitives_and_decreases(loop: Any, served: Any, sdk_ru
 
 
 @integration
+def test_sdk_save_state_and_resume_continue_exactly(served: Any, sdk_run: dict[str, Any]) -> None:
+    """``save_state`` gives a ``tinker://`` path; one more step from there (its loss, and the loss after it:
+    the weights and AdamW moments it moved) is bit-identical three ways: straight on, after
+    ``load_state_with_optimizer`` on the same client, and on a new client from
+    ``create_training_client_from_state_with_optimizer``."""
+    assert sdk_run["state"].startswith("tinker://") and sdk_run["state"].endswith("/weights/s1")
+    first, again, other = sdk_run["resume"]
+    assert first == again == other, sdk_run["resume"]
+    assert first[1] < first[0]
+
+
+@integration
 def test_sdk_samples_logprobs_equal_a_forward(served: Any, sdk_run: dict[str, Any]) -> None:
     """The sampler from ``save_weights_and_get_sampling_client`` (vLLM with the adapter) returns each sampled
     token's logprob; the trainer's ``forward`` of prompt + sample under the same adapter gives the same numbers

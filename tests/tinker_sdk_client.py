@@ -35,7 +35,14 @@ def main() -> None:
 
     out["wrong_key"] = error_of(lambda: tinker.ServiceClient(api_key="tml-" + "0" * 32).create_lora_training_client(
         base_model=model, rank=rank, train_unembed=False).result())
-    service = tinker.ServiceClient()
+    with tinker.ServiceClient() as service:  # leaving it finishes the session: the server frees its slots
+        run(service, spec, out)
+    print(json.dumps(out))
+
+
+def run(service: tinker.ServiceClient, spec: dict, out: dict[str, object]) -> None:
+    model, rank = spec["model"], spec["rank"]
+    adam = types.AdamParams(learning_rate=spec["lr"], beta1=0.9, beta2=0.95, eps=1e-8)
     out["unembed"] = error_of(lambda: service.create_lora_training_client(base_model=model, rank=rank).result())
     tc = service.create_lora_training_client(base_model=model, rank=rank, train_unembed=False).result()
     out["tokenized"] = tc.get_tokenizer().encode(spec["text"])
@@ -44,13 +51,26 @@ def main() -> None:
     losses, logprobs = [], None
     for _ in range(spec["steps"]):
         fb = tc.forward_backward(data, "cross_entropy")  # both submitted before either is awaited
-        opt = tc.optim_step(types.AdamParams(learning_rate=spec["lr"], beta1=0.9, beta2=0.95, eps=1e-8))
+        opt = tc.optim_step(adam)
         result = fb.result()
         opt.result()
         losses.append(result.metrics["loss:sum"])
         if logprobs is None:
             logprobs = [o["logprobs"].tolist() for o in result.loss_fn_outputs]
     out["losses"], out["logprobs"] = losses, logprobs
+
+    def step(client) -> list[float]:  # one step's loss, then the loss after it
+        fb, opt = client.forward_backward(data, "cross_entropy"), client.optim_step(adam)
+        before = fb.result().metrics["loss:sum"]
+        opt.result()
+        return [before, client.forward(data, "cross_entropy").result().metrics["loss:sum"]]
+
+    state = tc.save_state("s1").result().path
+    first = step(tc)
+    tc.load_state_with_optimizer(state).result()
+    again = step(tc)
+    other = service.create_training_client_from_state_with_optimizer(state).result()
+    out["state"], out["resume"] = state, [first, again, step(other)]
 
     sampler = tc.save_weights_and_get_sampling_client().result()
     res = sampler.sample(types.ModelInput.from_ints(spec["prompt"]), num_samples=2,
@@ -65,7 +85,6 @@ def main() -> None:
     out["outside"] = error_of(lambda: service.create_sampling_client(
         model_path="tinker://../sampler_weights/" + spec["outside"]).result())
     out["bad_loss"] = error_of(lambda: tc.forward_backward(data, "dro").result())
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":

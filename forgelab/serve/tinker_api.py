@@ -20,7 +20,8 @@ Supported: LoRA training clients of the engines' model at the engines' rank (``t
 engines' targets; ``seed`` None or the engines' seed: every slot starts from the same adapter), the losses
 ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, ``forward``, ``forward_backward_custom`` (the SDK
 runs it client-side as a forward then a weighted ``cross_entropy``), AdamW with per-call hyperparameters,
-``save_weights_for_sampler`` (named: a ``tinker://<model_id>/sampler_weights/<name>`` path under the primitives'
+``save_state`` / ``load_state`` (with or without the optimizer, also into a new client: a
+``tinker://<model_id>/weights/<name>`` path), ``save_weights_for_sampler`` (named: a ``tinker://<model_id>/sampler_weights/<name>`` path under the primitives'
 root; unnamed: an ephemeral sampler), sampling from the base model or a saved adapter with prompt logprobs.
 Refused with an error naming what is supported: another base model, full fine-tuning, ``train_unembed`` (forgelab's
 LoRA cannot target the output projection), another rank, the ``dro``/``gspo``/``stable_reinforce`` losses,
@@ -147,11 +148,13 @@ class TinkerAPI:
         r.add_api_route("/forward_backward", self.forward_backward, methods=["POST"])
         r.add_api_route("/optim_step", self.optim_step, methods=["POST"])
         r.add_api_route("/save_weights_for_sampler", self.save_weights_for_sampler, methods=["POST"])
+        r.add_api_route("/save_weights", self.save_weights, methods=["POST"])
+        r.add_api_route("/load_weights", self.load_weights, methods=["POST"])
         r.add_api_route("/create_sampling_session", self.create_sampling_session, methods=["POST"])
         r.add_api_route("/samplers/{sampler_id}", self.get_sampler, methods=["GET"])
         r.add_api_route("/asample", self.asample, methods=["POST"])
         r.add_api_route("/retrieve_future", self.retrieve_future, methods=["POST"])
-        for name in ("save_weights", "load_weights", "create_custom_loss", "retrieve_futures", "unload_model",
+        for name in ("create_custom_loss", "retrieve_futures", "unload_model",
                      "join_sampling_session", "save_weights_external", "copy_weights"):
             r.add_api_route(f"/{name}", self._unsupported(name), methods=["POST"])
         return r
@@ -160,8 +163,8 @@ class TinkerAPI:
         async def refuse() -> None:
             # 400, not 501: the SDK retries 5xx answers for minutes
             raise HTTPException(400, f"forgelab's Tinker server does not implement {name!r}; it serves "
-                                     "create_model, forward, forward_backward, optim_step, save_weights_for_sampler "
-                                     "and sampling (docs/tinker.md)")
+                                     "create_model, forward, forward_backward, optim_step, save_state, load_state, "
+                                     "save_weights_for_sampler and sampling (docs/tinker.md)")
         return refuse
 
     # --- handshake, sessions -------------------------------------------------------------------------
@@ -213,15 +216,20 @@ class TinkerAPI:
 
     async def _close_session(self, session_id: str) -> None:
         s = self.sessions.pop(session_id, None)
-        for model_id in s.models if s else []:
-            m = self.models.pop(model_id, None)
-            for sid in [k for k, v in self.samplers.items() if v.model_id == model_id]:
-                del self.samplers[sid]
-            if m is not None:
-                try:
-                    await m.client.close()
-                except Exception:  # noqa: BLE001 - closing is best effort; the engines may be shutting down
-                    log.warning("closing %s failed", model_id, exc_info=True)
+        for model_id in list(s.models) if s else []:
+            await self._close_model(s, model_id)
+
+    async def _close_model(self, session: _Session | None, model_id: str) -> None:
+        if session is not None and model_id in session.models:
+            session.models.remove(model_id)
+        m = self.models.pop(model_id, None)
+        for sid in [k for k, v in self.samplers.items() if v.model_id == model_id]:
+            del self.samplers[sid]
+        if m is not None:
+            try:
+                await m.client.close()
+            except Exception:  # noqa: BLE001 - closing is best effort; the engines may be shutting down
+                log.warning("closing %s failed", model_id, exc_info=True)
 
     async def _reap(self) -> None:
         now = time.monotonic()
@@ -292,14 +300,21 @@ class TinkerAPI:
         async def create() -> dict[str, Any]:
             self._check_base(body.get("base_model"))
             self._check_lora(body.get("lora_config"), body.get("optimizer_config"))
-            await self._reap()
-            model_id = f"model{next(self._ids)}"
-            client = await self.primitives.create_lora_training_client(model_id)
-            self.models[model_id] = _Model(model_id, session.session_id, client)
-            session.models.append(model_id)
-            return {"type": "create_model", "model_id": model_id}
+            m = await self._new_model(session, body.get("model_seq_id"))
+            return {"type": "create_model", "model_id": m.model_id}
 
         return self._submit(create())
+
+    async def _new_model(self, session: _Session, model_seq_id: object) -> _Model:
+        await self._reap()
+        # the SDK derives this id itself for a client created from a checkpoint (create_training_client_from_state)
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise UserError(f"model {model_id!r} exists already (model_seq_id {model_seq_id} was used)")
+        client = await self.primitives.create_lora_training_client(model_id)
+        m = self.models[model_id] = _Model(model_id, session.session_id, client)
+        session.models.append(model_id)
+        return m
 
     def _model(self, model_id: str) -> _Model:
         m = self.models.get(model_id)
@@ -385,21 +400,70 @@ class TinkerAPI:
         return self._in_order(m, body.get("seq_id"), work)
 
     # --- samplers ----------------------------------------------------------------------------------------
-    def tinker_path(self, model_id: str, name: str) -> str:
-        return f"tinker://{model_id}/sampler_weights/{name}"
+    _KINDS = {"sampler_weights": "sampler", "weights": "state"}
+    """A ``tinker://`` path's kind -> the folder `Primitives` writes it to (``save_weights_for_sampler``: a PEFT
+    adapter; ``save_state``: adapter, AdamW state and step)."""
 
-    def local_path(self, tinker_path: str) -> str:
-        """The directory a ``tinker://<model_id>/sampler_weights/<name>`` path names, inside the primitives'
-        root (`Primitives.path` refuses any part that is not a plain name)."""
-        rest = tinker_path.removeprefix("tinker://")
-        parts = rest.split("/")
-        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] != "sampler_weights":
-            raise UserError(f"model_path {tinker_path!r} is not a sampler checkpoint of this server "
-                            "(tinker://<model_id>/sampler_weights/<name>, as save_weights_for_sampler returns)")
-        local = self.primitives.path(parts[0], "sampler", parts[2])
+    def tinker_path(self, model_id: str, name: str, kind: str = "sampler_weights") -> str:
+        return f"tinker://{model_id}/{kind}/{name}"
+
+    def local_path(self, tinker_path: str, kind: str = "sampler_weights") -> str:
+        """The directory a ``tinker://<model_id>/<kind>/<name>`` path names, inside the primitives' root
+        (`Primitives.path` refuses any part that is not a plain name: no path leaves the root)."""
+        parts = tinker_path.removeprefix("tinker://").split("/")
+        if not tinker_path.startswith("tinker://") or len(parts) != 3 or parts[1] != kind:
+            what = "save_weights_for_sampler" if kind == "sampler_weights" else "save_state"
+            raise UserError(f"path {tinker_path!r} is not a {kind} checkpoint of this server "
+                            f"(tinker://<model_id>/{kind}/<name>, as {what} returns)")
+        local = self.primitives.path(parts[0], self._KINDS[kind], parts[2])
         if not os.path.isdir(local):
-            raise UserError(f"no sampler checkpoint {tinker_path!r} on this server")
+            raise UserError(f"no checkpoint {tinker_path!r} on this server")
         return local
+
+    # --- training state -------------------------------------------------------------------------------
+    async def save_weights(self, request: Request) -> dict[str, Any]:
+        body = await request.json()
+        m = self._model(body.get("model_id", ""))
+
+        async def work() -> dict[str, Any]:
+            name = body.get("path") or f"state-{body.get('seq_id')}"
+            if os.path.exists(self.primitives.path(m.model_id, "state", name)) and not body.get("overwrite"):
+                raise UserError(f"checkpoint {self.tinker_path(m.model_id, name, 'weights')!r} exists (pass "
+                                "overwrite=True, or another name)")
+            await m.client.save_state(name)
+            return {"type": "save_weights", "path": self.tinker_path(m.model_id, name, "weights")}
+
+        return self._in_order(m, body.get("seq_id"), work)
+
+    async def load_weights(self, request: Request) -> dict[str, Any]:
+        """``load_state`` on a model (``model_id``), or a new model loaded from a checkpoint (``session_id`` and
+        ``model_seq_id``: `create_training_client_from_state`)."""
+        body = await request.json()
+        optimizer = bool(body.get("optimizer"))
+
+        async def load(m: _Model) -> dict[str, Any]:
+            await m.client.load_state(self.local_path(body.get("path", ""), "weights"), with_optimizer=optimizer)
+            return {"type": "load_weights", "path": body.get("path"), "model_id": m.model_id}
+
+        if body.get("model_id"):
+            m = self._model(body["model_id"])
+            return self._in_order(m, body.get("seq_id"), lambda: load(m))
+        session = self._session(body.get("session_id", ""))
+
+        async def create() -> dict[str, Any]:
+            self._check_base(body.get("base_model"))
+            kind = (body.get("optimizer_config") or {}).get("type", "adamw")
+            if kind != "adamw":
+                raise UserError(f"optimizer {kind!r} is not supported: AdamW only (the default)")
+            self.local_path(body.get("path", ""), "weights")  # refused before a slot is taken
+            m = await self._new_model(session, body.get("model_seq_id"))
+            try:
+                return await load(m)
+            except BaseException:
+                await self._close_model(session, m.model_id)
+                raise
+
+        return self._submit(create())
 
     def _add_sampler(self, client: "SamplingClient", model_path: str | None, model_id: str | None = None) -> str:
         sid = f"sampler{next(self._ids)}"
