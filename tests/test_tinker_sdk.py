@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,100 @@ SEQS = [(PROMPT, [30, 32, 24, 8]), ([1, 27, 21], [28, 8])]
 
 def _batch() -> list[tuple[list[int], list[float]]]:
     return [(p + a, [0.0] * (len(p) - 1) + [1.0] * len(a)) for p, a in SEQS]
+
+
+# ------------------------------------------------------------------------------------------- in process
+class _FakeClient:
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _fake_api(tmp_path: Path, **options: Any) -> Any:
+    """A `TinkerAPI` over `Primitives` whose engines are never started: its slots are `_FakeClient`s."""
+    from types import SimpleNamespace
+
+    from forgelab.config.components import LoraConfig
+    from forgelab.config.run_config import RunConfig
+    from forgelab.experiments.primitives import Primitives
+    from forgelab.serve.tinker_api import TinkerAPI
+
+    class FakePrimitives(Primitives):
+        async def create_lora_training_client(self, name: str | None = None) -> Any:
+            self.path(name or "x")
+            return _FakeClient()
+
+    cfg = RunConfig(name="fake", lora=LoraConfig(enabled=True, rank=RANK))
+    return TinkerAPI(FakePrimitives(SimpleNamespace(config=cfg), tmp_path), **options)
+
+
+def test_requests_of_a_model_run_in_seq_order(tmp_path: Path) -> None:
+    """Requests arriving as seq 3, 2, 1 run as 1, 2, 3 (each after the previous one finished); a retried seq gets
+    the future it already has; a request whose predecessor never arrives fails after ``gap_s``, naming it."""
+    from forgelab.serve.tinker_api import _Model
+
+    async def main() -> tuple[list[int], list[str], str]:
+        api = _fake_api(tmp_path, gap_s=0.2)
+        m = _Model("m", "s", _FakeClient())
+        ran: list[int] = []
+
+        def work(seq: int) -> Any:
+            async def go() -> int:
+                ran.append(seq)
+                await asyncio.sleep(0)  # let the others try to jump the queue
+                return seq
+            return go
+
+        futs = [api._in_order(m, seq, work(seq))["request_id"] for seq in (3, 2, 1)]
+        again = api._in_order(m, 2, work(2))["request_id"]
+        assert again == futs[1]
+        await asyncio.gather(*(api.futures[f].task for f in futs))
+        lonely = api._in_order(m, 6, work(6))["request_id"]  # 4 and 5 never come
+        with pytest.raises(LookupError) as err:
+            await api.futures[lonely].task
+        return ran, futs, str(err.value)
+
+    ran, _, err = asyncio.run(main())
+    assert ran == [1, 2, 3]
+    assert "seq_id 6 waited" in err and "seq_id 4, which never arrived" in err
+
+
+def test_refusals_and_session_timeout(tmp_path: Path) -> None:
+    """``create_model`` refuses another base model, full fine-tuning, another rank and ``train_unembed``, naming
+    what is served; ``tinker://`` paths resolve only to existing checkpoints inside the root; a session whose
+    heartbeats stopped longer than ``session_timeout_s`` ago loses its models when a model is next created."""
+    from forgelab.serve.tinker_api import UserError, _Session
+
+    api = _fake_api(tmp_path, session_timeout_s=60.0)
+    lora = {"rank": RANK, "train_unembed": False}
+    api._check_lora(lora, None)
+    for bad, says in [(None, "full fine-tuning"), ({**lora, "rank": 4}, f"rank={RANK}"),
+                      ({"rank": RANK}, "train_unembed=False"), ({**lora, "seed": 99}, "seed=0")]:
+        with pytest.raises(UserError, match=says):
+            api._check_lora(bad, None)
+    with pytest.raises(UserError, match="is not served here"):
+        api._check_base("Qwen/Qwen3-8B")
+    api._check_base(api.base_model)
+    for path, says in [("tinker://../weights/s1", "plain name"), ("tinker://m/weights/a/b", "not a weights"),
+                       ("/etc/passwd", "not a weights"), ("tinker://m/weights/s1", "no checkpoint")]:
+        with pytest.raises(ValueError, match=says):
+            api.local_path(path, "weights")
+    (tmp_path / "m" / "state" / "s1").mkdir(parents=True)
+    assert api.local_path("tinker://m/weights/s1", "weights") == str(tmp_path / "m" / "state" / "s1")
+
+    async def main() -> tuple[Any, Any]:
+        old = api.sessions["old"] = _Session("old", time.monotonic())
+        first = await api._new_model(old, 0)
+        old.last_seen -= 61.0  # its heartbeats stopped 61 s ago
+        new = api.sessions["new"] = _Session("new", time.monotonic())
+        await api._new_model(new, 0)
+        return first, new
+
+    first, new = asyncio.run(main())
+    assert first.client.closed and "old" not in api.sessions and first.model_id not in api.models
+    assert list(api.models) == ["new:train:0"] and new.models == ["new:train:0"]
 
 
 @pytest.fixture(scope="module")

@@ -306,6 +306,7 @@ class TinkerAPI:
         return self._submit(create())
 
     async def _new_model(self, session: _Session, model_seq_id: object) -> _Model:
+        session.last_seen = time.monotonic()  # it is asking now: never reaped by its own request
         await self._reap()
         # the SDK derives this id itself for a client created from a checkpoint (create_training_client_from_state)
         model_id = f"{session.session_id}:train:{model_seq_id}"
