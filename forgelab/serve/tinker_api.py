@@ -72,6 +72,8 @@ class _Future:
     task: "asyncio.Task[Any]"
     proto: Callable[[Any], bytes] | None = None
     """Encodes the result as protobuf (ForwardBackwardOutput, SampleResponse); None: the result is JSON."""
+    answered: float | None = None
+    """When its outcome was first sent (kept `TinkerAPI.keep_s` longer for the SDK's retries, then dropped)."""
 
 
 @dataclass
@@ -112,12 +114,13 @@ class TinkerAPI:
             the SDK's 45 s request timeout).
         session_timeout_s: a session with no heartbeat for this long is closed and its slots freed.
         gap_s: how long a request waits for a missing earlier ``seq_id`` of its model that never arrives.
+        keep_s: how long a future's outcome stays retrievable after it was first sent.
     """
 
     def __init__(self, primitives: "Primitives", *, poll_s: float = 20.0, session_timeout_s: float = 120.0,
-                 gap_s: float = 60.0):
+                 gap_s: float = 60.0, keep_s: float = 300.0):
         self.primitives = primitives
-        self.poll_s, self.session_timeout_s, self.gap_s = poll_s, session_timeout_s, gap_s
+        self.poll_s, self.session_timeout_s, self.gap_s, self.keep_s = poll_s, session_timeout_s, gap_s, keep_s
         cfg = primitives.engines.config
         self.base_model: str = cfg.model.path
         self.rank: int = cfg.lora.rank
@@ -240,6 +243,9 @@ class TinkerAPI:
     # --- futures ---------------------------------------------------------------------------------------
     def _submit(self, work: Awaitable[Any], proto: Callable[[Any], bytes] | None = None,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        now = time.monotonic()
+        for old in [k for k, f in self.futures.items() if f.answered is not None and now - f.answered > self.keep_s]:
+            del self.futures[old]
         rid = f"req-{next(self._ids)}"
         self.futures[rid] = _Future(asyncio.ensure_future(work), proto)
         return {"request_id": rid, **(extra or {})}
@@ -254,6 +260,9 @@ class TinkerAPI:
             await asyncio.wait({fut.task}, timeout=self.poll_s)
         if not fut.task.done():
             return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
+        fut.answered = fut.answered or time.monotonic()
+        if fut.task.cancelled():
+            return JSONResponse({"error": f"request {rid} was cancelled (the server is stopping)", "category": "server"})
         exc = fut.task.exception()
         if exc is not None:
             user = isinstance(exc, (ValueError, LookupError, TypeError, RuntimeError))
@@ -363,6 +372,8 @@ class TinkerAPI:
         fut = self._submit(run(), proto, {"model_id": m.model_id})
         if seq_id is not None:
             m.by_seq[seq_id] = fut["request_id"]
+            for old in [k for k in m.by_seq if k < seq_id - 1024]:  # a retry comes soon or not at all
+                del m.by_seq[old]
         return fut
 
     async def forward_backward(self, request: Request) -> dict[str, Any]:
