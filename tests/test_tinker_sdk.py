@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -216,7 +217,8 @@ def test_sdk_save_state_and_resume_continue_exactly(served: Any, sdk_run: dict[s
 def test_sdk_samples_logprobs_equal_a_forward(served: Any, sdk_run: dict[str, Any]) -> None:
     """The sampler from ``save_weights_and_get_sampling_client`` (vLLM with the adapter) returns each sampled
     token's logprob; the trainer's ``forward`` of prompt + sample under the same adapter gives the same numbers
-    within the float32 bound of two forwards of the model (numerics.model_tol at the logprobs' scale)."""
+    within the float32 bound of two forwards of the model (numerics.model_tol at the logprobs' scale). An
+    ``importance_sampling`` forward-backward on a sample with its own logprobs (on-policy) gives ``-n``."""
     from forgelab.config.run_config import SHIPPED_MODEL
 
     samples = sdk_run["samples"]
@@ -226,6 +228,13 @@ def test_sdk_samples_logprobs_equal_a_forward(served: Any, sdk_run: dict[str, An
         assert s["stop"] in ("stop", "length")
         check(max_abs_diff(s["logprobs"], s["forward"]), model_tol(SHIPPED_MODEL, max_abs(s["forward"])),
               "sampled logprobs vs the trainer's forward")
+    # importance_sampling on the first sample, on-policy: -sum_i exp(logp_i - q_i) over its n tokens, each
+    # |logp_i - q_i| <= tol (the bound just checked), so |loss + n| <= n * expm1(tol), plus float32 rounding of
+    # n terms near 1 (n ulps of n)
+    n = len(samples[0]["tokens"])
+    tol = model_tol(SHIPPED_MODEL, max_abs(samples[0]["forward"]))
+    check(abs(sdk_run["importance_sampling"] + n), n * math.expm1(tol) + n * n * 2.0 ** -23,
+          "on-policy importance_sampling loss vs -n")
 
 
 @integration

@@ -82,6 +82,14 @@ def run(service: tinker.ServiceClient, spec: dict, out: dict[str, object]) -> No
         samples.append({"tokens": list(seq.tokens), "logprobs": list(seq.logprobs), "stop": seq.stop_reason,
                         "forward": fwd.loss_fn_outputs[0]["logprobs"].tolist()[-len(seq.tokens):]})
     out["samples"] = samples
+
+    # one on-policy importance-sampling step's loss: the sampler's logprobs as q, advantage 1 on the sampled tokens
+    seq, n_prompt = samples[0], len(spec["prompt"])
+    rl = datum(spec["prompt"] + seq["tokens"])
+    zeros = [0.0] * (n_prompt - 1)
+    for key, values in (("logprobs", zeros + seq["logprobs"]), ("advantages", zeros + [1.0] * len(seq["tokens"]))):
+        rl.loss_fn_inputs[key] = types.TensorData(data=values, dtype="float32", shape=[len(values)])
+    out["importance_sampling"] = tc.forward_backward([rl], "importance_sampling").result().metrics["loss:sum"]
     out["outside"] = error_of(lambda: service.create_sampling_client(
         model_path="tinker://../sampler_weights/" + spec["outside"]).result())
     out["bad_loss"] = error_of(lambda: tc.forward_backward(data, "dro").result())
