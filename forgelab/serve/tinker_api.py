@@ -130,6 +130,7 @@ class TinkerAPI:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.futures: dict[str, _Future] = {}
+        self._creations: dict[str, dict[str, Any]] = {}  # model id -> the future that creates it
         self._ids = itertools.count(1)
         self.base_url: str | None = None
         """The server's URL once `serve_primitives` started it."""
@@ -226,6 +227,7 @@ class TinkerAPI:
         if session is not None and model_id in session.models:
             session.models.remove(model_id)
         m = self.models.pop(model_id, None)
+        self._creations.pop(model_id, None)
         for sid in [k for k, v in self.samplers.items() if v.model_id == model_id]:
             del self.samplers[sid]
         if m is not None:
@@ -312,7 +314,14 @@ class TinkerAPI:
             m = await self._new_model(session, body.get("model_seq_id"))
             return {"type": "create_model", "model_id": m.model_id}
 
-        return self._submit(create())
+        return self._once(f"{session.session_id}:train:{body.get('model_seq_id')}", create)
+
+    def _once(self, model_id: str, create: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+        """A model's creation runs once: a retried POST (the SDK retries one whose answer it lost) gets the
+        future of the first."""
+        if model_id not in self._creations:
+            self._creations[model_id] = self._submit(create())
+        return self._creations[model_id]
 
     async def _new_model(self, session: _Session, model_seq_id: object) -> _Model:
         session.last_seen = time.monotonic()  # it is asking now: never reaped by its own request
@@ -475,7 +484,7 @@ class TinkerAPI:
                 await self._close_model(session, m.model_id)
                 raise
 
-        return self._submit(create())
+        return self._once(f"{session.session_id}:train:{body.get('model_seq_id')}", create)
 
     def _add_sampler(self, client: "SamplingClient", model_path: str | None, model_id: str | None = None) -> str:
         sid = f"sampler{next(self._ids)}"
