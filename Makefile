@@ -5,6 +5,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.forgelab-setup
+TINKER_VENV := .venv-tinker
+TINKER_STAMP := $(TINKER_VENV)/.forgelab-setup
+PY311 ?= python3.11
 UV := $(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode
 
 # vLLM on CPU otherwise reserves most of the machine's memory for its KV cache.
@@ -14,7 +17,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup browser sshd demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup tinker-venv browser sshd demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd
 
@@ -29,6 +32,17 @@ $(STAMP): requirements.lock overrides.txt pyproject.toml
 	$(UV) --no-deps -e .
 	$(BIN)/python -m forgelab.check_install
 	@touch $(STAMP)
+
+# The Tinker SDK (tinker==0.38.0) in a virtualenv of its own, from requirements-tinker.lock (every version
+# pinned; the SDK's pyqwest and newer orjson stay out of the main lock), installed by the main venv's uv as
+# `setup` installs. tests/test_tinker_sdk.py runs the unmodified SDK in it against forgelab's Tinker server.
+tinker-venv: $(TINKER_STAMP)
+
+$(TINKER_STAMP): requirements-tinker.lock | $(STAMP)
+	@test -x $(TINKER_VENV)/bin/python || $(PY311) -m venv $(TINKER_VENV)
+	$(BIN)/uv pip install --python $(TINKER_VENV)/bin/python --quiet --compile-bytecode -r requirements-tinker.lock
+	$(TINKER_VENV)/bin/python -c "import tinker; assert tinker.__version__ == '0.38.0', tinker.__version__"
+	@touch $(TINKER_STAMP)
 
 # Debian's Chromium for the live-lab browser test (Playwright drives it; no
 # browser download). Needs root and apt; without it that one test skips.
@@ -70,7 +84,7 @@ typecheck: setup
 TEST_WORKERS ?= 2
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: setup docs
+test: setup tinker-venv docs
 	FORGELAB_DURATIONS_OUT=artifacts/test_durations.json $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 --nbval-lax tests tutorials notebooks
 
 # Refresh the record the scheduler orders files by: the whole suite, then its per-file times.
@@ -134,4 +148,4 @@ model: setup
 	$(BIN)/python -m forgelab.recipes.tiny_model
 
 clean:
-	rm -rf $(VENV) runs build .pytest_cache
+	rm -rf $(VENV) $(TINKER_VENV) runs build .pytest_cache
