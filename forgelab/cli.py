@@ -8,6 +8,7 @@
     forgelab diff RUN_A RUN_B                              config, swapped functions, versions, hardware
     forgelab replay RUN_DIR [--until N] [--trust]          re-run with its recorded changes, compare metrics
     forgelab export RUN_DIR [--merge] [--out DIR]          the saved LoRA adapter (PEFT) or merged / full HF model
+    forgelab serve-tinker [--model DIR] [--slots N]        Tinker's REST API on loopback (docs/tinker.md)
 """
 from __future__ import annotations
 
@@ -78,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     p_exp.add_argument("run_dir", help="a run directory, a checkpoint directory or a trainer checkpoint")
     p_exp.add_argument("--merge", action="store_true", help="LoRA: write the base with the adapter merged in")
     p_exp.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export/{adapter,merged,model})")
+    p_tk = sub.add_parser("serve-tinker", help="serve Tinker's REST API on loopback over shared engines (docs/tinker.md)")
+    p_tk.add_argument("--model", default=None, help="HF model directory (default: the shipped tiny model)")
+    p_tk.add_argument("--slots", type=int, default=4, help="LoRA slots: training clients at once (default 4)")
+    p_tk.add_argument("--rank", type=int, default=8, help="the LoRA rank every client gets (default 8)")
+    p_tk.add_argument("--root", default="tinker-checkpoints", help="where tinker:// checkpoints live")
+    p_tk.add_argument("--port", type=int, default=0, help="loopback port (default: the OS picks one)")
+    p_tk.add_argument("--key", default=None, help="the API key clients must send (tml-...; default: a fresh one)")
     args = parser.parse_args(argv)
 
     from forgelab.config.run_config import ConfigError
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"forgelab export: {e}", file=sys.stderr)
                 return 1
             return 0
+        if args.cmd == "serve-tinker":
+            return asyncio.run(_serve_tinker(args))
         if args.cmd == "demo":
             from forgelab.demo import demo
 
@@ -156,6 +166,43 @@ async def _run(cfg, resume: str | None) -> int:
     summary = await follow_run(run, started_at=time.time(), start=True)
     print(json.dumps({"name": cfg.name, **summary, "out_dir": str(run.out_dir)}))
     return 0 if run.state in ("finished", "stopped") else 1
+
+
+async def _serve_tinker(args) -> int:
+    """Shared engines with ``--slots`` LoRA slots, Tinker's API on them, until SIGINT or SIGTERM; the first line
+    printed is JSON with ``base_url`` and ``api_key`` (what ``TINKER_BASE_URL`` / ``TINKER_API_KEY`` take)."""
+    import signal
+
+    from forgelab.config import EvalConfig, LoraConfig, ModelConfig, RunConfig, TrackingConfig
+    from forgelab.config.run_config import SHIPPED_MODEL
+    from forgelab.experiments import Primitives, SharedEngines
+    from forgelab.serve import LoopbackServer, serve_primitives
+
+    if args.key is not None and not args.key.startswith("tml-"):
+        print("forgelab serve-tinker: --key must start with 'tml-' (the tinker SDK refuses other keys)", file=sys.stderr)
+        return 2
+    cfg = RunConfig(name="tinker", model=ModelConfig(path=args.model or SHIPPED_MODEL),
+                    lora=LoraConfig(enabled=True, rank=args.rank, alpha=2.0 * args.rank), eval=EvalConfig(every=0),
+                    tracking=TrackingConfig(out_dir=args.root, wandb=False)).validate()
+    engines = SharedEngines(cfg, slots=args.slots)
+    prims = Primitives(engines, args.root)
+    server = LoopbackServer("tinker", port=args.port, secret=args.key)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await engines.start()  # the processes now, not at the first client's request
+        api = await serve_primitives(prims, server)
+        print(json.dumps({"base_url": api.base_url, "api_key": server.secret, "base_model": cfg.model.path,
+                          "slots": args.slots, "rank": args.rank, "root": prims.root}), flush=True)
+        print(f"serving Tinker's API: TINKER_BASE_URL={api.base_url} TINKER_API_KEY=<api_key above>; "
+              "Ctrl-C stops", file=sys.stderr, flush=True)
+        await stop.wait()
+        return 0
+    finally:
+        await server.stop()
+        await engines.shutdown()
 
 
 if __name__ == "__main__":
