@@ -248,3 +248,21 @@ def test_sdk_sees_refusals(served: Any, sdk_run: dict[str, Any]) -> None:
     assert "a checkpoint name must be a plain name" in (sdk_run["outside"] or ""), sdk_run["outside"]
     assert sdk_run["tokenized"] == PROMPT[1:]
 
+
+
+@integration
+def test_sdk_clients_appear_in_the_lab(served: Any, sdk_run: dict[str, Any]) -> None:
+    """A REST-driven client keeps the run directory a notebook client does (`forgelab.experiments.primitive_records`):
+    the lab opens it; its first K metrics rows carry the SDK's K ``loss:sum`` values exactly, and the two
+    sequences its sampler drew are ``sampled`` rows of its rollout table."""
+    import forgelab.lab
+
+    api, _ = served
+    dirs = [d for d in Path(api.primitives.root).iterdir() if (d / "metrics.csv").is_file()]
+    views = [forgelab.lab.open(d) for d in dirs]
+    mine = [v for v in views if list(v.run.metrics["loss"][:K]) == sdk_run["losses"]]
+    assert len(mine) == 1, [(d.name, list(v.run.metrics["loss"])) for d, v in zip(dirs, views)]
+    rollouts = mine[0].run.rollouts
+    sampled = rollouts[rollouts["status"] == "sampled"]
+    assert [list(t) for t in sampled["completion_ids"]] == [s["tokens"] for s in sdk_run["samples"]]
+    assert (rollouts["status"] == "trained").sum() >= K * len(_batch())
