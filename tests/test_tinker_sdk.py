@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from numerics import check, max_abs, max_abs_diff, model_tol
 
@@ -143,7 +144,7 @@ def served(loop: Any, tmp_path_factory: Any) -> Any:
     out = tmp_path_factory.mktemp("tinker")
     cfg = RunConfig(name="tinker", lora=LoraConfig(enabled=True, rank=RANK, alpha=16.0), eval=EvalConfig(every=0),
                     tracking=TrackingConfig(out_dir=str(out)))
-    engines = SharedEngines(cfg, slots=2)
+    engines = SharedEngines(cfg, slots=3)  # the SDK script holds three clients at once (A, B, A resumed)
     prims = Primitives(engines, out / "ckpt")
     server = LoopbackServer("tinker")
     api = loop.run_until_complete(serve_primitives(prims, server))
@@ -266,3 +267,22 @@ def test_sdk_clients_appear_in_the_lab(served: Any, sdk_run: dict[str, Any]) -> 
     sampled = rollouts[rollouts["status"] == "sampled"]
     assert [list(t) for t in sampled["completion_ids"]] == [s["tokens"] for s in sdk_run["samples"]]
     assert (rollouts["status"] == "trained").sum() >= K * len(_batch())
+
+
+@integration
+def test_another_clients_steps_leave_b_alone(served: Any, sdk_run: dict[str, Any]) -> None:
+    """Client B (one step of its own first) around all of client A's work (K + 2 steps, a resume, sampling): B's
+    adapter as ``save_weights_for_sampler`` writes it is bit-identical before and after (the PEFT safetensors'
+    tensors), and B's ``forward`` logprobs agree within the float32 bound (numerics.model_tol; the trainer runs
+    one call at a time, so they are in fact expected equal)."""
+    from safetensors.torch import load_file
+
+    from forgelab.config.run_config import SHIPPED_MODEL
+
+    api, _ = served
+    before, after = (load_file(str(Path(api.local_path(sdk_run[k])) / "adapter_model.safetensors"))
+                     for k in ("b_before", "b_after"))
+    assert before.keys() == after.keys() and before
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for lp0, lp1 in zip(sdk_run["b_logprobs_before"], sdk_run["b_logprobs_after"]):
+        check(max_abs_diff(lp0, lp1), model_tol(SHIPPED_MODEL, max_abs(lp0)), "B's logprobs around A's steps")

@@ -48,6 +48,12 @@ def run(service: tinker.ServiceClient, spec: dict, out: dict[str, object]) -> No
     out["tokenized"] = tc.get_tokenizer().encode(spec["text"])
 
     data = [datum(tokens, weights) for tokens, weights in spec["data"]]
+    # a second client B, on the same engines: its adapter and logprobs before and after all of tc's work below
+    b = service.create_lora_training_client(base_model=model, rank=rank, train_unembed=False).result()
+    b.forward_backward(data, "cross_entropy").result()
+    b.optim_step(adam).result()  # B moves off the common initial adapter, so its weights are its own
+    out["b_before"] = b.save_weights_for_sampler("b-before").result().path
+    out["b_logprobs_before"] = [o["logprobs"].tolist() for o in b.forward(data, "cross_entropy").result().loss_fn_outputs]
     losses, logprobs = [], None
     for _ in range(spec["steps"]):
         fb = tc.forward_backward(data, "cross_entropy")  # both submitted before either is awaited
@@ -93,6 +99,8 @@ def run(service: tinker.ServiceClient, spec: dict, out: dict[str, object]) -> No
     out["outside"] = error_of(lambda: service.create_sampling_client(
         model_path="tinker://../sampler_weights/" + spec["outside"]).result())
     out["bad_loss"] = error_of(lambda: tc.forward_backward(data, "dro").result())
+    out["b_after"] = b.save_weights_for_sampler("b-after").result().path
+    out["b_logprobs_after"] = [o["logprobs"].tolist() for o in b.forward(data, "cross_entropy").result().loss_fn_outputs]
 
 
 if __name__ == "__main__":
