@@ -35,7 +35,8 @@ EXTRA_KEYS = {
     "distill": {"censored", "curves", "target", "teacher_accuracy", "s_per_step"},
     "inflight": {"heldout_accuracy_drain", "heldout_accuracy_inflight", "accuracy_spread", "learning_not_worse",
                  "censored", "time_to_target_s", "inflight_over_drain_s_per_step", "drain_wait_s"},
-    "primitives": {"primitives_over_fused_ci95", "fused_s_per_step", "primitives_s_per_step"},
+    "primitives": {"primitives_over_fused_ci95", "fused_s_per_step", "primitives_s_per_step", "rest_over_python_ci95",
+                   "rest_s_per_step"},
 }
 
 
