@@ -11,7 +11,7 @@ bootstrap 95 % interval; the first round (each path's first call) is left out.
 
 ``rest_over_python`` (goal <= 1.3): the same engines served over Tinker's REST API (`forgelab.serve`), and the
 unmodified tinker SDK (``.venv-tinker``, `make tinker-venv`) driving a third slot from its own process
-(`forgelab.bench.tinker_bench_client`: one step per line on its stdin) interleaved round by round with the
+(`forgelab.bench._tinker_client`: one step per line on its stdin) interleaved round by round with the
 Python primitives on slot B, both with ``importance_sampling`` (the REST API serves Tinker's losses) on the same
 batch: the median per-round ratio of the SDK's step time (measured in the client: submit both calls, wait for
 both results) to the Python step's.
@@ -130,7 +130,7 @@ async def _rest_rounds(prims: "object", data: "list[object]", rounds: int, pytho
                       d.loss_fn_inputs["logprobs"].tolist(), d.loss_fn_inputs["advantages"].tolist()]  # type: ignore[attr-defined]
                      for d in data]}
     env = {**os.environ, "TINKER_BASE_URL": api.base_url, "TINKER_API_KEY": server.secret, "TINKER_TELEMETRY": "0"}
-    client = Path(__file__).with_name("tinker_bench_client.py")  # run by path: the SDK's venv has no forgelab
+    client = Path(__file__).with_name("_tinker_client.py")  # run by path: the SDK's venv has no forgelab
     proc = await asyncio.create_subprocess_exec(str(sdk_python), str(client), json.dumps(spec), env=env,
                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
