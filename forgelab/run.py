@@ -297,6 +297,7 @@ class Run:
             self.door = await AgentDoor.open(cfg.door, name=cfg.name, generators=parts.generators,
                                              tokenizer=self.tokenizer, rollouts=self.rollout, buffer=self.buffer,
                                              max_model_len=cfg.model.max_model_len, group_size=cfg.rollout.group_size)
+            loop.add_row_source(self.door.counters)  # agent/* columns in the metrics rows
         self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed_here = self.resume_from is not None and self.out_dir.resolve() in self.resume_from.resolve().parents
         self.events.attach(self.out_dir, append=resumed_here)

@@ -180,6 +180,11 @@ def test_streaming_errors_and_keys(door_run, loop):
                 .chat.completions.create(model="door", messages=m)
         with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
             await client.chat.completions.create(model="door", messages=m, frequency_penalty=0.5)
+        top = await _chat(client, m, seed=5, top_logprobs=2)  # same seed: the same tokens, with alternatives
+        assert top.choices[0].token_ids == plain.choices[0].token_ids
+        for e in top.choices[0].logprobs.content:  # raw logprobs: the best alternative is at least the sampled one
+            assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob >= -1e30
+            assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
         many = await client.chat.completions.create(model="door", messages=m, n=3, max_tokens=4, seed=9)
         assert len(many.choices) == 3 and many.usage.completion_tokens == sum(len(c.token_ids) for c in many.choices)
         echo = await client.completions.create(model="door", prompt=FIRST, max_tokens=2, echo=True, logprobs=0, seed=1)

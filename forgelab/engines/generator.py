@@ -293,7 +293,7 @@ class VLLMEngine:
             prompt_logprobs=_prompt_logprobs(prompt_ids, out.prompt_logprobs),
             # vLLM's entry holds the sampled token and the top `top` (by rank); keep the top ones
             top_logprobs=[{int(t): float(lp.logprob) for t, lp in d.items() if lp.rank is not None and lp.rank <= top}
-                          for d in c.logprobs] if top > 0 and c.logprobs is not None else None,  # type: ignore[union-attr]  # vLLM types each entry dict | None
+                          for d in c.logprobs] if top > 0 and c.logprobs is not None else None,
         )
 
     def mark_new_version(self, version: int) -> None:
