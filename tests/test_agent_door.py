@@ -194,6 +194,16 @@ def test_streaming_errors_and_keys(door_run, loop):
     loop.run_until_complete(body())
 
 
+def test_door_listens_on_loopback_only(door_run):
+    """(item 7) The door's port is bound to 127.0.0.1 and nothing else (docs/security.md's listener table)."""
+    import psutil
+
+    port = door_run.door.server.port
+    mine = [c for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    assert mine and {c.laddr.ip for c in mine} == {"127.0.0.1"}
+    assert door_run.openai_base_url == f"http://127.0.0.1:{port}/v1"
+
+
 def test_rewarded_sessions_enter_the_buffer(door_run, loop):
     """(j) Two sessions rewarded in one group: their episodes are buffered with group advantages; the accounting
     identity holds; a reward without the run's key is refused."""

@@ -223,3 +223,15 @@ def test_agent_counters_are_metrics_columns(tmp_path):
     assert run.state == "finished", run.message
     assert (run.metrics["agent/retokenized_segments"] == 0).all() and "agent/open_sessions" in run.metrics
     assert run.door is None and run.openai_base_url is None  # closed with the run
+
+
+def test_door_config_is_validated():
+    from forgelab.config.run_config import ConfigError, RunConfig
+
+    cfg = RunConfig.from_dict({"door": {"enabled": True, "idle_timeout_s": 30, "group_size": 4}})
+    assert cfg.door.enabled and cfg.door.idle_timeout_s == 30 and cfg.door.group_size == 4
+    for bad, name in (({"max_sessions": 0}, "door.max_sessions"), ({"idle_timeout_s": -1}, "door.idle_timeout_s"),
+                      ({"port": 70000}, "door.port"), ({"enabled": "yes"}, "door.enabled"),
+                      ({"group_size": 0}, "door.group_size")):
+        with pytest.raises(ConfigError, match=name):
+            RunConfig.from_dict({"door": bad})
