@@ -235,3 +235,60 @@ def test_door_config_is_validated():
                       ({"group_size": 0}, "door.group_size")):
         with pytest.raises(ConfigError, match=name):
             RunConfig.from_dict({"door": bad})
+
+
+def test_disconnect_mid_generation_is_accounted(tmp_path):
+    """(k, first half) A client that goes away while its call generates: the door stops waiting, gives back the
+    slot that call took, marks the session's episode, and the session goes on."""
+    import httpx
+
+    from forgelab.config.run_config import (DoorConfig, EvalConfig, PlacementConfig, RolloutConfig, RunConfig,
+                                            TrackingConfig, TrainConfig)
+    from forgelab.run import Run
+    from forgelab.testing.fakes import fake_spawn
+
+    cfg = RunConfig(name="dc", rollout=RolloutConfig(group_size=2, prompts_per_rollout=1, max_tokens=8),
+                    train=TrainConfig(steps=2, batch_size=2, warmup_steps=0), eval=EvalConfig(every=0, n=2),
+                    placement=PlacementConfig(reference=False),
+                    tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False), door=DoorConfig(enabled=True))
+
+    class Held:  # the fakes' generator, held until released
+        def __init__(self, inner):
+            self.inner, self.release = inner, asyncio.Event()
+
+        async def generate(self, request):
+            await self.release.wait()
+            return await self.inner.generate(request)
+
+    async def body():
+        run = Run(cfg, spawn=fake_spawn)
+        await run.spawn()
+        api = run.door.api
+        url, auth = run.openai_base_url + "/chat/completions", {"Authorization": f"Bearer {run.door_key}.d"}
+        m = [{"role": "user", "content": "1+2="}]
+        try:
+            async with httpx.AsyncClient() as http:
+                first = await http.post(url, json={"model": "dc", "messages": m, "max_tokens": 4}, headers=auth)
+                reply = first.json()["choices"][0]["message"]["content"]
+                held = api.generators = Held(api.generators)
+                edited = [{"role": "user", "content": "5+5="}]  # a new segment: it takes a slot
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(url, json={"model": "dc", "messages": edited, "max_tokens": 4}, headers=auth,
+                                    timeout=0.5)
+                for _ in range(500):  # the server notices the closed connection
+                    if api.disconnects:
+                        break
+                    await asyncio.sleep(0.01)
+                assert api.disconnects == 1 and api.in_flight == 0
+                assert run.buffer.reserved == 1  # the first segment's slot only: the new one was given back
+                held.release.set()
+                m2 = m + [{"role": "assistant", "content": reply}, {"role": "user", "content": "ok"}]
+                again = await http.post(url, json={"model": "dc", "messages": m2, "max_tokens": 4}, headers=auth)
+                assert again.status_code == 200
+            ep, = run.door.sessions.export("d")
+            assert ep.info["client_disconnects"] == 1 and ep.info["calls"] == 2
+        finally:
+            await run.shutdown()
+        run.buffer.check_accounting()
+
+    asyncio.run(body())

@@ -159,6 +159,8 @@ class AgentSession:
     episode_ids: list[int] = field(default_factory=list)
     messages: list[Mapping[str, object]] | None = None
     """The last chat call's messages (what a next chat call must start with to continue it)."""
+    disconnects: int = 0
+    """Calls whose client went away while they generated (not recorded; the episode says how many)."""
     pending_id: int | None = None
     """An episode id admitted for a new segment whose first call is being generated."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -208,9 +210,9 @@ class AgentSessions:
         return s
 
     def export(self, session_id: str, choice: int = 0) -> list[Episode]:
-        """The episodes the session would close with now (unnumbered, unrewarded): its own calls only."""
-        return [segment_episode(seg, choice if i == len(s.segments) - 1 else 0)
-                for s in [self.get(session_id)] for i, seg in enumerate(s.segments)]
+        """The episodes the session would close with now (numbered with their admitted ids, unrewarded): its own
+        calls only."""
+        return self._episodes(self.get(session_id), choice)
 
     # -- calls --------------------------------------------------------------------------------------------
     def session(self, session_id: str) -> AgentSession:
@@ -276,6 +278,12 @@ class AgentSessions:
             eid, s.pending_id = s.pending_id, None
             await self.sink.forget(eid)
 
+    def disconnected(self, s: AgentSession) -> None:
+        """A call of ``s`` lost its client while it generated: nothing was recorded (`abandon` gave its slot back);
+        the session's episodes carry the count (``info["client_disconnects"]``)."""
+        s.disconnects += 1
+        s.last_used = self.clock()
+
     # -- ends -----------------------------------------------------------------------------------------------
     def _episodes(self, s: AgentSession, choice: int) -> list[Episode]:
         last = len(s.segments) - 1
@@ -283,7 +291,7 @@ class AgentSessions:
         for i, (ep, eid) in enumerate(zip(eps, s.episode_ids)):
             ep.id = eid
             ep.task = f"agent:{s.id}"
-            ep.info.update(session=s.id, segment=i, segments=len(eps))
+            ep.info.update(session=s.id, segment=i, segments=len(eps), client_disconnects=s.disconnects)
         return eps
 
     async def reward(self, session_id: str, reward: float, group: str | None = None, choice: int = 0,

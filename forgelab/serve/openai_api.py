@@ -20,6 +20,7 @@ streamed call returns exactly the tokens of the same call unstreamed.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -43,6 +44,17 @@ _COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "
            "logprobs"}
 CHAT_PARAMS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "return_token_ids"})
 COMPLETION_PARAMS = frozenset(_COMMON | {"prompt", "echo", "return_token_ids"})
+
+
+class ClientGone(Exception):
+    """The client disconnected while its call was generating."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone: after the body was read, the ASGI server's next message is
+    ``http.disconnect`` (uvicorn sends it when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _bad(message: str) -> HTTPException:
@@ -89,6 +101,7 @@ class OpenAIDoor:
         self.model_name, self.max_model_len, self.max_n = model_name, max_model_len, max_n
         self.max_concurrent_calls, self.retry_after_s, self.lora_slot = max_concurrent_calls, retry_after_s, lora_slot
         self.in_flight = 0
+        self.disconnects = 0
         self.closed = False
 
     # -- the router -------------------------------------------------------------------------------------
@@ -107,7 +120,8 @@ class OpenAIDoor:
                                             "owned_by": "forgelab", "max_model_len": self.max_model_len}]}
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.sessions.counters(), "agent/in_flight_calls": self.in_flight}
+        return {**self.sessions.counters(), "agent/in_flight_calls": self.in_flight,
+                "agent/disconnects": self.disconnects}
 
     async def reward(self, session_id: str, request: Request) -> dict[str, Any]:
         body = await self._body(request)
@@ -192,30 +206,45 @@ class OpenAIDoor:
     def _n(self, body: Mapping[str, Any]) -> int:
         return _int(body, "n", 1, 1, self.max_n) or 1
 
-    async def _generate(self, prompts: list[list[int]], n: int, sampling: DoorSampling,
-                        seed: int | None) -> list[list[Completion]]:
+    async def _generate(self, prompts: list[list[int]], n: int, sampling: DoorSampling, seed: int | None,
+                        request: Request | None = None) -> list[list[Completion]]:
+        """The generator's completions; `ClientGone` if ``request``'s client disconnects first (the door stops
+        waiting and drops the answer; requests the engine already took in run to their end)."""
         if self.in_flight >= self.max_concurrent_calls:
             raise HTTPException(429, f"the agent door has {self.in_flight} calls generating "
                                      "(door.max_concurrent_calls); retry after a moment",
                                 headers={"Retry-After": f"{self.retry_after_s:g}"})
         seeds = [[(seed + g) & 0x7FFFFFFF for g in range(n)] for _ in prompts] if seed is not None else None
         self.in_flight += 1
+        call = asyncio.ensure_future(self.generators.generate(GenerateRequest(
+            prompts_P=prompts, n=n, sampling=sampling, seeds_P_G=seeds, lora_slot=self.lora_slot)))
+        gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
         try:
-            return await self.generators.generate(GenerateRequest(prompts_P=prompts, n=n, sampling=sampling,
-                                                                  seeds_P_G=seeds, lora_slot=self.lora_slot))
+            await asyncio.wait({call} | ({gone} if gone is not None else set()), return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                self.disconnects += 1
+                raise ClientGone()
+            return call.result()
         except ValueError as e:
             raise _bad(str(e)) from None
         finally:
             self.in_flight -= 1
+            if gone is not None:
+                gone.cancel()
+            if not call.done():
+                call.cancel()
 
     async def _served(self, key: ServerKey, prompt: list[int], n: int, sampling: DoorSampling, seed: int | None,
-                      messages: list[dict[str, str]] | None) -> tuple[list[int], list[Completion]]:
+                      messages: list[dict[str, str]] | None, request: Request) -> tuple[list[int], list[Completion]]:
         """Generate one prompt's ``n`` completions, recorded in the key's session if it names one. ``messages``:
         a chat call (its prompt may be rebuilt from the session's stored ids)."""
         if key.session is None:
-            return prompt, (await self._generate([prompt], n, sampling, seed))[0]
+            return prompt, (await self._generate([prompt], n, sampling, seed, request))[0]
         try:
             s = self.sessions.session(key.session)
+        except DoorBusy as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": f"{e.retry_after_s:g}"}) from None
+        try:
             async with s.lock:
                 cont = (self.renderer.continuation(s.messages, s.current, messages) if messages is not None else None)
                 ids, prefer, role = cont if cont is not None else (prompt, None, "user" if messages else "env")
@@ -224,12 +253,15 @@ class OpenAIDoor:
                                f"{sampling.max_tokens}: more than the context length {self.max_model_len}")
                 k = await self.sessions.plan(s, ids, prefer)
                 try:
-                    comps = (await self._generate([ids], n, sampling, seed))[0]
+                    comps = (await self._generate([ids], n, sampling, seed, request))[0]
                 except BaseException:
                     await self.sessions.abandon(s)
                     raise
                 self.sessions.record(s, k, call_of(ids, comps), role=role, messages=messages)
                 return ids, comps
+        except ClientGone:
+            self.sessions.disconnected(s)
+            raise
         except DoorBusy as e:
             raise HTTPException(429, str(e), headers={"Retry-After": f"{e.retry_after_s:g}"}) from None
         except DoorRefused as e:
@@ -255,7 +287,10 @@ class OpenAIDoor:
             raise _bad("'top_logprobs' needs 'logprobs': true")
         n, seed = self._n(body), _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
         sampling = self._sampling(body, len(prompt), None, top, False)
-        ids, comps = await self._served(key, prompt, n, sampling, seed, messages)
+        try:
+            ids, comps = await self._served(key, prompt, n, sampling, seed, messages, request)
+        except ClientGone:
+            raise HTTPException(499, "the client disconnected while its call was generating") from None
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         usage = self._usage(len(ids), comps)
         if body.get("stream"):
@@ -351,12 +386,15 @@ class OpenAIDoor:
         n, seed = self._n(body), _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
         longest = max(len(p) for p in prompts)
         sampling = self._sampling(body, longest, 16, top or 0, echo)
-        if key.session is not None:
-            ids, comps = await self._served(key, prompts[0], n, sampling, seed, None)
-            groups = [comps]
-            prompts = [ids]
-        else:
-            groups = await self._generate(prompts, n, sampling, seed)
+        try:
+            if key.session is not None:
+                ids, comps = await self._served(key, prompts[0], n, sampling, seed, None, request)
+                groups = [comps]
+                prompts = [ids]
+            else:
+                groups = await self._generate(prompts, n, sampling, seed, request)
+        except ClientGone:
+            raise HTTPException(499, "the client disconnected while its call was generating") from None
         rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
         flat = [(p, c) for p, comps in zip(prompts, groups) for c in comps]
         usage = {"prompt_tokens": sum(len(p) for p in prompts) * n,
