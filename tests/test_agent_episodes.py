@@ -230,6 +230,10 @@ def test_door_config_is_validated():
 
     cfg = RunConfig.from_dict({"door": {"enabled": True, "idle_timeout_s": 30, "group_size": 4}})
     assert cfg.door.enabled and cfg.door.idle_timeout_s == 30 and cfg.door.group_size == 4
+    from forgelab.controller.rollout import determinism
+
+    cfg.train.max_policy_age = 0  # synchronous, but agent sessions take ids in arrival order: no exact replay
+    assert determinism(cfg)[0] is False and "door.enabled" in determinism(cfg)[1]
     for bad, name in (({"max_sessions": 0}, "door.max_sessions"), ({"idle_timeout_s": -1}, "door.idle_timeout_s"),
                       ({"port": 70000}, "door.port"), ({"enabled": "yes"}, "door.enabled"),
                       ({"group_size": 0}, "door.group_size")):

@@ -140,6 +140,9 @@ def determinism(config: RunConfig) -> tuple[bool, str | None]:
     if config.train.max_policy_age != 0:
         return False, (f"train.max_policy_age is {config.train.max_policy_age} (> 0): rollouts race the trainer "
                        "and samples are not seeded")
+    if config.door.enabled:
+        return False, ("door.enabled: agent sessions take episode ids (and so the native episodes' seeds) in the "
+                       "order their calls arrive, and their turns reach the generator batched by arrival time")
     if config.rollout.env is not None:
         return False, (f"rollout.env {config.rollout.env!r}: environment episodes are not seeded (their turns "
                        "reach the generator batched by arrival time, and an environment may draw its own "
