@@ -44,7 +44,7 @@ import logging
 import threading
 from pathlib import Path
 from collections.abc import Mapping, Sequence
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from forgelab.algos.loss_checks import loss_label, reference_notes
 from forgelab.config.run_config import ConfigError, RunConfig
@@ -68,6 +68,9 @@ from forgelab.engines.contracts import TrainBatch
 from forgelab.engines.loss_specs import LossSpec
 from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
+
+if TYPE_CHECKING:
+    from forgelab.serve.door import AgentDoor
 
 log = logging.getLogger("forgelab.run")
 
@@ -125,7 +128,7 @@ class Run:
         self.replayer: Any = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
-        self.door: Any = None  # a forgelab.serve.door.AgentDoor while the run serves one (door.enabled)
+        self.door: AgentDoor | None = None  # while the run serves the agent door (door.enabled; docs/agents.md)
 
     # the parts' state, read here and written by its owner (forgelab/controller/*.py)
     step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")

@@ -233,5 +233,8 @@ def test_rewarded_sessions_enter_the_buffer(door_run, loop):
     assert set(ids) <= set(buffered)
     a0, a1 = (buffered[i].advantage for i in ids)
     assert a0 > 0 > a1 and buffered[ids[0]].group_id == buffered[ids[1]].group_id
+    # like native episodes: in the run's episode view (the inspector's source) with their mask, then the rollout log
+    view = run.rollouts.set_index("id")
+    assert view.loc[ids[0], "status"] == "buffered" and list(view.loc[ids[0], "loss_mask"]) == buffered[ids[0]].loss_mask
     c = run.buffer.check_accounting()
     assert c["generated"] == c["trained"] + c["evicted"] + c["dropped"] + c["buffered"] + c["in_flight"]
