@@ -190,6 +190,11 @@ def test_door_over_fakes(tmp_path):
             assert busy.value.response.headers["retry-after"] == "1"
             ok = await client.chat.completions.create(model="fake", messages=m, max_tokens=4)  # no session: served
             assert ok.choices[0].message.content
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {run.door_key}"}) as http:
+                stats = (await http.get(run.openai_base_url + "/forgelab/stats")).json()
+                assert stats["agent/sessions"] == 3 and stats["agent/calls"] == 2 and stats["agent/busy"] == 1
+                ep = (await http.get(run.openai_base_url + "/forgelab/sessions/s0/episodes")).json()["episodes"]
+                assert len(ep) == 1 and ep[0]["loss_mask"] == [1] * len(ep[0]["completion_ids"])
             run.buffer.check_accounting()
         finally:
             await run.shutdown()
@@ -296,3 +301,20 @@ def test_disconnect_mid_generation_is_accounted(tmp_path):
         run.buffer.check_accounting()
 
     asyncio.run(body())
+
+
+def test_stream_pieces_sum_to_the_text():
+    """A streamed completion's pieces (one per token) add up to exactly its text, a stop string cut off included."""
+    from forgelab.data.tokenizer import build_tokenizer
+    from forgelab.serve.http import LoopbackServer
+    from forgelab.serve.openai_api import OpenAIDoor
+    from forgelab.types import Completion
+
+    tok = build_tokenizer()
+    door = OpenAIDoor(LoopbackServer("p"), None, tok, None, model_name="m", max_model_len=64)
+    ids = tok.encode("12+3", add_special_tokens=False)
+    for text, extra in (("12+3", [tok.eos_token_id]), ("12", [])):  # eos sampled; stopped at the string "+3"
+        c = Completion(prompt_ids=[1], completion_ids=ids + extra, logprobs=[0.0] * (len(ids) + len(extra)),
+                       text=text, finish_reason="stop", policy_version=0)
+        pieces = door._pieces(c)
+        assert len(pieces) == len(c.completion_ids) and "".join(pieces) == text
