@@ -117,6 +117,10 @@ def test_sessions_bounds_expiry_and_groups():
         s = sessions.session("b")
         with pytest.raises(DoorBusy, match="admits no new episode"):
             await sessions.plan(s, [7, 7])
+        other = AgentSessions(DoorLimits(max_sessions=1), sink)
+        with pytest.raises(DoorBusy, match="admits no new episode"):  # refused at its first call: holds no place
+            await other.plan(other.session("e"), [1])
+        assert other.counters()["agent/open_sessions"] == 0
         sink.admitting = True
         await sessions.plan(s, [7, 7])
         await sessions.abandon(s)

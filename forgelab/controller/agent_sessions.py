@@ -246,6 +246,8 @@ class AgentSessions:
         eid = await self.sink.open()
         if eid is None:
             self._counts["busy"] += 1
+            if not s.segments and self._sessions.get(s.id) is s:  # refused at its first call: do not hold a place
+                del self._sessions[s.id]
             raise DoorBusy("the run admits no new episode now (the replay buffer is full up to the staleness bound "
                            "train.max_policy_age, an evaluation holds rollouts, or the run stops); retry later",
                            self.limits.retry_after_s)
