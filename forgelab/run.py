@@ -44,7 +44,7 @@ import logging
 import threading
 from pathlib import Path
 from collections.abc import Mapping, Sequence
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from forgelab.algos.loss_checks import loss_label, reference_notes
 from forgelab.config.run_config import ConfigError, RunConfig
@@ -68,6 +68,9 @@ from forgelab.engines.contracts import TrainBatch
 from forgelab.engines.loss_specs import LossSpec
 from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
+
+if TYPE_CHECKING:
+    from forgelab.serve.door import AgentDoor
 
 log = logging.getLogger("forgelab.run")
 
@@ -125,6 +128,7 @@ class Run:
         self.replayer: Any = None  # a forgelab.experiments.replay.Replayer re-applying a recorded run's changes
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
+        self.door: AgentDoor | None = None  # while the run serves the agent door (door.enabled; docs/agents.md)
 
     # the parts' state, read here and written by its owner (forgelab/controller/*.py)
     step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")
@@ -171,6 +175,10 @@ class Run:
     envs = property(lambda self: self.parts.envs if self.parts else None)
     reward_failures = property(lambda self: self.reward_runner.failures)
     main_task = property(lambda self: self._main, doc="The training task (None before `start`).")
+    openai_base_url = property(lambda self: self.door.base_url if self.door else None,
+                               doc="The agent door's OpenAI base URL (``door.enabled``; None before spawn).")
+    door_key = property(lambda self: self.door.key if self.door else None,
+                        doc="The agent door's key (the SDK's api_key; ``f'{key}.{session}'`` names a session).")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Run":
@@ -245,6 +253,9 @@ class Run:
     async def shutdown(self) -> None:
         """Stop training and free every process."""
         await self.stop()
+        if self.door is not None:
+            await self.door.close()
+            self.door = None
         if self.parts is not None:
             await self.parts.shutdown()  # and the hosts job, if the config has one
             self.parts = None
@@ -283,6 +294,13 @@ class Run:
                                 self.lifecycle, self.bus, self.controls, self.pad_id, teacher=teacher)
         self.controls.validate_on(self.rollout.recent_episodes)
         self.evaluator.bind(source, self.tokenizer)
+        if cfg.door.enabled and self.door is None:  # the agent door (docs/agents.md): its own part
+            from forgelab.serve.door import AgentDoor
+
+            self.door = await AgentDoor.open(cfg.door, name=cfg.name, generators=parts.generators,
+                                             tokenizer=self.tokenizer, rollouts=self.rollout, buffer=self.buffer,
+                                             max_model_len=cfg.model.max_model_len, group_size=cfg.rollout.group_size)
+            loop.add_row_source(self.door.counters)  # agent/* columns in the metrics rows
         self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed_here = self.resume_from is not None and self.out_dir.resolve() in self.resume_from.resolve().parents
         self.events.attach(self.out_dir, append=resumed_here)

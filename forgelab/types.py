@@ -53,6 +53,10 @@ class Completion:
     prompt_logprobs: list[float | None] | None = None
     """With prompt logprobs asked for (a sampling setting whose ``to_vllm`` sets ``prompt_logprobs=0``): the logprob of
     each prompt token given the ones before it (None for the first); None when not asked for."""
+    top_logprobs: list[dict[int, float]] | None = None
+    """With k > 0 top logprobs asked for (a sampling setting whose ``to_vllm`` sets ``logprobs=k``): for each
+    completion token, the k most likely tokens at its position and their logprobs (the agent door's
+    ``top_logprobs``); None when not asked for."""
 
 
 @dataclass

@@ -216,6 +216,36 @@ class HostsConfig:
 
 
 @dataclass(kw_only=True)
+class DoorConfig:
+    """The agent door (`door:`): an OpenAI-compatible endpoint over the run's generator on loopback, whose
+    sessions become token-exact episodes (docs/agents.md). Off by default."""
+
+    enabled: bool = False
+    """Serve the door once the run's processes are up (``run.openai_base_url``, ``run.door_key``)."""
+    port: int = 0
+    """Loopback port; 0 lets the OS pick a free one."""
+    model_name: str = ""
+    """The model id `GET /v1/models` lists and requests name; "" means the run's name."""
+    idle_timeout_s: float = 600.0
+    """A session with no call (and no reward) for this long expires: its episodes are dropped
+    (``session_expired``); a group waiting this long for its last sessions is buffered as it is."""
+    max_sessions: int = 1024
+    """Most sessions open at once; a new one beyond it gets 429 with Retry-After."""
+    max_segments: int = 8
+    """Most segments (episodes) one session may record (each edit of history starts one)."""
+    max_n: int = 16
+    """Largest ``n`` (choices per call) accepted."""
+    max_concurrent_calls: int = 1024
+    """Most calls generating at once through the door; one more gets 429 with Retry-After (never an unbounded
+    queue)."""
+    group_size: int | None = None
+    """Sessions rewarded under one group key that form a group (advantages are normalised over it); None:
+    ``rollout.group_size``."""
+    retry_after_s: float = 1.0
+    """The Retry-After (seconds) of a 429."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A whole run's configuration, validated before anything starts (`RunConfig.from_yaml`, `validate`)."""
 
@@ -240,6 +270,8 @@ class RunConfig:
     """LoRA adapters instead of full fine-tuning (shared by trainer and generator); off by default."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """On-policy distillation's teacher (off by default): a per-token advantage toward its logprobs."""
+    door: DoorConfig = field(default_factory=DoorConfig)
+    """The agent door: an OpenAI-compatible endpoint whose sessions become episodes (off by default)."""
 
     # -- loading ---------------------------------------------------------
     @classmethod
@@ -445,12 +477,28 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self._validate_hosts()
+        self._validate_door()
         for section in ("generator", "trainer", "reference", "envs"):
             try:
                 self.component(section).validate()
             except (ValueError, TypeError) as err:
                 raise ConfigError(f"{section}: {err}") from None
         return self
+
+    def _validate_door(self) -> None:
+        d = self.door
+        if not isinstance(d.enabled, bool):
+            raise ConfigError(f"door.enabled: expected true or false, got {d.enabled!r}")
+        if isinstance(d.port, bool) or not isinstance(d.port, int) or not 0 <= d.port <= 65535:
+            raise ConfigError(f"door.port: {d.port!r} is not a port number (0 lets the OS pick one)")
+        if not isinstance(d.model_name, str):
+            raise ConfigError(f"door.model_name: expected a string (\"\" for the run's name), got {d.model_name!r}")
+        finite_range("door.idle_timeout_s", d.idle_timeout_s, 0.0, 7 * 24 * 3600, low_open=True)
+        finite_range("door.retry_after_s", d.retry_after_s, 0.0, 3600, low_open=True)
+        for name in ("max_sessions", "max_segments", "max_n", "max_concurrent_calls"):
+            positive_int(f"door.{name}", getattr(d, name))
+        if d.group_size is not None:
+            positive_int("door.group_size", d.group_size)
 
     def _validate_hosts(self) -> None:
         from forgelab.runtime.placement import JOB_KINDS

@@ -140,6 +140,9 @@ def determinism(config: RunConfig) -> tuple[bool, str | None]:
     if config.train.max_policy_age != 0:
         return False, (f"train.max_policy_age is {config.train.max_policy_age} (> 0): rollouts race the trainer "
                        "and samples are not seeded")
+    if config.door.enabled:
+        return False, ("door.enabled: agent sessions take episode ids (and so the native episodes' seeds) in the "
+                       "order their calls arrive, and their turns reach the generator batched by arrival time")
     if config.rollout.env is not None:
         return False, (f"rollout.env {config.rollout.env!r}: environment episodes are not seeded (their turns "
                        "reach the generator batched by arrival time, and an environment may draw its own "
@@ -347,6 +350,28 @@ class Rollouts:
         """A checkpoint's counters (`counters`)."""
         self.next_episode_id, self.next_group_id = int(next_episode_id), int(next_group_id)
         self.zero_variance_kept = int(zero_variance_kept)
+
+    # -- episodes played elsewhere (the agent door) ---------------------------------------------------------
+    def take_ids(self, episodes: int, groups: int = 0) -> tuple[int, int]:
+        """Fresh ids for episodes played outside the rollout workers (the agent door, `forgelab.controller.
+        agent_sessions`): ``(first episode id, first group id)`` of ``episodes`` and ``groups`` consecutive ids."""
+        first = self.next_episode_id, self.next_group_id
+        self.next_episode_id += episodes
+        self.next_group_id += groups
+        return first
+
+    async def add_played(self, groups: list[list[Episode]], failed: dict[int, str] | None = None) -> None:
+        """Episodes played outside the rollout workers, numbered and rewarded by the caller (ids from `take_ids`,
+        admitted in the buffer by the caller): the same path as a rollout's from there (failed ones dropped with
+        their reason, group advantages, reference and teacher logprobs, the buffer, `recent`)."""
+        flat = [ep for g in groups for ep in g]
+        self.tokens += sum(sum(ep.loss_mask) if ep.loss_mask is not None else len(ep.completion_ids) for ep in flat)
+        coef = self.controls.distill_coef if self.teacher is not None and self.controls is not None else 1.0
+        await self._advantages_and_buffer(groups, dict(failed or {}), coef)
+
+    def drop_played(self, episodes: list[Episode], reason: str) -> None:
+        """Drop episodes played outside the rollout workers (never buffered) with ``reason``; they are counted."""
+        self._drop(episodes, reason)
 
     # -- admission ----------------------------------------------------------------------------------------
     def admit(self) -> Admitted:

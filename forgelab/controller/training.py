@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Protocol
 
 from forgelab.algos.batching import collate
 from forgelab.controller.buffer import EpisodeCounts, ReplayBuffer
@@ -121,6 +121,7 @@ class TrainingLoop:
         self.token_rate = TokenRate()
         self.hook: StepHook | None = None
         self._bound = False
+        self._row_sources: list[Callable[[], Mapping[str, float]]] = []
 
     def bind(self, *, trainer: TrainerAPI, weights: WeightPusher, generators: Generators, rollouts: StepTokens,
              evaluator: StepEvaluator, tracker: RowLog, records: StepRecords, rewards: RewardNames, pad_id: int,
@@ -132,6 +133,11 @@ class TrainingLoop:
         self.evaluator, self.tracker, self.records, self.rewards = evaluator, tracker, records, rewards
         self.pad_id, self.checkpoint = pad_id, checkpoint
         self._bound = True
+
+    def add_row_source(self, source: Callable[[], Mapping[str, float]]) -> None:
+        """Add ``source()``'s numbers to every metrics row from now on (a part's counters, e.g. the agent door's
+        ``agent/*``)."""
+        self._row_sources.append(source)
 
     # -- the owner's writes ---------------------------------------------------------------------------------
     def restore_position(self, step: int, version: int, loss_name: str | None) -> None:
@@ -241,6 +247,8 @@ class TrainingLoop:
                           batch_eps, m, self.token_rate, t_train, report.sync_ms, time.time() - t0)
         if meter is not None:
             row.update(await meter.row(self.generators))
+        for source in self._row_sources:
+            row.update({k: float(v) for k, v in source().items()})
         if cfg.eval.every and self.step % cfg.eval.every == 0:
             row["heldout_accuracy"] = await self.evaluator.evaluate(self.step)
         if cfg.tracking.checkpoint_every and self.step % cfg.tracking.checkpoint_every == 0:

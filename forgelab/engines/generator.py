@@ -262,13 +262,14 @@ class VLLMEngine:
         self.counters["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
         self._ensure_loop()
         outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
+        top = int(getattr(params, "logprobs", 0) or 0)  # top-k alternatives asked for (the agent door's top_logprobs)
         return [
-            [self._completion(o, ids, text, version, self._token_versions.pop(o.request_id, None)) for o in outs]
+            [self._completion(o, ids, text, version, self._token_versions.pop(o.request_id, None), top) for o in outs]
             for outs, ids, text in zip(outs_P_G, ids_P, texts)
         ]
 
     def _completion(self, out: RequestOutput, prompt_ids: list[int], text: str, version: int,
-                    runs: list[tuple[int, int]] | None = None) -> Completion:
+                    runs: list[tuple[int, int]] | None = None, top: int = 0) -> Completion:
         c = out.outputs[0]
         ids = list(c.token_ids)
         runs = [(v, start) for v, start in (runs or [(version, 0)]) if start < max(1, len(ids))]
@@ -290,6 +291,9 @@ class VLLMEngine:
             num_cached_tokens=int(out.num_cached_tokens or 0),
             token_versions=runs,
             prompt_logprobs=_prompt_logprobs(prompt_ids, out.prompt_logprobs),
+            # vLLM's entry holds the sampled token and the top `top` (by rank); keep the top ones
+            top_logprobs=[{int(t): float(lp.logprob) for t, lp in d.items() if lp.rank is not None and lp.rank <= top}
+                          for d in c.logprobs] if top > 0 and c.logprobs is not None else None,
         )
 
     def mark_new_version(self, version: int) -> None:

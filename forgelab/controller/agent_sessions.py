@@ -1,0 +1,358 @@
+"""The agent door's sessions: each agent episode's recorded calls, its admission slot, its reward, its end.
+
+    sessions = AgentSessions(DoorLimits(...), RolloutSink(rollouts, buffer))
+    s = sessions.session("ep7")                  # get or open (429 `DoorBusy` past max_sessions)
+    async with s.lock:                           # one call of a session at a time
+        k = sessions.plan(s, prompt_ids, prefer) # the tail choice it extends, or None (a new segment: admitted here)
+        ...generate...
+        sessions.record(s, k, call, role="tool", messages=messages)
+    await sessions.reward("ep7", 1.0, group="task-3")   # the session's episodes -> its group -> the buffer
+    await sessions.sweep()                       # idle sessions expire (their episodes dropped: session_expired)
+
+A session is a list of segments (`forgelab.algos.agent_episodes.Segment`); each segment becomes one `Episode`
+and holds one admission slot of the replay buffer from its first call to its end (`ReplayBuffer.admit` with a
+fresh episode id: the staleness bound counts agent episodes like native ones). When admission is closed (the
+buffer is full up to the staleness bound, an evaluation holds rollouts, the run stops) a call that needs a new
+segment gets `DoorBusy` (429 with Retry-After), never a queue.
+
+A reward closes the session: every segment's episode gets it and joins the session's group (a key the agent
+chooses; none: a group of its own); once ``group_size`` sessions of a key are rewarded the group goes through the
+rollouts' path (`Rollouts.add_played`: advantages, reference logprobs, the buffer). Expiry drops an idle session's
+episodes with reason ``session_expired`` (counted in the buffer's accounting) and buffers a group that waited
+``idle_timeout_s`` as it is (too small a group is dropped there as ``group_too_small``, as natively).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from forgelab.algos.agent_episodes import Call, Segment, extend_segment, extends, segment_episode, start_segment
+from forgelab.controller.buffer import ReplayBuffer
+from forgelab.controller.rollout import Gate
+from forgelab.types import Episode
+
+__all__ = ["AgentSession", "AgentSessions", "DoorBusy", "DoorLimits", "DoorRefused", "EpisodeSink", "RolloutSink",
+           "UnknownSession"]
+
+log = logging.getLogger("forgelab.controller.agent_sessions")
+
+
+class DoorBusy(Exception):
+    """Admission is full: answer 429 with ``Retry-After: retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DoorRefused(ValueError):
+    """A request the door will not serve (400): the message names what and what to do."""
+
+
+class UnknownSession(KeyError):
+    """No open session has this id (404)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoorLimits:
+    """The door's bounds (`forgelab.config.run_config.DoorConfig`)."""
+
+    idle_timeout_s: float = 600.0
+    max_sessions: int = 1024
+    max_segments: int = 8
+    group_size: int = 2
+    retry_after_s: float = 1.0
+
+
+class EpisodeSink(Protocol):
+    """Where agent episodes go: admission slots with fresh ids, then the buffer (`RolloutSink`)."""
+
+    async def open(self) -> int | None:
+        """Admit one episode: its fresh id, or None when admission is closed."""
+        ...
+
+    async def close(self, groups: list[list[Episode]]) -> None:
+        """Number the groups, buffer them as native rollouts are, and give their slots back."""
+        ...
+
+    async def discard(self, episodes: list[Episode], reason: str) -> None:
+        """Drop episodes (counted) with ``reason`` and give their slots back."""
+        ...
+
+    async def forget(self, episode_id: int) -> None:
+        """Give back the slot of an admitted episode that never recorded a call."""
+        ...
+
+
+class PlayedRollouts(Protocol):
+    """What the sink uses of `forgelab.controller.rollout.Rollouts`."""
+
+    gate: Gate
+
+    def take_ids(self, episodes: int, groups: int = 0) -> tuple[int, int]: ...
+
+    async def add_played(self, groups: list[list[Episode]], failed: dict[int, str] | None = None) -> None: ...
+
+    def drop_played(self, episodes: list[Episode], reason: str) -> None: ...
+
+
+class RolloutSink:
+    """`EpisodeSink` over the run's rollouts and replay buffer: an agent episode is admitted, numbered, advantaged,
+    buffered, dropped and released exactly as a native rollout's (`Rollouts.worker`)."""
+
+    def __init__(self, rollouts: PlayedRollouts, buffer: ReplayBuffer):
+        self.rollouts, self.buffer = rollouts, buffer
+
+    async def open(self) -> int | None:
+        gate = self.rollouts.gate
+        if gate.stopping or not gate.may_admit() or not self.buffer.may_admit(1):
+            return None
+        first, _ = self.rollouts.take_ids(1)
+        self.buffer.admit(1, first_id=first)
+        return first
+
+    async def _release(self, ids: list[int]) -> None:
+        gate = self.rollouts.gate
+        async with gate.changed:
+            for i in ids:
+                self.buffer.release(1, first_id=i)
+            gate.changed.notify_all()
+
+    async def close(self, groups: list[list[Episode]]) -> None:
+        _, first_group = self.rollouts.take_ids(0, len(groups))
+        for g, eps in enumerate(groups):
+            for ep in eps:
+                ep.group_id = first_group + g
+        flat = [ep for g in groups for ep in g]
+        try:
+            await self.rollouts.add_played(groups)
+        except BaseException as e:
+            lost = [ep for ep in flat if self.buffer.status(ep.id) is None]
+            if lost:
+                self.rollouts.drop_played(lost, f"rollout_error:{type(e).__name__}")
+            raise
+        finally:
+            await self._release([ep.id for ep in flat])
+
+    async def discard(self, episodes: list[Episode], reason: str) -> None:
+        try:
+            self.rollouts.drop_played(episodes, reason)
+        finally:
+            await self._release([ep.id for ep in episodes])
+
+    async def forget(self, episode_id: int) -> None:
+        await self._release([episode_id])
+
+
+@dataclass(eq=False)
+class AgentSession:
+    """One agent episode's state: its segments (each with its admitted episode id) and its last chat history."""
+
+    id: str
+    last_used: float
+    segments: list[Segment] = field(default_factory=list)
+    episode_ids: list[int] = field(default_factory=list)
+    messages: list[Mapping[str, object]] | None = None
+    """The last chat call's messages (what a next chat call must start with to continue it)."""
+    disconnects: int = 0
+    """Calls whose client went away while they generated (not recorded; the episode says how many)."""
+    pending_id: int | None = None
+    """An episode id admitted for a new segment whose first call is being generated."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def current(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+
+@dataclass
+class _Group:
+    episodes: list[Episode] = field(default_factory=list)
+    sessions: int = 0
+    last: float = 0.0
+
+
+class AgentSessions:
+    """The door's sessions and groups, bounded in number and in time (see the module docstring).
+
+    Args:
+        limits: the bounds.
+        sink: where episodes go (`RolloutSink`).
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, limits: DoorLimits, sink: EpisodeSink, clock: Callable[[], float] = time.monotonic):
+        self.limits, self.sink, self.clock = limits, sink, clock
+        self._sessions: OrderedDict[str, AgentSession] = OrderedDict()  # least recently used first
+        self._groups: dict[str, _Group] = {}
+        self._counts: dict[str, int] = {k: 0 for k in (
+            "sessions", "calls", "segments", "retokenized_segments", "episodes", "rewarded_sessions",
+            "expired_sessions", "busy")}
+
+    # -- views ------------------------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """``agent/*`` counters since the door opened: sessions, calls, segments, retokenized_segments (a call
+        that did not extend its session's last call), episodes, rewarded_sessions, expired_sessions, busy (429s),
+        and open_sessions / open_groups now."""
+        return {**{f"agent/{k}": v for k, v in self._counts.items()},
+                "agent/open_sessions": len(self._sessions), "agent/open_groups": len(self._groups)}
+
+    def get(self, session_id: str) -> AgentSession:
+        """The open session ``session_id`` (`UnknownSession` if none)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise UnknownSession(session_id)
+        return s
+
+    def export(self, session_id: str, choice: int = 0) -> list[Episode]:
+        """The episodes the session would close with now (numbered with their admitted ids, unrewarded): its own
+        calls only."""
+        return self._episodes(self.get(session_id), choice)
+
+    # -- calls --------------------------------------------------------------------------------------------
+    def session(self, session_id: str) -> AgentSession:
+        """The session ``session_id``, opened on first use (`DoorBusy` when ``max_sessions`` are open)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            if len(self._sessions) >= self.limits.max_sessions:
+                self._counts["busy"] += 1
+                raise DoorBusy(f"the agent door has {len(self._sessions)} sessions open (door.max_sessions); "
+                               "reward or let idle ones expire, or raise door.max_sessions", self.limits.retry_after_s)
+            s = self._sessions[session_id] = AgentSession(id=session_id, last_used=self.clock())
+            self._counts["sessions"] += 1
+        self._sessions.move_to_end(session_id)
+        s.last_used = self.clock()
+        return s
+
+    async def plan(self, s: AgentSession, prompt_ids: list[int], prefer: int | None = None) -> int | None:
+        """The tail choice of the current segment that ``prompt_ids`` extends; None: the call starts a new segment,
+        whose admission slot is taken here (`DoorBusy` when admission is closed, `DoorRefused` past
+        ``max_segments``). Call it under ``s.lock``."""
+        seg = s.current
+        k = extends(seg, prompt_ids, prefer) if seg is not None else None
+        if k is not None:
+            return k
+        if s.pending_id is not None:
+            return None
+        if len(s.segments) >= self.limits.max_segments:
+            raise DoorRefused(f"session {s.id!r} has {len(s.segments)} segments (door.max_segments): each call whose "
+                              "messages do not continue the session's last call starts one; reward the session and "
+                              "use a new one, or raise door.max_segments")
+        eid = await self.sink.open()
+        if eid is None:
+            self._counts["busy"] += 1
+            if not s.segments and self._sessions.get(s.id) is s:  # refused at its first call: do not hold a place
+                del self._sessions[s.id]
+            raise DoorBusy("the run admits no new episode now (the replay buffer is full up to the staleness bound "
+                           "train.max_policy_age, an evaluation holds rollouts, or the run stops); retry later",
+                           self.limits.retry_after_s)
+        s.pending_id = eid
+        return None
+
+    def record(self, s: AgentSession, k: int | None, call: Call, role: str = "user",
+               messages: list[Mapping[str, object]] | None = None) -> None:
+        """Record ``call`` in ``s``: extending tail choice ``k`` of the current segment, or (k None) as the first
+        call of a new segment (after `plan` admitted it). Call it under ``s.lock``."""
+        seg = s.current
+        if k is not None and seg is not None:
+            s.segments[-1] = extend_segment(seg, k, call, role=role)
+        else:
+            if s.pending_id is None:
+                raise RuntimeError("AgentSessions.record: a new segment without an admitted id (call plan first)")
+            if s.segments:
+                self._counts["retokenized_segments"] += 1
+            s.segments.append(start_segment(call))
+            s.episode_ids.append(s.pending_id)
+            s.pending_id = None
+            self._counts["segments"] += 1
+        s.messages = messages
+        s.last_used = self.clock()
+        self._counts["calls"] += 1
+
+    async def abandon(self, s: AgentSession) -> None:
+        """A call failed before recording: give back the slot `plan` took for it, if any. Under ``s.lock``."""
+        if s.pending_id is not None:
+            eid, s.pending_id = s.pending_id, None
+            await self.sink.forget(eid)
+
+    def disconnected(self, s: AgentSession) -> None:
+        """A call of ``s`` lost its client while it generated: nothing was recorded (`abandon` gave its slot back);
+        the session's episodes carry the count (``info["client_disconnects"]``)."""
+        s.disconnects += 1
+        s.last_used = self.clock()
+
+    # -- ends -----------------------------------------------------------------------------------------------
+    def _episodes(self, s: AgentSession, choice: int) -> list[Episode]:
+        last = len(s.segments) - 1
+        eps = [segment_episode(seg, choice if i == last else 0) for i, seg in enumerate(s.segments)]
+        for i, (ep, eid) in enumerate(zip(eps, s.episode_ids)):
+            ep.id = eid
+            ep.task = f"agent:{s.id}"
+            ep.info.update(session=s.id, segment=i, segments=len(eps), client_disconnects=s.disconnects)
+        return eps
+
+    async def reward(self, session_id: str, reward: float, group: str | None = None, choice: int = 0,
+                     parts: Mapping[str, float] | None = None) -> list[int]:
+        """Close session ``session_id`` with ``reward`` (every segment's episode gets it) into ``group``; the
+        episode ids. The group is buffered once ``group_size`` sessions joined it (None: a group of its own)."""
+        s = self.get(session_id)
+        async with s.lock:
+            if not s.segments:
+                raise DoorRefused(f"session {session_id!r} has no recorded call to reward")
+            tail = len(s.segments[-1].tail)
+            if not 0 <= choice < tail:
+                raise DoorRefused(f"choice {choice} is not one of the last call's {tail} choices")
+            eps = self._episodes(s, choice)
+            for ep in eps:
+                ep.reward = float(reward)
+                ep.reward_parts = {k: float(v) for k, v in (parts or {"agent": reward}).items()}
+                if group is not None:
+                    ep.info["agent_group"] = group
+            await self.abandon(s)
+            del self._sessions[session_id]
+        self._counts["rewarded_sessions"] += 1
+        self._counts["episodes"] += len(eps)
+        key = group if group is not None else f"\0{session_id}"
+        g = self._groups.setdefault(key, _Group())
+        g.episodes += eps
+        g.sessions += 1
+        g.last = self.clock()
+        if group is None or g.sessions >= self.limits.group_size:
+            del self._groups[key]
+            await self.sink.close([g.episodes])
+        return [ep.id for ep in eps]
+
+    async def sweep(self) -> dict[str, int]:
+        """Expire sessions idle for ``idle_timeout_s`` (their episodes dropped: ``session_expired``) and buffer
+        groups that waited as long; what it did."""
+        now = self.clock()
+        old = [s for s in self._sessions.values() if now - s.last_used >= self.limits.idle_timeout_s
+               and not s.lock.locked()]
+        dropped = 0
+        for s in old:
+            del self._sessions[s.id]
+            self._counts["expired_sessions"] += 1
+            await self.abandon(s)
+            if s.segments:
+                eps = self._episodes(s, 0)
+                dropped += len(eps)
+                await self.sink.discard(eps, "session_expired")
+        stale = [k for k, g in self._groups.items() if now - g.last >= self.limits.idle_timeout_s]
+        for k in stale:
+            await self.sink.close([self._groups.pop(k).episodes])
+        return {"expired_sessions": len(old), "episodes_dropped": dropped, "groups_flushed": len(stale)}
+
+    async def close_all(self, reason: str = "door_closed") -> None:
+        """The door closes: every open session's episodes are dropped with ``reason``, waiting groups buffered."""
+        for s in list(self._sessions.values()):
+            del self._sessions[s.id]
+            await self.abandon(s)
+            if s.segments:
+                await self.sink.discard(self._episodes(s, 0), reason)
+        for k in list(self._groups):
+            await self.sink.close([self._groups.pop(k).episodes])
