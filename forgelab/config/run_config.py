@@ -53,7 +53,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class ReasoningGymConfig:
     """A reasoning-gym task as the run's problems (`rollout.reasoning_gym:`, used with `rollout.task:
-    reasoning_gym`; forgelab.data.reasoning_gym, docs/ecosystem.md). Generated locally from the seed."""
+    reasoning_gym`; forgelab.data.reasoning_gym_source, docs/ecosystem.md). Generated locally from the seed."""
 
     name: str | None = None
     """The reasoning-gym task (a name in reasoning_gym.factory.DATASETS, e.g. basic_arithmetic)."""
@@ -350,7 +350,7 @@ class RunConfig:
         from forgelab.data.datasets import check_split_fields
         from forgelab.data.tasks import TASKS
 
-        from forgelab.data.reasoning_gym import TASK_NAME as RG_TASK
+        from forgelab.data.reasoning_gym_source import TASK_NAME as RG_TASK
 
         rg_on = r.task == RG_TASK
         if rg_on:
@@ -490,7 +490,7 @@ class RunConfig:
         return self
 
     def _validate_reasoning_gym(self) -> None:
-        from forgelab.data.reasoning_gym import check_reasoning_gym
+        from forgelab.data.reasoning_gym_source import check_reasoning_gym
 
         r = self.rollout
         try:

@@ -157,13 +157,13 @@ def load_split(task, *, heldout: float | int | str = 0.1, max_train: int | None 
         split: the split of a DatasetDict `task` that trains (required for one; never implied).
         system_prompt: a system message before every prompt of a dataset task (its prompts become chat messages).
         reasoning_gym: with `task` "reasoning_gym", ``rollout.reasoning_gym`` (which task, its parameters, seed,
-            size: `forgelab.data.reasoning_gym.reasoning_gym_split`); `heldout` and `split` do not apply.
+            size: `forgelab.data.reasoning_gym_source.reasoning_gym_split`); `heldout` and `split` do not apply.
 
     >>> s = load_split("addition", max_train=10, eval_n=5)
     >>> len(s.train), len(s.heldout), s.description
     (10, 5, "data: 10 generated 'addition' training problems (rollout.max_train_problems: 10); held out: 5 of its test split (eval.n)")
     """
-    from forgelab.data.reasoning_gym import TASK_NAME as RG_TASK, reasoning_gym_split
+    from forgelab.data.reasoning_gym_source import TASK_NAME as RG_TASK, reasoning_gym_split
 
     if task == RG_TASK:
         if reasoning_gym is None:

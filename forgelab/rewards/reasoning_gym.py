@@ -3,7 +3,7 @@
     REWARDS["reasoning_gym"]           1.0 exactly where score_answer gives 1.0, else 0.0 (the default)
     REWARDS["reasoning_gym_partial"]   score_answer's value (e.g. 0.67 for "570" when the answer is "57")
 
-A problem made by `forgelab.data.reasoning_gym` carries its reasoning-gym entry (``question``, ``answer``,
+A problem made by `forgelab.data.reasoning_gym_source` carries its reasoning-gym entry (``question``, ``answer``,
 ``metadata``) in ``info["reasoning_gym"]``; the entry's ``metadata["source_dataset"]`` names the task whose
 `score_answer` judges it (reasoning-gym's `get_score_answer_fn`, built once per task name). The answer scored is
 the completion, stripped (the shipped model's final-answer-only format), or, with ``answer_tag`` set on the
