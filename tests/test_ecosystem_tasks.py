@@ -11,15 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import re
 import threading
 import time
 
 import pytest
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 skyrl_gym = pytest.importorskip("skyrl_gym")
@@ -31,6 +27,15 @@ from forgelab.envs import make_env  # noqa: E402
 from forgelab.rewards import REWARDS  # noqa: E402
 
 integration = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline():
+    """No hub download, here or in the processes a run starts (they inherit the environment)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        yield
 
 # The shipped tiny model's addition: two terms of up to two digits, "+" only (STACK_NOTES).
 ARITH = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"], "allow_parentheses": False,
