@@ -141,6 +141,38 @@ def test_reasoning_gym_section_needs_the_task():
     assert cfg.rollout.reasoning_gym.config["operators"] == ["+"]
 
 
+def test_a_run_trains_on_reasoning_gym_problems_with_their_scorer(tmp_path):
+    """The run's loop (in-process fakes of generator and trainer): episodes come from reasoning-gym items, each
+    one's reward is score_answer's verdict on its completion, and held-out accuracy uses the same scorer."""
+    from forgelab.config.run_config import EvalConfig, PlacementConfig, TrackingConfig, TrainConfig
+    from forgelab.run import Run
+    from forgelab.testing.fakes import fake_spawn
+
+    cfg = RunConfig(rollout=RolloutConfig(task="reasoning_gym", reasoning_gym=_spec(size=50), group_size=4,
+                                          prompts_per_rollout=2, concurrency=2, max_tokens=6),
+                    train=TrainConfig(steps=3, batch_size=8, warmup_steps=1), eval=EvalConfig(every=0, n=8),
+                    tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False), placement=PlacementConfig()).validate()
+    run = Run(cfg, spawn=fake_spawn)
+
+    async def go():
+        await run.start()
+        await asyncio.wait_for(run.wait(), 60)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.state == "finished", run.message
+    ro = run.rollouts
+    ro = ro[ro["status"] == "trained"]  # scored episodes (those cancelled at the end never were)
+    assert len(ro) == 24 and set(ro["task"]) == {"reasoning_gym/basic_arithmetic"}
+    score = reasoning_gym.get_score_answer_fn("basic_arithmetic")
+    items = {p.prompt: p.info["reasoning_gym"] for p in run.data.train}
+    verdicts = [score(c.strip(), items[p]) for p, c in zip(ro["prompt"], ro["completion"])]
+    assert list(ro["reward"]) == [1.0 if v == 1.0 else 0.0 for v in verdicts] and 0.0 in verdicts and 1.0 in verdicts
+    assert (ro["reward/reasoning_gym"] == ro["reward"]).all()
+    # the fake generator's greedy answer is the sum it reads in the prompt: every held-out item is right
+    assert run.accuracy_history and run.accuracy_history[-1][1] == 1.0
+
+
 # ------------------------------------------------------------------------------------------------ skyrl-gym
 
 
