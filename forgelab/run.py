@@ -115,7 +115,7 @@ class Run:
         self.bus.read_step_from(lambda: loop.step)
         self.data = load_split(cfg.rollout.task, heldout=cfg.rollout.heldout, max_train=cfg.rollout.max_train_problems,
                                eval_n=cfg.eval.n, seed=cfg.train.seed, split=cfg.rollout.split,
-                               system_prompt=cfg.rollout.system_prompt)  # explicit limits, reported at spawn
+                               system_prompt=cfg.rollout.system_prompt, reasoning_gym=cfg.rollout.reasoning_gym)  # explicit limits, reported at spawn
         self.stream = ProblemStream(self.data.train, seed=cfg.train.seed)
         self.evaluator = Evaluator(cfg.rollout, self.data.heldout, self.lifecycle)
         self.resume_from = Path(resume_from) if resume_from else None

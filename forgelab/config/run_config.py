@@ -51,13 +51,42 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class ReasoningGymConfig:
+    """A reasoning-gym task as the run's problems (`rollout.reasoning_gym:`, used with `rollout.task:
+    reasoning_gym`; forgelab.data.reasoning_gym_source, docs/ecosystem.md). Generated locally from the seed."""
+
+    name: str | None = None
+    """The reasoning-gym task (a name in reasoning_gym.factory.DATASETS, e.g. basic_arithmetic)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The task's parameters (its config class's fields, e.g. max_digits, operators); lists become tuples."""
+    seed: int = 0
+    """reasoning-gym's seed of the training items."""
+    size: int = 1000
+    """Training items drawn."""
+    heldout_seed: int | None = None
+    """Seed of the held-out draw (items also in training are removed); None: seed + size (reasoning-gym seeds
+    item i with seed + i, so nearby seeds repeat training items)."""
+    prompt: str = "question"
+    """The prompt text: "question" (the item's question) or "expression" (an arithmetic item's expression,
+    spaces removed, then "=": "12+45=", the shipped tiny model's format)."""
+    answer_tag: str | None = None
+    """None: the whole completion is the answer; a tag name (e.g. "answer"): the text of its last <tag>...</tag>."""
+    partial_credit: bool = False
+    """The default reward: false, `reasoning_gym` (1.0 exactly where the task's score_answer gives 1.0); true,
+    `reasoning_gym_partial` (score_answer's value, which credits answers containing the oracle: "570" scores
+    0.67 for 57). Held-out accuracy always uses exact match."""
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """How episodes are made: the data, the group size, sampling, rewards, environment (`rollout:`)."""
 
     task: str = "addition"
-    """A toy task name (see forgelab.data.tasks.TASKS) or a dataset: a .jsonl/.parquet/.csv/.json file or a
+    """A toy task name (see forgelab.data.tasks.TASKS), `reasoning_gym` (the task in `reasoning_gym`) or a dataset: a .jsonl/.parquet/.csv/.json file or a
     save_to_disk directory, and from Python a `datasets.Dataset` / `DatasetDict`. Columns: `prompt` (text or chat
     messages), optional `target`, any others (passed to the rewards; forgelab.data.datasets)."""
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """With `task: reasoning_gym`: which reasoning-gym task, its parameters, seed and size."""
     split: str | None = None
     """The split of a DatasetDict `task` that trains (required for one: never implied); None otherwise."""
     system_prompt: str | None = None
@@ -353,7 +382,15 @@ class RunConfig:
         from forgelab.data.datasets import check_split_fields
         from forgelab.data.tasks import TASKS
 
-        if isinstance(r.task, str) and r.task not in TASKS and not Path(r.task).exists():
+        from forgelab.data.reasoning_gym_source import TASK_NAME as RG_TASK
+
+        rg_on = r.task == RG_TASK
+        if rg_on:
+            self._validate_reasoning_gym()
+        elif r.reasoning_gym.name is not None:
+            raise ConfigError(f"rollout.reasoning_gym.name: {r.reasoning_gym.name!r} is set but rollout.task is "
+                              f"{r.task!r}; set rollout.task: {RG_TASK} to train on it, or remove the name")
+        if not rg_on and isinstance(r.task, str) and r.task not in TASKS and not Path(r.task).exists():
             raise ConfigError(f"rollout.task: {r.task!r} is neither a toy task ({', '.join(sorted(TASKS))}) nor an "
                               "existing dataset (.jsonl/.parquet/.csv/.json file, save_to_disk directory)" + (
                                   "; a dataset object from Python is recorded by its description only: save it "
@@ -361,7 +398,7 @@ class RunConfig:
         for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
             positive_int(f"rollout.{name}", getattr(r, name))
         try:
-            check_split_fields(r.max_train_problems, r.heldout, r.task, r.split)
+            check_split_fields(r.max_train_problems, r.heldout, None if rg_on else r.task, r.split)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if r.group_size < 2:
@@ -499,6 +536,23 @@ class RunConfig:
             positive_int(f"door.{name}", getattr(d, name))
         if d.group_size is not None:
             positive_int("door.group_size", d.group_size)
+    def _validate_reasoning_gym(self) -> None:
+        from forgelab.data.reasoning_gym_source import check_reasoning_gym
+
+        r = self.rollout
+        try:
+            check_reasoning_gym(r.reasoning_gym)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if r.split is not None:
+            raise ConfigError(f"rollout.split: {r.split!r} given, but reasoning-gym tasks have no splits (held-out "
+                              "items are a second draw: rollout.reasoning_gym.heldout_seed); remove rollout.split")
+        if r.heldout != 0.1:
+            raise ConfigError(f"rollout.heldout: {r.heldout!r} given, but a reasoning-gym task's held-out items are a "
+                              "second draw (rollout.reasoning_gym.heldout_seed, eval.n of them); remove rollout.heldout")
+        if r.reasoning_gym.partial_credit and r.rewards is not None and "reasoning_gym" in r.rewards:
+            raise ConfigError("rollout.reasoning_gym.partial_credit: true, but rollout.rewards names the exact-match "
+                              "reward reasoning_gym; name reasoning_gym_partial there (or remove rollout.rewards)")
 
     def _validate_hosts(self) -> None:
         from forgelab.runtime.placement import JOB_KINDS

@@ -108,13 +108,15 @@ def greedy_accuracy_hf(
 
 
 def heldout_reward(rollout: RolloutConfig) -> RewardFn:
-    """The reward held-out answers are scored with: a toy task's own; for a dataset file, ``math_answer`` when
-    the run trains on it (GSM8K/MATH-style answers), else ``exact_answer``."""
+    """The reward held-out answers are scored with: a toy task's own; a reasoning-gym task's exact match; for a
+    dataset file, ``math_answer`` when the run trains on it (GSM8K/MATH-style answers), else ``exact_answer``."""
     from forgelab.rewards.library import REWARDS
     from forgelab.data.tasks import TASKS
 
     if isinstance(rollout.task, str) and rollout.task in TASKS:
         return get_task(rollout.task).reward
+    if rollout.task == "reasoning_gym":  # exact match even when training takes partial credit
+        return REWARDS["reasoning_gym"]
     return REWARDS["math_answer" if "math_answer" in (rollout.rewards or {}) else "exact_answer"]
 
 

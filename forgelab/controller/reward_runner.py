@@ -55,12 +55,18 @@ def reward_weights(rollout: RolloutConfig | Mapping[str, object]) -> dict[str, f
     ({'exact_answer': 1.0, 'answer_format': 0.1}, {})
     """
     if isinstance(rollout, dict):
-        rewards, env = rollout.get("rewards"), rollout.get("env")
+        rewards, env, task = rollout.get("rewards"), rollout.get("env"), rollout.get("task")
+        partial = bool((rollout.get("reasoning_gym") or {}).get("partial_credit"))
     else:
-        rewards, env = getattr(rollout, "rewards"), getattr(rollout, "env")
+        rewards, env, task = getattr(rollout, "rewards"), getattr(rollout, "env"), getattr(rollout, "task")
+        partial = bool(getattr(getattr(rollout, "reasoning_gym", None), "partial_credit", False))
     if rewards is not None:
         return dict(rewards)
-    return {} if env is not None else dict(DEFAULT_REWARDS)
+    if env is not None:
+        return {}
+    if task == "reasoning_gym":  # the task's own score_answer (forgelab.rewards.reasoning_gym)
+        return {"reasoning_gym_partial" if partial else "reasoning_gym": 1.0}
+    return dict(DEFAULT_REWARDS)
 
 
 def configured_rewards(rollout: RolloutConfig | Mapping[str, object]) -> RewardComposer:

@@ -27,6 +27,7 @@ import random
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from forgelab.data.tasks import TASKS, Problem, get_task
 
@@ -138,7 +139,8 @@ class DataSplit:
 
 
 def load_split(task, *, heldout: float | int | str = 0.1, max_train: int | None = None, eval_n: int = 200,
-               seed: int = 0, split: str | None = None, system_prompt: str | None = None) -> DataSplit:
+               seed: int = 0, split: str | None = None, system_prompt: str | None = None,
+               reasoning_gym: Any = None) -> DataSplit:
     """The training and held-out problems of a run, chosen only by the arguments (nothing silent).
 
     Args:
@@ -154,11 +156,21 @@ def load_split(task, *, heldout: float | int | str = 0.1, max_train: int | None 
         seed: the toy tasks' generation seed.
         split: the split of a DatasetDict `task` that trains (required for one; never implied).
         system_prompt: a system message before every prompt of a dataset task (its prompts become chat messages).
+        reasoning_gym: with `task` "reasoning_gym", ``rollout.reasoning_gym`` (which task, its parameters, seed,
+            size: `forgelab.data.reasoning_gym_source.reasoning_gym_split`); `heldout` and `split` do not apply.
 
     >>> s = load_split("addition", max_train=10, eval_n=5)
     >>> len(s.train), len(s.heldout), s.description
     (10, 5, "data: 10 generated 'addition' training problems (rollout.max_train_problems: 10); held out: 5 of its test split (eval.n)")
     """
+    from forgelab.data.reasoning_gym_source import TASK_NAME as RG_TASK, reasoning_gym_split
+
+    if task == RG_TASK:
+        if reasoning_gym is None:
+            raise ValueError(f"rollout.reasoning_gym: required with rollout.task: {RG_TASK}")
+        check_split_fields(max_train, 0.1)
+        train, held, what, info = reasoning_gym_split(reasoning_gym, eval_n=eval_n, max_train=max_train)
+        return DataSplit(train=train, heldout=held, description=what, info=info)
     check_split_fields(max_train, heldout, task, split)
     from forgelab.data.sources import describe_source, is_dataset, split_names
 

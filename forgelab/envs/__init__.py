@@ -6,6 +6,7 @@
 - `base`: what an environment is (async `reset(task) -> str`, `step(text) -> (obs, reward, done, info)`);
 - `episode`: the token-in/token-out episode runner (`run_episode`, `ChatFormat`, `EpisodeLimits`);
 - `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv` (and its `tool_use_stats`);
+- `skyrl`: `SkyRLGymEnv`, skyrl-gym's synchronous text environments behind the async protocol;
 - `registry`: `ENVS` (name -> factory; adding an environment is adding an entry) and `make_env`;
 - `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process.
 
@@ -18,6 +19,7 @@ from forgelab.envs.base import Env
 from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv, tool_use_stats
 from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, env_metric_means, run_episode
 from forgelab.envs.registry import ENVS, make_env
+from forgelab.envs.skyrl import SkyRLGymEnv
 
 
 def __getattr__(name: str):
@@ -30,5 +32,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "DROP_OUTCOMES", "ENVS", "ArithmeticTutorEnv", "CalculatorToolEnv", "ChatFormat", "EchoEnv", "Env",
-    "EnvActor", "EnvActorConfig", "EpisodeLimits", "env_metric_means", "make_env", "run_episode", "tool_use_stats",
+    "EnvActor", "EnvActorConfig", "EpisodeLimits", "SkyRLGymEnv", "env_metric_means", "make_env", "run_episode", "tool_use_stats",
 ]

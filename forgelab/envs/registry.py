@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv
+from forgelab.envs.skyrl import SkyRLGymEnv
 
 __all__ = ["ENVS", "make_env"]
 
@@ -21,6 +22,7 @@ ENVS: dict[str, Callable[..., Any]] = {
     "echo": EchoEnv,
     "arithmetic_tutor": ArithmeticTutorEnv,
     "calculator": CalculatorToolEnv,
+    "skyrl_gym": SkyRLGymEnv,  # skyrl-gym's text environments (env_kwargs: env_id, ...; forgelab.envs.skyrl)
 }
 """Environment name -> factory (see `RolloutConfig.env`)."""
 

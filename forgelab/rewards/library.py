@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from forgelab.rewards.math_answers import math_answer, overlong, think_format
+from forgelab.rewards.reasoning_gym import reasoning_gym_exact, reasoning_gym_partial
 from forgelab.rewards.trl_compat import TRLReward, as_reward
 
 __all__ = [
@@ -118,13 +119,17 @@ REWARDS: dict[str, RewardFn] = {
     "math_answer": math_answer,
     "think_format": think_format,
     "overlong": overlong,
+    "reasoning_gym": reasoning_gym_exact,
+    "reasoning_gym_partial": reasoning_gym_partial,
 }
 """Built-in rewards by name; a user's own function is just as good a value.
 
 ``math_answer``, ``think_format`` and ``overlong`` (for GSM8K/MATH-style data:
 answer tags, ``\\boxed{}``, think tags, DAPO's overlong shaping) live in
 ``forgelab.rewards.math_answers``; ``overlong`` needs its budget bound
-(``forgelab.rewards.math_answers.make_overlong``) or ``max_tokens`` in the problems' info."""
+(``forgelab.rewards.math_answers.make_overlong``) or ``max_tokens`` in the problems' info.
+``reasoning_gym`` / ``reasoning_gym_partial`` score a reasoning-gym task's problems with the task's own
+``score_answer`` (exact match / its partial credit: ``forgelab.rewards.reasoning_gym``)."""
 
 
 
