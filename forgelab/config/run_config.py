@@ -216,6 +216,35 @@ class HostsConfig:
 
 
 @dataclass(kw_only=True)
+class WatchdogConfig:
+    """When a wait is a hang (`watchdog:`; docs/hangs.md, `forgelab.runtime.watchdog`). Generous by default: at
+    10,000 episodes in flight a turn's p99 is ~30 s, and a slow call that makes progress is never flagged."""
+
+    enabled: bool = True
+    """Watch every service call and weight push (False: wait as long as it takes)."""
+    unresponsive_s: float = 120.0
+    """A process whose heartbeat thread (or, with no progress either, its event loop) has not beaten for this
+    long is stuck: SIGSTOPped, deadlocked, or its host gone."""
+    no_progress_s: float = 600.0
+    """A call or weight push during which none of its processes moved a progress counter for this long is
+    stuck."""
+    heartbeat_s: float = 1.0
+    """How often each process writes its heartbeat file (and how often a waiting call reads them)."""
+    py_spy: str | None = None
+    """The py-spy executable for stack dumps; None: the one beside this Python (the venv's), else on PATH.
+    A path that does not exist means py-spy is unavailable: the faulthandler dump is used."""
+
+    def validate(self) -> None:
+        for name in ("unresponsive_s", "no_progress_s", "heartbeat_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"watchdog.{name}: must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_s * 2 > self.unresponsive_s:
+            raise ConfigError(f"watchdog.heartbeat_s: {self.heartbeat_s} must be at most half of "
+                              f"watchdog.unresponsive_s={self.unresponsive_s} (a heartbeat or two may be late)")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """A whole run's configuration, validated before anything starts (`RunConfig.from_yaml`, `validate`)."""
 
@@ -240,6 +269,8 @@ class RunConfig:
     """LoRA adapters instead of full fine-tuning (shared by trainer and generator); off by default."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """On-policy distillation's teacher (off by default): a per-token advantage toward its logprobs."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """When a call or weight push that stopped answering or progressing is declared stuck (docs/hangs.md)."""
 
     # -- loading ---------------------------------------------------------
     @classmethod
@@ -445,6 +476,7 @@ class RunConfig:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self._validate_hosts()
+        self.watchdog.validate()
         for section in ("generator", "trainer", "reference", "envs"):
             try:
                 self.component(section).validate()
