@@ -48,6 +48,7 @@ sets it for a run."""
 
 _started: dict[str, object] = {}
 _hooks: dict[str, tuple[str, float]] = {}
+_hung: dict[str, asyncio.Event] = {}  # points where a call hangs now -> what releases it
 _keep: list[object] = []  # the stacks file and the loop task: alive as long as the process
 
 
@@ -120,12 +121,15 @@ def read_beats(directory: str | Path, pid: int) -> dict[str, object] | None:
 # ------------------------------------------------------------------------------------------- test hooks
 def arm(point: str, action: str, seconds: float = 0.0) -> None:
     """Make the next checkpoints at `point` misbehave (a test hook): ``"slow"`` sleeps `seconds` there (the loop
-    keeps running), ``"hang"`` waits forever on the loop (alive, no progress), ``"deadlock"`` blocks the loop's
-    thread forever, ``"off"`` disarms."""
+    keeps running), ``"hang"`` waits on the loop until disarmed (alive, no progress), ``"deadlock"`` blocks the
+    loop's thread forever, ``"off"`` disarms (and lets a call hung at `point` go on)."""
     if action not in ("slow", "hang", "deadlock", "off"):
         raise ValueError(f"liveness.arm: action must be slow, hang, deadlock or off, got {action!r}")
     if action == "off":
         _hooks.pop(point, None)
+        release = _hung.pop(point, None)
+        if release is not None:  # a call hung there goes on
+            release.set()
     else:
         _hooks[point] = (action, float(seconds))
 
@@ -140,14 +144,14 @@ async def checkpoint(point: str) -> None:
         await asyncio.sleep(seconds)
     elif action == "hang":
         _hooks.pop(point, None)
-        await _hung_by_test_hook()
+        await _hung_by_test_hook(_hung.setdefault(point, asyncio.Event()))
     elif action == "deadlock":
         _hooks.pop(point, None)
         _deadlocked_by_test_hook()
 
 
-async def _hung_by_test_hook() -> None:
-    await asyncio.Event().wait()  # nobody sets it: the loop runs on, this call never progresses
+async def _hung_by_test_hook(release: asyncio.Event) -> None:
+    await release.wait()  # set only by arm(point, "off"): the loop runs on, this call makes no progress
 
 
 def _deadlocked_by_test_hook() -> None:
