@@ -29,6 +29,7 @@ SHIPPED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-ll
 # The component sections (generator, trainer, reference, envs) are derived from the actors' own config
 # dataclasses: see forgelab/config/sections.py. Importing them loads torch and monarch (~2 s).
 from forgelab.config.components import LoraConfig, TeacherConfig  # noqa: E402
+from forgelab.config.watchdog import WatchdogConfig  # noqa: E402
 from forgelab.config.sections import (  # noqa: E402
     EnvsSection,
     GeneratorSection,
@@ -213,35 +214,6 @@ class HostsConfig:
     trainer_hosts: int = 1
     """Hosts the trainer spans (placement.trainer_procs processes on each); > 1 needs trainer.master_addr
     to be rank 0's address reachable from the other hosts."""
-
-
-@dataclass(kw_only=True)
-class WatchdogConfig:
-    """When a wait is a hang (`watchdog:`; docs/hangs.md, `forgelab.runtime.watchdog`). Generous by default: at
-    10,000 episodes in flight a turn's p99 is ~30 s, and a slow call that makes progress is never flagged."""
-
-    enabled: bool = True
-    """Watch every service call and weight push (False: wait as long as it takes)."""
-    unresponsive_s: float = 120.0
-    """A process whose heartbeat thread (or, with no progress either, its event loop) has not beaten for this
-    long is stuck: SIGSTOPped, deadlocked, or its host gone."""
-    no_progress_s: float = 600.0
-    """A call or weight push during which none of its processes moved a progress counter for this long is
-    stuck."""
-    heartbeat_s: float = 1.0
-    """How often each process writes its heartbeat file (and how often a waiting call reads them)."""
-    py_spy: str | None = None
-    """The py-spy executable for stack dumps; None: the one beside this Python (the venv's), else on PATH.
-    A path that does not exist means py-spy is unavailable: the faulthandler dump is used."""
-
-    def validate(self) -> None:
-        for name in ("unresponsive_s", "no_progress_s", "heartbeat_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"watchdog.{name}: must be a positive number of seconds, got {value!r}")
-        if self.heartbeat_s * 2 > self.unresponsive_s:
-            raise ConfigError(f"watchdog.heartbeat_s: {self.heartbeat_s} must be at most half of "
-                              f"watchdog.unresponsive_s={self.unresponsive_s} (a heartbeat or two may be late)")
 
 
 @dataclass(kw_only=True)
