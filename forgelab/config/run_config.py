@@ -29,7 +29,7 @@ SHIPPED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-ll
 # The component sections (generator, trainer, reference, envs) are derived from the actors' own config
 # dataclasses: see forgelab/config/sections.py. Importing them loads torch and monarch (~2 s).
 from forgelab.config.components import LoraConfig, TeacherConfig  # noqa: E402
-from forgelab.config.watchdog import WatchdogConfig  # noqa: E402
+from forgelab.config.deadlines import WatchdogConfig  # noqa: E402
 from forgelab.config.sections import (  # noqa: E402
     EnvsSection,
     GeneratorSection,
