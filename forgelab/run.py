@@ -279,7 +279,8 @@ class Run:
                                   watchdog=self.watchdog)
         parts.generators.on_respawn = self.weights.catch_up
         teacher = getattr(parts, "teacher", None)
-        for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher, parts.envs):
+        for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher, parts.envs,
+                    parts.trainer):
             if svc is not None and hasattr(svc, "watchdog"):
                 svc.watchdog = self.watchdog  # its calls' deadlines (forgelab.runtime.watchdog)
         for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher):

@@ -169,6 +169,8 @@ class Watchdog:
                     rec = read_beats(liveness_dir(), pid)
                     if rec is None:
                         continue  # no heartbeat visible here (another host): judged by progress only
+                    if _state(pid) in ("?", "Z", "X"):
+                        continue  # it died: Monarch's supervision reports that (and a service retries the call)
                     beat, loop_beat, counters = rec.get("beat"), rec.get("loop_beat"), rec.get("counters")
                     if progress is not None and isinstance(counters, dict):
                         counters = {k: v for k, v in counters.items() if k in progress}
