@@ -13,7 +13,9 @@ training, with a watchdog on small configured deadlines (`WATCH`). One after ano
   stacks read from the faulthandler dump: py-spy is made unavailable (``watchdog.py_spy`` set to a missing path),
   what a cluster that denies ptrace leaves.
 
-Waits wait on conditions; the deadlines under test are the configured ones. Stopped processes get SIGCONT in
+The watchdog's rules themselves are also checked without processes (`test_rule_*`, fast tier): heartbeat records
+written by the test for a plain `sleep` process. Waits wait on conditions; the deadlines under test are the
+configured ones. Stopped processes get SIGCONT in
 teardown (the watchdog kills a stuck replica's processes itself, so normally none is left).
 """
 from __future__ import annotations
@@ -28,8 +30,6 @@ import pytest
 
 from forgelab.config.run_config import (EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig,
                                         TrainConfig, WatchdogConfig)
-
-pytestmark = pytest.mark.integration
 
 WATCH = dict(unresponsive_s=3.0, no_progress_s=4.0, heartbeat_s=0.25)
 #: How late past its deadline a stuck call may be declared: one poll (a heartbeat) for the first reading, one for
@@ -91,6 +91,7 @@ def section(dump_text: str, pid: int) -> str:
     return f"via {m.group(2)}\n{m.group(3)}"
 
 
+@pytest.mark.integration
 def test_stacks_returns_every_process(run):
     dump = run.stacks()
     gens = [pid for st in run.generators.status() for pid in st.pids]
@@ -107,6 +108,7 @@ def test_stacks_returns_every_process(run):
         assert "liveness.py" in section(text, pid)
 
 
+@pytest.mark.integration
 def test_slow_but_live_call_is_not_flagged(run, loop):
     n = len(run.watchdog.stuck)
     for i in range(2):
@@ -124,6 +126,7 @@ def test_slow_but_live_call_is_not_flagged(run, loop):
     assert len(run.watchdog.stuck) == n and not [e for e in run.events if e["kind"] == "stuck"]
 
 
+@pytest.mark.integration
 def test_weight_push_that_never_completes(run, loop):
     from forgelab.runtime.watchdog import StuckError
 
@@ -145,6 +148,7 @@ def test_weight_push_that_never_completes(run, loop):
         assert "liveness.py" in section(text, pid)
 
 
+@pytest.mark.integration
 def test_sigstopped_generator(run, loop):
     from forgelab.lab.controls_panel import ServicesPanel
     from forgelab.lab.summary import services_lines
@@ -174,6 +178,7 @@ def test_sigstopped_generator(run, loop):
     assert not run.generators.status()[index].healthy  # killed and respawning, like a dead replica
 
 
+@pytest.mark.integration
 def test_deadlocked_endpoint_dumped_by_faulthandler_without_py_spy(run, loop):
     from forgelab.runtime.watchdog import StuckError
 
@@ -194,3 +199,113 @@ def test_deadlocked_endpoint_dumped_by_faulthandler_without_py_spy(run, loop):
     assert WATCH["unresponsive_s"] <= err.waited_s <= WATCH["unresponsive_s"] + LATE_S, err
     body = section(err.dump.read_text(), pid)
     assert body.startswith("via faulthandler") and "_deadlocked_by_test_hook" in body, body
+
+
+# ------------------------------------------------------------------------------------------------ the rules, fast
+
+
+class FakeBeats:
+    """Writes heartbeat records, as `forgelab.runtime.liveness` does, for a plain `sleep` process: the test decides
+    what moves (``beat``, ``loop_beat``, ``counters``)."""
+
+    def __init__(self):
+        import subprocess
+
+        from forgelab.runtime.liveness import liveness_dir
+
+        self.proc = subprocess.Popen(["sleep", "300"])
+        self.pid = self.proc.pid
+        self.path = liveness_dir() / f"{self.pid}.json"
+        self.beat = self.loop_beat = 0
+        self.counters: dict[str, int] = {}
+        self.moving = {"beat", "loop_beat"}
+        self.writes = 0
+
+    async def run(self):
+        import json
+
+        while True:
+            self.beat += "beat" in self.moving
+            self.loop_beat += "loop_beat" in self.moving
+            if "counters" in self.moving:
+                self.counters["engine_steps"] = self.counters.get("engine_steps", 0) + 1
+            self.path.write_text(json.dumps({"pid": self.pid, "label": "fake", "beat": self.beat,
+                                             "loop_beat": self.loop_beat, "counters": dict(self.counters)}))
+            self.writes += 1
+            await asyncio.sleep(0.02)
+
+    def close(self):
+        self.path.unlink(missing_ok=True)
+        self.proc.kill()
+        self.proc.wait()
+
+
+RULES = dict(unresponsive_s=0.5, no_progress_s=0.8, heartbeat_s=0.05)
+
+
+async def _watched(fake: FakeBeats, tmp_path, finish_after: float | None = None):
+    """Watch a call that ends after `finish_after` s (None: never) on `fake`'s process; the call's result."""
+    from forgelab.runtime.watchdog import Deadlines, Watchdog
+
+    writer = asyncio.ensure_future(fake.run())
+    done = asyncio.Event()
+    events: list[tuple[str, dict]] = []
+    wd = Watchdog(Deadlines(**RULES, py_spy="/nonexistent/py-spy"), out_dir=tmp_path,
+                  emit=lambda kind, **f: events.append((kind, f)))
+
+    async def call():
+        if finish_after is None:
+            await done.wait()
+        else:
+            await asyncio.sleep(finish_after)
+        return "answered"
+
+    try:
+        return await wd.watch(call(), pids=[fake.pid], part="fake part", what="fake()"), events
+    finally:
+        writer.cancel()
+
+
+@pytest.mark.parametrize("moving, reason", [
+    (set(), "stopped answering"),                          # SIGSTOP: nothing moves
+    ({"beat"}, "event loop has not run"),                  # a deadlocked endpoint: only the thread beats
+    ({"beat", "loop_beat"}, "made progress"),              # alive, waiting on nothing that comes
+])
+def test_rule_stuck(tmp_path, moving, reason):
+    from forgelab.runtime.watchdog import StuckError
+
+    fake = FakeBeats()
+    fake.moving = moving
+    try:
+        with pytest.raises(StuckError) as info:
+            asyncio.run(_watched(fake, tmp_path))
+    finally:
+        fake.close()
+    err = info.value
+    assert reason in err.reason and err.part == "fake part" and err.call == "fake()" and err.pids == [fake.pid]
+    deadline = RULES["no_progress_s"] if reason == "made progress" else RULES["unresponsive_s"]
+    assert err.waited_s >= deadline, err
+    text = err.dump.read_text()
+    assert f"===== pid {fake.pid} (fake) via none =====" in text and "py-spy not found" in text
+    assert "via controller" in text
+
+
+def test_rule_slow_call_with_progress_is_not_stuck(tmp_path):
+    fake = FakeBeats()
+    fake.moving = {"beat", "loop_beat", "counters"}
+    try:
+        answer, events = asyncio.run(_watched(fake, tmp_path, finish_after=3 * RULES["no_progress_s"]))
+    finally:
+        fake.close()
+    assert answer == "answered" and events == []
+
+
+def test_rule_progress_alone_keeps_a_busy_loop_alive(tmp_path):
+    """Synchronous work holding the loop (no loop beat) that moves counters is busy, not deadlocked."""
+    fake = FakeBeats()
+    fake.moving = {"beat", "counters"}
+    try:
+        answer, events = asyncio.run(_watched(fake, tmp_path, finish_after=3 * RULES["unresponsive_s"]))
+    finally:
+        fake.close()
+    assert answer == "answered" and events == []
