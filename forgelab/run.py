@@ -68,6 +68,9 @@ from forgelab.engines.contracts import TrainBatch
 from forgelab.engines.loss_specs import LossSpec
 from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
+from forgelab.runtime.liveness import liveness_dir  # noqa: F401 -- the heartbeat files' directory
+from forgelab.runtime import liveness
+from forgelab.runtime.watchdog import StackDump, Watchdog
 
 if TYPE_CHECKING:
     from forgelab.serve.door import AgentDoor
@@ -129,6 +132,8 @@ class Run:
         self._tasks: list[asyncio.Task] = []
         self._main: asyncio.Task | None = None
         self.door: AgentDoor | None = None  # while the run serves the agent door (door.enabled; docs/agents.md)
+        self.watchdog = Watchdog(cfg.watchdog, out_dir=self.out_dir, emit=self.bus.emit)
+        """Declares a stuck call or weight push and dumps every process's stacks (`forgelab.runtime.watchdog`)."""
 
     # the parts' state, read here and written by its owner (forgelab/controller/*.py)
     step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")
@@ -270,6 +275,7 @@ class Run:
         cfg, loop = self.config, self.loop
         # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
         tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
+        liveness.HEARTBEAT_S[0] = cfg.watchdog.heartbeat_s  # the processes spawned now beat this often
         try:
             self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)  # Parts, or a slot's (pool, slot)
             parts.trainer = as_trainer(parts.trainer)  # typed calls (forgelab.engines.trainer_client)
@@ -280,9 +286,14 @@ class Run:
             await self.parts.shutdown()
             self.parts = None
             raise failure
-        self.weights = WeightSync(parts.trainer, parts.generators, self.bus.emit, lambda: loop.version)
+        self.weights = WeightSync(parts.trainer, parts.generators, self.bus.emit, lambda: loop.version,
+                                  watchdog=self.watchdog)
         parts.generators.on_respawn = self.weights.catch_up
         teacher = getattr(parts, "teacher", None)
+        for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher, parts.envs,
+                    parts.trainer):
+            if svc is not None and hasattr(svc, "watchdog"):
+                svc.watchdog = self.watchdog  # its calls' deadlines (forgelab.runtime.watchdog)
         for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher):
             if svc is not None and hasattr(svc, "add_listener"):
                 svc.add_listener(lambda ev: self.bus.emit(str(getattr(ev, "kind", "service")),
@@ -363,6 +374,11 @@ class Run:
     async def push_weights(self) -> PushReport:
         """Trainer -> every healthy generator replica, as version `self.version`; frees admission for it."""
         return await self.loop.push_weights()
+
+    def stacks(self) -> StackDump:
+        """Every process's Python stacks now (py-spy, or the faulthandler dump where ptrace is denied), also
+        written to ``out_dir/stacks/`` (`forgelab.runtime.watchdog.Watchdog.stacks`)."""
+        return self.watchdog.stacks("run.stacks()")
 
     async def evaluate(self, n: int | None = None) -> float:
         """Held-out greedy accuracy (the task's exact-answer reward) with the generator's current weights,

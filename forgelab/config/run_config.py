@@ -29,6 +29,7 @@ SHIPPED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-ll
 # The component sections (generator, trainer, reference, envs) are derived from the actors' own config
 # dataclasses: see forgelab/config/sections.py. Importing them loads torch and monarch (~2 s).
 from forgelab.config.components import LoraConfig, TeacherConfig  # noqa: E402
+from forgelab.config.deadlines import WatchdogConfig  # noqa: E402
 from forgelab.config.sections import (  # noqa: E402
     EnvsSection,
     GeneratorSection,
@@ -301,6 +302,8 @@ class RunConfig:
     """On-policy distillation's teacher (off by default): a per-token advantage toward its logprobs."""
     door: DoorConfig = field(default_factory=DoorConfig)
     """The agent door: an OpenAI-compatible endpoint whose sessions become episodes (off by default)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """When a call or weight push that stopped answering or progressing is declared stuck (docs/hangs.md)."""
 
     # -- loading ---------------------------------------------------------
     @classmethod
@@ -515,6 +518,7 @@ class RunConfig:
             raise ConfigError(str(err)) from None
         self._validate_hosts()
         self._validate_door()
+        self.watchdog.validate()
         for section in ("generator", "trainer", "reference", "envs"):
             try:
                 self.component(section).validate()

@@ -48,6 +48,7 @@ from forgelab.config.components import LOGPROBS_MODES, GeneratorConfig, Sampling
 from forgelab.engines.generator_service import GeneratorService
 from forgelab.generation import (CompletionGroups, EngineStats, EngineStatus, GenerateRequest, Prompt, SamplingSettings,
                                  WeightUpdate)
+from forgelab.runtime import liveness
 from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Completion
@@ -335,6 +336,7 @@ class VLLMEngine:
                 await self._wake.wait()
                 self._end_idle()
                 continue
+            await liveness.checkpoint("engine_step")  # a test hook (slow / hang / deadlock); nothing unarmed
             t_admit = time.perf_counter()
             await self._admit_arrivals()
             s["admission_wait_s"] += time.perf_counter() - t_admit
@@ -348,6 +350,9 @@ class VLLMEngine:
                 continue
             s["busy_time_s"] += time.perf_counter() - t0
             s["steps"] += 1
+            liveness.bump("engine_steps")  # progress the watchdog sees (forgelab.runtime.watchdog)
+            if not self.admitting.is_set():  # a weight push drains these requests: progress of the push too
+                liveness.bump("weight_drain_steps")
             if self._scheduler is not None:
                 usage = float(self._scheduler.kv_cache_manager.usage)
                 s["kv_cache_usage"] = usage
@@ -360,6 +365,7 @@ class VLLMEngine:
                     continue
                 s["requests"] += 1
                 s["tokens_generated"] += len(out.outputs[0].token_ids)
+                liveness.bump("tokens", len(out.outputs[0].token_ids))
                 s["prompt_tokens"] += len(out.prompt_token_ids or ())
                 s["cached_prompt_tokens"] += int(out.num_cached_tokens or 0)
                 if self._stale_rids and out.request_id in self._stale_rids:

@@ -66,6 +66,7 @@ import torch
 from monarch.actor import endpoint
 
 from forgelab.config.components import WEIGHT_TRANSPORTS, ReferenceConfig, TrainerConfig  # noqa: F401 -- re-exported
+from forgelab.runtime import liveness
 from forgelab.runtime.component import ActorHandle, Component, Configured, Placement, PlacementOptions
 from forgelab.weights.sender import WeightSender
 from forgelab.engines.contracts import (
@@ -350,4 +351,6 @@ class ReferenceModel(Component):
                     self.model, tokens_B_L[s:s + rows].to(self.device),
                     spans_B_2=None if spans_B_2 is None else spans_B_2[s:s + rows],
                     share_prompts=self.config.share_prompts, max_pack_len=self.config.max_pack_len)[0])
+                # progress the watchdog sees while this synchronous loop holds the event loop (forgelab.runtime.watchdog)
+                liveness.bump("reference_rows", min(rows, tokens_B_L.shape[0] - s))
         return torch.cat(parts).float().cpu()

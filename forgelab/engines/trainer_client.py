@@ -18,7 +18,7 @@ its shard).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
 import torch
 
@@ -26,6 +26,9 @@ from forgelab.engines.contracts import (
     AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, WeightPush,
 )
 from forgelab.engines.loss_specs import LossSpec
+
+if TYPE_CHECKING:
+    from forgelab.runtime.watchdog import Watchdog
 
 __all__ = ["TrainerAPI", "TrainerClient", "ReferenceAPI", "ReferenceClient", "EndpointHandle", "RoutedService",
            "TrainerInfo", "Fingerprint", "SlotList", "LossComparison", "as_trainer"]
@@ -142,9 +145,16 @@ class TrainerClient(TrainerAPI):
 
     def __init__(self, handle: EndpointHandle):
         self.handle = handle
+        self.watchdog: Watchdog | None = None
+        """Declares a trainer call stuck (`forgelab.runtime.watchdog`; a run sets it); None: unwatched. A weight
+        push is watched by `forgelab.weights.sync.WeightSync` instead, with the generators' processes."""
 
     async def call(self, endpoint_name: str, *args: object, **kwargs: object) -> list[object]:
-        return await self.handle.call(endpoint_name, *args, **kwargs)
+        call = self.handle.call(endpoint_name, *args, **kwargs)
+        pids: list[int] = list(getattr(self.handle, "pids_list", None) or [])
+        if self.watchdog is None or endpoint_name == "push_weights" or not pids:
+            return await call
+        return await self.watchdog.watch(call, pids=pids, part="trainer", what=f"{endpoint_name}()")
 
     async def _one(self, endpoint_name: str, *args: object) -> object:
         return (await self.call(endpoint_name, *args))[0]

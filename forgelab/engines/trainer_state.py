@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 __all__ = ["TrainerState", "SkipStep"]
 
+from forgelab.runtime import liveness
 from forgelab.engines.contracts import (
     AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, check_batch, check_spans,
     check_tokens, token_values_of,
@@ -199,6 +200,7 @@ class TrainerState:
         )
         if entropy_R_T is not None:
             entropy_R_T = entropy_R_T.detach()
+        liveness.bump("trainer_forwards")  # progress the watchdog sees inside a long step (forgelab.runtime.watchdog)
         if dummy:  # an empty view still back-propagates (zeros) through the model
             return logprobs_R_T[:0], (None if entropy_R_T is None else entropy_R_T[:0])
         return logprobs_R_T, entropy_R_T
@@ -378,6 +380,7 @@ class TrainerState:
                 self.optimizer.step()
         self._discard_window()
         self.step += 1
+        liveness.bump("train_steps")
         return OptimReport(step=self.step, lr=lr, grad_norm=grad_norm, scheduled=adam is None)
 
     def train_step(self, batch: "TrainBatch | Mapping[str, object]") -> StepMetrics:

@@ -24,7 +24,7 @@ SUMMARY_METRICS = ("reward_mean", "heldout_accuracy", "loss", "kl_ref", "entropy
 
 #: Event kinds worth a line in summaries and a marker on plots.
 MARKED_EVENTS = ("loss_swapped", "loss_refused", "reward_weights", "reward_added", "replica_restarted",
-                 "replica_failed", "step_skipped", "paused", "resumed", "checkpoint", "failed")
+                 "replica_failed", "step_skipped", "paused", "resumed", "checkpoint", "failed", "stuck")
 
 
 def _fmt(v: Any) -> str:
@@ -126,6 +126,20 @@ def services_rows(run: RunFacade) -> list[dict]:
     return rows
 
 
+def stuck_rows(run: RunFacade) -> list[dict]:
+    """One dict per call the watchdog declared stuck (the run's ``stuck`` events, oldest first): part, call,
+    waited_s, reason and path (the stack dump file, or "")."""
+    return [{"part": str(ev.get("part", "?")), "call": str(ev.get("call", "?")), "waited_s": ev.get("waited_s", ""),
+             "reason": str(ev.get("reason", "")), "path": str(ev.get("path") or "")}
+            for ev in (_safe(lambda: events_of(run.events), []) or []) if ev.kind == "stuck"]
+
+
+def stuck_lines(run: RunFacade) -> list[str]:
+    """"stuck: <part> in <call> after N s; stacks: <file>" for each stuck call (docs/hangs.md)."""
+    return [f"  stuck: {r['part']} in {r['call']} after {r['waited_s']} s; stacks: {r['path'] or '(not written)'}"
+            for r in stuck_rows(run)]
+
+
 def latency_text(ms: dict) -> str:
     """"p50 / p95 / p99 ms" of a replica's recent calls ("" before any call)."""
     if not ms or not ms.get("n"):
@@ -155,7 +169,7 @@ def services_lines(run: RunFacade) -> list[str]:
         out.append(f"  {r['service']}[{r['index']}] {'healthy' if r['healthy'] else 'DOWN'}  in_flight {r['in_flight']}"
                    f"  restarts {r['restarts']}  version {r['version']}  calls {r['calls']}  failures {r['failures']}"
                    + (f"  latency p50/p95/p99 {r['latency']}" if r["latency"] else "") + err)
-    return out
+    return out + stuck_lines(run)
 
 
 def text_summary(run: RunFacade) -> str:

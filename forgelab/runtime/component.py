@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypedDict, TypeVar, U
 
 from monarch.actor import Actor, Port, endpoint
 
+from forgelab.runtime import liveness
 from forgelab.runtime.mesh import DEFAULT_PROCESS_ENV as DEFAULT_PROCESS_ENV
 from forgelab.runtime.mesh import ActorHandle as ActorHandle
 from forgelab.runtime.mesh import ComponentStartError as ComponentStartError
@@ -110,6 +111,17 @@ class Component(Actor):
     @endpoint
     async def _forgelab_pid(self) -> int:
         return os.getpid()
+
+    @endpoint
+    async def _forgelab_liveness(self, directory: str, label: str, interval_s: float) -> int:
+        """Start this process's heartbeat and faulthandler dump (`forgelab.runtime.liveness`); `spawn` calls it."""
+        liveness.start(directory, label, interval_s)
+        return os.getpid()
+
+    @endpoint
+    async def _forgelab_arm(self, point: str, action: str, seconds: float = 0.0) -> None:
+        """A test hook: make this process slow, hang or deadlock at `point` (`forgelab.runtime.liveness.arm`)."""
+        liveness.arm(point, action, seconds)
 
     def release_for_exit(self) -> None:
         """Release what this process holds outside itself (shared-memory files, ...) before a fast exit;

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from forgelab.runtime import supervision
+from forgelab.runtime import liveness, supervision
 
 if TYPE_CHECKING:  # Monarch loads lazily: importing forgelab stays cheap
     from monarch.actor import Actor, BootstrapCommand, Endpoint, HostMesh, Point, ProcMesh, ValueMesh
@@ -347,6 +347,10 @@ async def spawn(
         actor = procs.spawn(actor_name, cls, *args, **kwargs)
         setup: _NamedEndpoint = getattr(actor, "setup")
         await setup.call()
+        if hasattr(cls, "_forgelab_liveness"):  # a Component: heartbeat and stack dumps (forgelab.runtime.liveness)
+            beats: _NamedEndpoint = getattr(actor, "_forgelab_liveness")
+            ranks = await beats.call(str(liveness.liveness_dir()), actor_name, liveness.HEARTBEAT_S[0])
+            pids = [int(str(pid)) for _, pid in ranks.items()]
     except BaseException as err:
         try:
             await asyncio.wait_for(procs.stop(), timeout=30)
@@ -360,6 +364,9 @@ async def spawn(
                 f"passed on as PYTHONPATH) or in options(env={{'PYTHONPATH': ...}})."
             ) from err
         raise
-    return ActorHandle(cls, placement, actor_name, procs, actor)
+    handle = ActorHandle(cls, placement, actor_name, procs, actor)
+    if hasattr(cls, "_forgelab_liveness"):
+        handle.pids_list = pids
+    return handle
 
 

@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,11 +30,15 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Generic, NamedTuple, Prot
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
 from forgelab.runtime import supervision
+from forgelab.runtime.errors import NoHealthyReplicaError as NoHealthyReplicaError
+from forgelab.runtime.errors import ReplicaFailedError as ReplicaFailedError
 from forgelab.runtime.supervision import pid_alive
 from forgelab.runtime.mesh import ActorHandle, Placement, spawn
 
 if TYPE_CHECKING:
     from monarch.actor import Actor
+
+    from forgelab.runtime.watchdog import Watchdog
 
 C = TypeVar("C", bound="Actor")
 
@@ -42,12 +47,6 @@ log = logging.getLogger("forgelab.runtime.replicas")
 service_ids = itertools.count()
 
 
-class NoHealthyReplicaError(RuntimeError):
-    """No replica of a service can take a call right now."""
-
-
-class ReplicaFailedError(RuntimeError):
-    """A replica's process died during a call that could not be retried."""
 
 
 class ServiceEvent(NamedTuple):
@@ -183,6 +182,8 @@ class ReplicaPool(Generic[C]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: contextvars.Context | None = None
         self._closed = False
+        self.watchdog: Watchdog | None = None
+        """Declares a call stuck (`forgelab.runtime.watchdog`); None: the controller's default one."""
 
     @classmethod
     async def start(cls, component: type[C], placement: Placement, args: tuple[object, ...],
@@ -240,17 +241,36 @@ class ReplicaPool(Generic[C]):
     # ---------------------------------------------------------------- calls
     async def _call_all(self, rep: Replica[C], handle: ActorHandle[C], endpoint: str, args: tuple[object, ...],
                         kwargs: dict[str, object]) -> object:
-        """`endpoint` on every rank of `rep` (timed into its `RequestStats`)."""
+        """`endpoint` on every rank of `rep` (timed into its `RequestStats`, watched by the watchdog)."""
         if rep.single:
-            return await self._timed(rep, self._endpoint(rep, endpoint).call_one(*args, **kwargs))
-        return await self._timed(rep, handle.call(endpoint, *args, **kwargs))
+            return await self._timed(rep, self._watched(rep, handle, endpoint, self._endpoint(rep, endpoint).call_one(*args, **kwargs)))
+        return await self._timed(rep, self._watched(rep, handle, endpoint, handle.call(endpoint, *args, **kwargs)))
 
     async def _call_one(self, rep: Replica[C], handle: ActorHandle[C], endpoint: str, args: tuple[object, ...],
                         kwargs: dict[str, object]) -> object:
-        """`endpoint` on `rep` (rank 0 of a multi-process replica), timed into its `RequestStats`."""
+        """`endpoint` on `rep` (rank 0 of a multi-process replica), timed into its `RequestStats`, watched."""
         if rep.single:
-            return await self._timed(rep, self._endpoint(rep, endpoint).call_one(*args, **kwargs))
-        return await self._timed(rep, handle.call_one(endpoint, *args, **kwargs))
+            return await self._timed(rep, self._watched(rep, handle, endpoint, self._endpoint(rep, endpoint).call_one(*args, **kwargs)))
+        return await self._timed(rep, self._watched(rep, handle, endpoint, handle.call_one(endpoint, *args, **kwargs)))
+
+    async def _watched(self, rep: Replica[C], handle: ActorHandle[C], endpoint: str, call: Awaitable[object]) -> object:
+        """`call`, under the watchdog (`forgelab.runtime.watchdog`): a replica that stops answering or progressing
+        raises `StuckError`, after its stacks are dumped; it is then killed and respawned like a dead one."""
+        from forgelab.runtime.watchdog import default_watchdog
+
+        wd = self.watchdog or default_watchdog()
+
+        def stuck(err: Exception) -> None:
+            self._fail(rep, handle, f"stuck in {endpoint}(): {err}")
+            if self.placement.job is None:  # a stopped or deadlocked process never acknowledges a stop: end it
+                for pid in handle.pids_list or rep.pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+
+        return await wd.watch(call, pids=list(handle.pids_list or rep.pids), what=f"{endpoint}()",
+                              part=f"service {self.name!r} replica {rep.index}", on_stuck=stuck)
 
     @staticmethod
     async def _timed(rep: Replica[C], call: Awaitable[object]) -> object:

@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any
 
+from forgelab.runtime import liveness
 from forgelab.weights.checks import check_named_tensors
 from forgelab.weights.shm import SharedWeights, SharedWeightsReader, SharedWeightsUnavailable
 
@@ -96,6 +97,7 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
     `SharedWeightsUnavailable` when the file cannot be reached from here.
     """
     async with engine.update_lock:
+        await liveness.checkpoint("weights_receive")  # a test hook (a push that never completes); nothing unarmed
         if not isinstance(version, int) or version <= engine.version:
             raise ValueError(
                 f"update_weights: version must be an int greater than the serving version "
@@ -108,6 +110,8 @@ async def receive(engine: Any, version: int, weights: Any) -> int:
             except ValueError as e:
                 raise ValueError(f"update_weights(version={version}) refused: {e}. Nothing was loaded: "
                                  f"the generator keeps serving version {engine.version} with its old weights.") from None
+        # progress the watchdog sees for a push (forgelab.runtime.watchdog): the bytes are here
+        liveness.bump("weight_bytes_received", sum(int(t.numel()) * int(t.element_size()) for t in weights.values()))
         if getattr(engine, "lora", None) is not None:
             return await _receive_adapter(engine, version, weights)
         problems = check_weights(weights, engine.expected_shapes)

@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
+from forgelab.runtime import liveness
 from forgelab.weights.shm import SharedWeights, SharedWeightsWriter, default_shm_root
 
 __all__ = ["TRANSPORTS", "WeightSender", "send_message", "send_shared"]
@@ -74,6 +75,7 @@ class WeightSender:
             raise ValueError(f"push_weights: transport={transport!r} must be one of {tuple(TRANSPORTS)}")
         t0 = time.perf_counter()
         sd = state_dict()
+        liveness.bump("weight_pushes_gathered")  # progress the watchdog sees for a push (forgelab.runtime.watchdog)
         out: dict[str, Any] = {"version": int(version), "gather_ms": (time.perf_counter() - t0) * 1e3, "write_ms": 0.0,
                                "send_ms": 0.0, "bytes": sum(v.numel() * v.element_size() for v in sd.values()),
                                "sent": 0, "failed": {}, "transport": "none", "transports": [], "fallback": {}}
@@ -87,8 +89,13 @@ class WeightSender:
             handle, why_not = self._write_shared(int(version), sd)
             out["write_ms"] = (time.perf_counter() - t1) * 1e3
         t1 = time.perf_counter()
-        results = await asyncio.gather(*(send(m, int(version), sd, handle, why_not) for m in meshes),
-                                       return_exceptions=True)
+        async def sent(m: Any) -> tuple[str, str | None]:
+            try:
+                return await send(m, int(version), sd, handle, why_not)
+            finally:
+                liveness.bump("weight_sends_done")
+
+        results = await asyncio.gather(*(sent(m) for m in meshes), return_exceptions=True)
         out["send_ms"] = (time.perf_counter() - t1) * 1e3
         for i, r in enumerate(results):
             if isinstance(r, BaseException):

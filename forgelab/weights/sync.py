@@ -14,9 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from forgelab.types import WeightPush
+
+if TYPE_CHECKING:
+    from forgelab.runtime.watchdog import Watchdog
+
+PUSH_PROGRESS = ("weight_pushes_gathered", "weight_sends_done", "weight_bytes_received", "weight_drain_steps")
+"""The progress counters of a weight push (`forgelab.runtime.liveness`): gathered on the trainer, sent, received
+and drained on a generator."""
 
 __all__ = ["PushReport", "WeightSync", "PushesWeights"]
 
@@ -72,15 +79,30 @@ class WeightSync:
     """
 
     def __init__(self, trainer: PushesWeights | None, generators: Any, emit: Callable[..., None],
-                 current_version: Callable[[], int]):
+                 current_version: Callable[[], int], watchdog: Watchdog | None = None):
         self.trainer, self.generators, self.emit, self.current_version = trainer, generators, emit, current_version
+        self.watchdog = watchdog
+        """Declares a push stuck when no weight byte moves for `WatchdogConfig.no_progress_s` or a process stops
+        answering (`forgelab.runtime.watchdog`); None: unwatched."""
+
+    async def _push(self, version: int, meshes: list[Any], replicas: Sequence[int]) -> Any:
+        """The trainer's `push_weights`, watched: its processes and the receiving generators' must keep moving
+        weight counters (`PUSH_PROGRESS`) or answering."""
+        assert self.trainer is not None
+        call = self.trainer.push_weights(version, [getattr(h, "actor", h) for h in meshes])  # the actor meshes travel
+        if self.watchdog is None:
+            return await call
+        trainer_pids = list(getattr(getattr(self.trainer, "handle", None), "pids_list", None) or [])
+        gen_pids = [pid for h in meshes for pid in (getattr(h, "pids_list", None) or [])]
+        return await self.watchdog.watch(call, pids=trainer_pids + gen_pids, progress=PUSH_PROGRESS,
+                                         part=f"weight push to generator replicas {list(replicas)}", what=f"weight push v{version}")
 
     async def push(self, version: int) -> PushReport:
         """Send `version` to every healthy replica; a replica that fails is respawned and caught up later."""
         if self.trainer is None:
             raise RuntimeError("WeightSync.push: no trainer (the run's parts were shut down)")
         live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
-        raw = await self.trainer.push_weights(version, [h.actor for _, h in live])
+        raw = await self._push(version, [h for _, h in live], [i for i, _ in live])
         report = PushReport.from_trainer(raw, version, tuple(i for i, _ in live))
         for i, _ in live:
             if i in report.failed:
@@ -95,7 +117,8 @@ class WeightSync:
         pushed = 0
         while self.trainer is not None and self.current_version() > pushed:
             version = self.current_version()
-            report = PushReport.from_trainer(await self.trainer.push_weights(version, [handle.actor]), version)
+            report = PushReport.from_trainer(await self._push(version, [handle], [getattr(handle, "replica_index", -1)]),
+                                             version)
             if report.failed:
                 # raising fails this respawn attempt: the service tears the replica down and tries again
                 raise RuntimeError(f"weights v{version} could not be pushed to the respawned generator: "

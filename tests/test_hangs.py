@@ -1,0 +1,312 @@
+"""A deadline on every wait: stuck calls and weight pushes end in a named error with every process's stacks.
+
+One module-scoped run on the shipped tiny model (2 generator replicas, a trainer, no reference), spawned but not
+training, with a watchdog on small configured deadlines (`WATCH`). One after another:
+
+- `run.stacks()` returns a stack per process (py-spy);
+- a generate call slowed by a test hook but stepping is not flagged, though it outlasts ``no_progress_s``;
+- a weight push whose receive never completes (test hook "hang": the loop runs, no weight byte moves) raises
+  `StuckError` after ``no_progress_s``;
+- a SIGSTOPped generator raises `StuckError` after ``unresponsive_s``, its stacks read by py-spy --nonblocking; the
+  dump is shown by the dashboard's services panel and the run's event log;
+- a deadlocked endpoint (test hook "deadlock": the process's event loop blocks on a lock) raises `StuckError`, its
+  stacks read from the faulthandler dump: py-spy is made unavailable (``watchdog.py_spy`` set to a missing path),
+  what a cluster that denies ptrace leaves.
+
+The watchdog's rules themselves are also checked without processes (`test_rule_*`, fast tier): heartbeat records
+written by the test for a plain `sleep` process. Waits wait on conditions; the deadlines under test are the
+configured ones. Stopped processes get SIGCONT in
+teardown (the watchdog kills a stuck replica's processes itself, so normally none is left).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from forgelab.config.run_config import (EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig,
+                                        TrainConfig, WatchdogConfig)
+
+WATCH = dict(unresponsive_s=3.0, no_progress_s=4.0, heartbeat_s=0.25)
+#: How late past its deadline a stuck call may be declared: one poll (a heartbeat) for the first reading, one for
+#: the last, and the controller's loop running late on a loaded 2-core machine (vLLM respawns beside it; up to 4 s
+#: seen nowhere, allowed here so that the bound fails only for a watchdog that misses its deadline).
+LATE_S = 2 * WATCH["heartbeat_s"] + 4.0
+
+stopped: list[int] = []
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def run(loop, tmp_path_factory):
+    from forgelab.run import Run
+
+    cfg = RunConfig(
+        name="hangs",
+        rollout=RolloutConfig(task="addition", group_size=2, prompts_per_rollout=2, concurrency=1, max_tokens=6),
+        train=TrainConfig(steps=2, batch_size=4, warmup_steps=1),
+        eval=EvalConfig(every=0, n=4),
+        tracking=TrackingConfig(out_dir=str(tmp_path_factory.mktemp("hangs")), wandb=False),
+        placement=PlacementConfig(generator_replicas=2, reference=False),
+        watchdog=WatchdogConfig(**WATCH),
+    )
+    r = Run(cfg)
+    loop.run_until_complete(r.spawn())
+    yield r
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
+    loop.run_until_complete(r.shutdown())
+
+
+def request(tokens: int):
+    from forgelab.config.components import SamplingConfig
+    from forgelab.generation import GenerateRequest
+
+    return GenerateRequest(prompts_P=[[1, 2, 3, 4]], n=1,
+                           sampling=SamplingConfig(max_tokens=tokens, min_tokens=tokens, temperature=1.0))
+
+
+async def arm(run, index: int, point: str, action: str, seconds: float = 0.0) -> None:
+    """The test hook (`forgelab.runtime.liveness.arm`) on generator replica `index`."""
+    handle = run.generators.handles()[index]
+    await handle.actor._forgelab_arm.call_one(point, action, seconds)
+
+
+def section(dump_text: str, pid: int) -> str:
+    """The part of a dump file about process `pid`."""
+    m = re.search(rf"===== pid {pid} \((.*?)\) via (\S+) =====\n(.*?)(?=\n===== pid |\Z)", dump_text, re.S)
+    assert m, f"no section for pid {pid} in the dump:\n{dump_text[:2000]}"
+    return f"via {m.group(2)}\n{m.group(3)}"
+
+
+@pytest.mark.integration
+def test_stacks_returns_every_process(run):
+    dump = run.stacks()
+    gens = [pid for st in run.generators.status() for pid in st.pids]
+    trainer = run.trainer.handle.pids_list
+    assert len(gens) == 2 and len(trainer) == 1
+    for pid in gens + trainer:
+        p = dump.processes[pid]
+        assert p.how == "py-spy", p
+        assert "liveness.py" in p.text, p.text  # this very process's heartbeat thread, as py-spy read it
+    assert dump.processes[os.getpid()].how == "controller"
+    assert dump.path is not None and dump.path.parent == run.out_dir / "stacks"
+    text = dump.path.read_text()
+    for pid in gens + trainer:
+        assert "liveness.py" in section(text, pid)
+
+
+@pytest.mark.integration
+def test_slow_but_live_call_is_not_flagged(run, loop):
+    n = len(run.watchdog.stuck)
+    for i in range(2):
+        loop.run_until_complete(arm(run, i, "engine_step", "slow", 0.4))
+    try:
+        t0 = time.monotonic()
+        groups = loop.run_until_complete(run.generators.generate(request(16)))
+        took = time.monotonic() - t0
+    finally:
+        for i in range(2):
+            loop.run_until_complete(arm(run, i, "engine_step", "off"))
+    assert len(groups[0][0].completion_ids) == 16
+    # 16 tokens at >= 0.4 s a step: longer than the no-progress deadline, but every step moved the counters
+    assert took > WATCH["no_progress_s"], took
+    assert len(run.watchdog.stuck) == n and not [e for e in run.events if e["kind"] == "stuck"]
+
+
+@pytest.mark.integration
+def test_weight_push_that_never_completes(run, loop):
+    from forgelab.runtime.watchdog import StuckError
+
+    for i in range(2):
+        loop.run_until_complete(arm(run, i, "weights_receive", "hang"))
+    try:
+        with pytest.raises(StuckError) as info:
+            loop.run_until_complete(run.weights.push(1))
+    finally:
+        for i in range(2):  # the hung receives go on (and the trainer's push ends)
+            loop.run_until_complete(arm(run, i, "weights_receive", "off"))
+    err = info.value
+    assert err.call == "weight push v1" and "weight push to generator replicas [0, 1]" in err.part
+    assert "made progress" in err.reason
+    assert WATCH["no_progress_s"] <= err.waited_s <= WATCH["no_progress_s"] + LATE_S, err
+    assert f"waited {err.waited_s:.1f} s" in str(err)
+    text = err.dump.read_text()
+    for pid in [p for st in run.generators.status() for p in st.pids] + run.trainer.handle.pids_list:
+        assert "liveness.py" in section(text, pid)
+
+
+@pytest.mark.integration
+def test_sigstopped_generator(run, loop):
+    from forgelab.lab.controls_panel import ServicesPanel
+    from forgelab.lab.summary import services_lines
+    from forgelab.runtime.watchdog import StuckError
+
+    s = run.generators.session("stopped")
+    loop.run_until_complete(s.route("generate", request(2)))  # pins the session to a replica
+    index = s.replica
+    pid = run.generators.status()[index].pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    stopped.append(pid)
+    with pytest.raises(StuckError) as info:
+        loop.run_until_complete(s.route("generate", request(2)))
+    err = info.value
+    assert err.part == f"service 'generator' replica {index}" and err.call == "generate()" and err.pids == [pid]
+    assert "stopped answering" in err.reason
+    assert WATCH["unresponsive_s"] <= err.waited_s <= WATCH["unresponsive_s"] + LATE_S, err
+    body = section(err.dump.read_text(), pid)
+    assert body.startswith("via py-spy") and "liveness.py" in body, body  # read with --nonblocking
+    ev = [e for e in run.events if e["kind"] == "stuck"][-1]
+    assert ev["path"] == str(err.dump) and ev["pids"] == [pid]
+    assert any(str(err.dump) in line for line in services_lines(run))
+    panel = ServicesPanel(run)
+    panel.widget
+    panel.refresh()
+    assert str(err.dump) in panel.table.value
+    assert not run.generators.status()[index].healthy  # killed and respawning, like a dead replica
+
+
+@pytest.mark.integration
+def test_deadlocked_endpoint_dumped_by_faulthandler_without_py_spy(run, loop):
+    from forgelab.runtime.watchdog import StuckError
+
+    s = run.generators.session("deadlocked")
+    loop.run_until_complete(s.route("generate", request(2)))  # pins a healthy replica
+    index = s.replica
+    pid = run.generators.status()[index].pids[0]
+    loop.run_until_complete(arm(run, index, "engine_step", "deadlock"))
+    run.config.watchdog.py_spy = "/nonexistent/py-spy"  # no py-spy: what ptrace denied leaves
+    try:
+        with pytest.raises(StuckError) as info:
+            loop.run_until_complete(s.route("generate", request(2)))
+    finally:
+        run.config.watchdog.py_spy = None
+    err = info.value
+    assert err.part == f"service 'generator' replica {index}" and err.pids == [pid]
+    assert "event loop has not run" in err.reason
+    assert WATCH["unresponsive_s"] <= err.waited_s <= WATCH["unresponsive_s"] + LATE_S, err
+    body = section(err.dump.read_text(), pid)
+    assert body.startswith("via faulthandler") and "_deadlocked_by_test_hook" in body, body
+
+
+# ------------------------------------------------------------------------------------------------ the rules, fast
+
+
+class FakeBeats:
+    """Writes heartbeat records, as `forgelab.runtime.liveness` does, for a plain `sleep` process: the test decides
+    what moves (``beat``, ``loop_beat``, ``counters``)."""
+
+    def __init__(self):
+        import subprocess
+
+        from forgelab.runtime.liveness import liveness_dir
+
+        self.proc = subprocess.Popen(["sleep", "300"])
+        self.pid = self.proc.pid
+        self.path = liveness_dir() / f"{self.pid}.json"
+        self.beat = self.loop_beat = 0
+        self.counters: dict[str, int] = {}
+        self.moving = {"beat", "loop_beat"}
+        self.writes = 0
+
+    async def run(self):
+        import json
+
+        while True:
+            self.beat += "beat" in self.moving
+            self.loop_beat += "loop_beat" in self.moving
+            if "counters" in self.moving:
+                self.counters["engine_steps"] = self.counters.get("engine_steps", 0) + 1
+            self.path.write_text(json.dumps({"pid": self.pid, "label": "fake", "beat": self.beat,
+                                             "loop_beat": self.loop_beat, "counters": dict(self.counters)}))
+            self.writes += 1
+            await asyncio.sleep(0.02)
+
+    def close(self):
+        self.path.unlink(missing_ok=True)
+        self.proc.kill()
+        self.proc.wait()
+
+
+RULES = dict(unresponsive_s=0.5, no_progress_s=0.8, heartbeat_s=0.05)
+
+
+async def _watched(fake: FakeBeats, tmp_path, finish_after: float | None = None):
+    """Watch a call that ends after `finish_after` s (None: never) on `fake`'s process; the call's result."""
+    from forgelab.runtime.watchdog import Deadlines, Watchdog
+
+    writer = asyncio.ensure_future(fake.run())
+    done = asyncio.Event()
+    events: list[tuple[str, dict]] = []
+    wd = Watchdog(Deadlines(**RULES, py_spy="/nonexistent/py-spy"), out_dir=tmp_path,
+                  emit=lambda kind, **f: events.append((kind, f)))
+
+    async def call():
+        if finish_after is None:
+            await done.wait()
+        else:
+            await asyncio.sleep(finish_after)
+        return "answered"
+
+    try:
+        return await wd.watch(call(), pids=[fake.pid], part="fake part", what="fake()"), events
+    finally:
+        writer.cancel()
+
+
+@pytest.mark.parametrize("moving, reason", [
+    (set(), "stopped answering"),                          # SIGSTOP: nothing moves
+    ({"beat"}, "event loop has not run"),                  # a deadlocked endpoint: only the thread beats
+    ({"beat", "loop_beat"}, "made progress"),              # alive, waiting on nothing that comes
+])
+def test_rule_stuck(tmp_path, moving, reason):
+    from forgelab.runtime.watchdog import StuckError
+
+    fake = FakeBeats()
+    fake.moving = moving
+    try:
+        with pytest.raises(StuckError) as info:
+            asyncio.run(_watched(fake, tmp_path))
+    finally:
+        fake.close()
+    err = info.value
+    assert reason in err.reason and err.part == "fake part" and err.call == "fake()" and err.pids == [fake.pid]
+    deadline = RULES["no_progress_s"] if reason == "made progress" else RULES["unresponsive_s"]
+    assert err.waited_s >= deadline, err
+    text = err.dump.read_text()
+    assert f"===== pid {fake.pid} (fake) via none =====" in text and "py-spy not found" in text
+    assert "via controller" in text
+
+
+def test_rule_slow_call_with_progress_is_not_stuck(tmp_path):
+    fake = FakeBeats()
+    fake.moving = {"beat", "loop_beat", "counters"}
+    try:
+        answer, events = asyncio.run(_watched(fake, tmp_path, finish_after=3 * RULES["no_progress_s"]))
+    finally:
+        fake.close()
+    assert answer == "answered" and events == []
+
+
+def test_rule_progress_alone_keeps_a_busy_loop_alive(tmp_path):
+    """Synchronous work holding the loop (no loop beat) that moves counters is busy, not deadlocked."""
+    fake = FakeBeats()
+    fake.moving = {"beat", "counters"}
+    try:
+        answer, events = asyncio.run(_watched(fake, tmp_path, finish_after=3 * RULES["unresponsive_s"]))
+    finally:
+        fake.close()
+    assert answer == "answered" and events == []
