@@ -2,12 +2,14 @@
 
     python tests/slurm_job_main.py run CONFIG.yaml     -> a Run placed over the Slurm job; prints one JSON line
     python tests/slurm_job_main.py hold JOB.json       -> applies the job, spawns one actor per mesh, prints one
-                                                          JSON line (job id, pids), then waits to be killed
+                                                          JSON line (job id, pids); on "lost" from stdin prints
+                                                          the lost workers the job reported; waits to be killed
 
 Constructing a Slurm job switches the process's Monarch transport to TCP for good, so the tests run it here, not
 in the pytest process. SLURM_CONF in the environment points the Slurm commands at the test's cluster.
 """
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -91,6 +93,9 @@ async def _steps(run):
 async def hold(job_path: str) -> None:
     from forgelab.runtime.placement import job_from_config
 
+    from forgelab.runtime import supervision
+
+    supervision.install()  # as a Run does: a dead process becomes an event, not the controller's exit
     job = job_from_config(json.loads(open(job_path).read()))
     job.apply()
     state = job.state(cached_path=None)
@@ -100,6 +105,14 @@ async def hold(job_path: str) -> None:
         pids[name] = await procs.spawn("pid", Pid).pid.call_one()
     print(json.dumps({"job_id": job.job_id, "watcher": job.watcher_pid, "workers": workers(), "actors": pids,
                       "pid": os.getpid()}), flush=True)
+    # "lost": the test killed a worker; report what the job's watch of srun's reports learned (within 60 s)
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    if line.strip() == "lost":
+        deadline = time.monotonic() + 60
+        while not job.lost and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # the job's thread fills job.lost; a condition, bounded
+        print(json.dumps({"lost": [dataclasses.asdict(w) for w in job.lost], "text": [str(w) for w in job.lost]}),
+              flush=True)
     while True:
         await asyncio.sleep(3600)  # held until the test kills this process
 

@@ -26,7 +26,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forgelab.runtime.slurm import SlurmConfig, SlurmConfigError, batch_script, parse_squeue, worker_addresses
+from forgelab.runtime.slurm import (
+    SlurmConfig,
+    SlurmConfigError,
+    batch_script,
+    parse_squeue,
+    parse_srun_errors,
+    worker_addresses,
+    worker_of_task,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -73,6 +81,17 @@ def test_workers_spread_over_nodes_in_mesh_order():
                                                    "train": ["tcp://n2:4001"]}
     with pytest.raises(RuntimeError, match="allocated 1 node"):
         worker_addresses(cfg, ["n1"])
+
+
+def test_srun_reports_name_the_mesh_and_host():
+    text = ("Monarch internal logs are being written to ...\nsrun: error: vm: task 0: Killed\n"
+            "srun: error: n2: tasks 2-3: Exited with exit code 1\n")
+    assert parse_srun_errors(text) == [("vm", 0, "Killed"), ("n2", 2, "Exited with exit code 1"),
+                                       ("n2", 3, "Exited with exit code 1")]
+    cfg = SlurmConfig.from_dict({"kind": "slurm", "meshes": {"gen": 3, "train": 1}, "nodes": 2})
+    assert [worker_of_task(cfg, t) for t in range(4)] == [("gen", 0), ("gen", 1), ("gen", 2), ("train", 0)]
+    with pytest.raises(ValueError, match="beyond"):
+        worker_of_task(cfg, 4)
 
 
 def test_batch_script_carries_every_setting():
@@ -174,12 +193,12 @@ def test_sbatch_runs_on_the_test_cluster(cluster, tmp_path):
 
 
 @integration
-def test_killing_the_controller_cancels_the_job(cluster, tmp_path):
+def test_a_lost_worker_is_named_and_killing_the_controller_cancels_the_job(cluster, tmp_path):
     job = {"kind": "slurm", "meshes": {"gen": 1, "train": 1}, "nodes": 1, "cpus_per_task": 1,
            "python_exe": sys.executable, "monarch_port": _free_ports(2), "log_dir": str(tmp_path / "logs")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     proc = subprocess.Popen([sys.executable, str(MAIN), "hold", str(tmp_path / "job.json")], env=_env(cluster),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line, f"the controller exited ({proc.wait()}): {proc.stderr.read()[-4000:]}"
@@ -191,6 +210,18 @@ def test_killing_the_controller_cancels_the_job(cluster, tmp_path):
         for pid in [*res["workers"], *res["actors"].values()]:
             chain = [{"name": p.name(), "cmdline": " ".join(p.cmdline())} for p in psutil.Process(pid).parents()]
             assert _under_step(chain, res["job_id"]), (pid, chain)
+        # a worker lost mid-run: the generator's (its actor's parent) is killed; the job names host, mesh, reason
+        gen_worker = psutil.Process(res["actors"]["gen"]).ppid()
+        assert gen_worker in res["workers"]
+        os.kill(gen_worker, signal.SIGKILL)
+        proc.stdin.write("lost\n")
+        proc.stdin.flush()
+        lost = json.loads(proc.stdout.readline())
+        assert [(w["mesh"], w["index"], w["host"], w["reason"]) for w in lost["lost"]] == [
+            ("gen", 0, cluster.node, "Killed")], lost
+        assert f"mesh 'gen' on host {cluster.node}" in lost["text"][0]
+        assert _job_listed(cluster, res["job_id"]) and psutil.pid_exists(res["actors"]["train"])  # the rest runs on
+
         os.kill(proc.pid, signal.SIGKILL)  # a killed notebook kernel: no cleanup code of the controller runs
         proc.wait(timeout=30)
         listed, alive = _wait_gone(cluster, res["job_id"], [*res["workers"], *res["actors"].values(), res["watcher"]])

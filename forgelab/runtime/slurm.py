@@ -211,11 +211,56 @@ def worker_addresses(cfg: SlurmConfig, hosts: Sequence[str]) -> dict[str, list[s
     return out
 
 
+@dataclass(frozen=True)
+class LostWorker:
+    """A worker (Slurm task) that ended while its job ran, as srun reported it."""
+
+    mesh: str
+    index: int
+    """The worker's index within its mesh."""
+    host: str
+    task: int
+    """Its Slurm task id (`SLURM_PROCID`) in the job's step."""
+    reason: str
+    """srun's words: "Killed", "Exited with exit code 1", ..."""
+    job_id: str
+
+    def __str__(self) -> str:
+        return (f"Slurm worker {self.index} of mesh {self.mesh!r} on host {self.host} (job {self.job_id}, task "
+                f"{self.task}) ended: {self.reason}")
+
+
+_SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$", re.M)
+
+
+def parse_srun_errors(text: str) -> list[tuple[str, int, str]]:
+    """(host, task, reason) of each task srun reported ended, from a step's stderr.
+
+    >>> parse_srun_errors("srun: error: vm: task 0: Killed\\nsrun: error: n2: tasks 2-3,5: Exited with exit code 1")
+    [('vm', 0, 'Killed'), ('n2', 2, 'Exited with exit code 1'), ('n2', 3, 'Exited with exit code 1'), ('n2', 5, 'Exited with exit code 1')]
+    """
+    out: list[tuple[str, int, str]] = []
+    for host, tasks, reason in _SRUN_ERROR.findall(text):
+        for part in tasks.split(","):
+            lo, _, hi = part.partition("-")
+            out += [(host, t, reason.strip()) for t in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def worker_of_task(cfg: SlurmConfig, task: int) -> tuple[str, int]:
+    """(mesh, index in it) of Slurm task `task`: tasks fill nodes in order (block distribution), as the meshes."""
+    for name, n in cfg.meshes.items():
+        if task < n:
+            return name, task
+        task -= n
+    raise ValueError(f"task {task} is beyond the job's {cfg.workers} workers")
+
+
 def _worker_command(cfg: SlurmConfig) -> str:
     code = ("import os; from monarch.actor import run_worker_loop_forever; "
             "run_worker_loop_forever(address='tcp://%s:%d' % (os.environ['SLURMD_NODENAME'], "
             f"{cfg.monarch_port} + int(os.environ['SLURM_LOCALID'])), ca='trust_all_connections')")
-    return f"srun --kill-on-bad-exit=1 {shlex.quote(cfg.python_exe)} -c {shlex.quote(code)}"
+    return f"srun --kill-on-bad-exit=0 {shlex.quote(cfg.python_exe)} -c {shlex.quote(code)}"
 
 
 def batch_script(cfg: SlurmConfig, log_dir: str, job_name: str) -> str:
@@ -266,6 +311,10 @@ class ForgelabSlurmJob(SlurmJob):
                          job_start_timeout=config.job_start_timeout)
         self.config = config
         self.watcher_pid: int | None = None
+        self.err_path: str | None = None
+        """The job's stderr file (srun reports lost tasks there)."""
+        self.lost: list[LostWorker] = []
+        """Workers srun reported ended so far (a thread reads its reports every 2 s while the job runs)."""
 
     @property
     def job_id(self) -> str | None:
@@ -289,10 +338,41 @@ class ForgelabSlurmJob(SlurmJob):
         job_id = out.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise RuntimeError(f"sbatch --parsable gave {out.stdout!r}, not a job id")
+        self.err_path = os.path.join(log_dir, f"slurm_{job_id}_{name}.err")
         log.info("forgelab: Slurm job %s submitted (%d workers); logs in %s", job_id, self.config.workers, log_dir)
         if self.config.watch_controller:
             self.watcher_pid = start_watcher(job_id)
         return job_id
+
+    def lost_workers(self) -> list[LostWorker]:
+        """Workers srun reported ended so far (host, mesh, reason), read from the job's stderr file."""
+        job_id = self._slurm_job_id
+        if job_id is None or self.err_path is None:
+            return list(self.lost)
+        try:
+            with open(self.err_path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return list(self.lost)
+        for host, task, reason in parse_srun_errors(text):
+            mesh, index = worker_of_task(self.config, task)
+            worker = LostWorker(mesh, index, host, task, reason, job_id)
+            if worker not in self.lost:
+                self.lost.append(worker)
+                log.warning("forgelab: %s", worker)
+        return list(self.lost)
+
+    def _watch_lost(self, job_id: str, every: float = 2.0) -> None:
+        """While job `job_id` is this object's, read srun's reports every `every` s (a daemon thread's loop).
+
+        Slurm's report, not Monarch's: a host worker that dies while no call is in flight raises no fault on the
+        controller, and srun names the host and task either way."""
+        while self._slurm_job_id == job_id:
+            try:
+                self.lost_workers()
+            except Exception as err:  # noqa: BLE001 -- a bad line must not end the watch
+                log.warning("forgelab: reading Slurm job %s's lost workers failed: %s", job_id, err)
+            time.sleep(every)  # srun appends to a file; polling it is the portable way
 
     def _get_job_info_json(self, job_id: str) -> dict[str, object] | None:
         info = self.query(job_id)
@@ -339,6 +419,13 @@ class ForgelabSlurmJob(SlurmJob):
         if not self._all_hostnames:
             self._all_hostnames = self._wait_for_job_start(job_id, self.config.nodes or self.config.workers,
                                                            timeout=self.config.job_start_timeout)
+        key = (id(self), job_id)
+        if key not in _LOST_WATCHED:  # state() runs more than once: one watch per job
+            import threading
+
+            _LOST_WATCHED.add(key)
+            threading.Thread(target=self._watch_lost, args=(job_id,), name=f"forgelab-slurm-{job_id}",
+                             daemon=True).start()
         addresses = worker_addresses(self.config, self._all_hostnames)
         return JobState({name: attach_to_workers(name=name, ca="trust_all_connections", workers=list(workers))
                          for name, workers in addresses.items()})
@@ -364,6 +451,7 @@ def slurm_job_from_config(config: Mapping[str, object]) -> ForgelabSlurmJob:
 # -- the controller watcher ---------------------------------------------------
 
 
+_LOST_WATCHED: set[tuple[int, str]] = set()  # (job object, job id) whose srun reports a thread reads
 _WATCHERS: dict[int, subprocess.Popen[bytes]] = {}  # pid -> the watcher this process started (reaped on stop)
 
 
