@@ -233,10 +233,8 @@ def test_a_lost_worker_is_named_and_killing_the_controller_cancels_the_job(clust
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def slurm_run(cluster, tmp_path_factory):
-    """A Run whose generator and trainer run on the Slurm job's workers (tests/slurm_job_main.py run)."""
-    tmp = tmp_path_factory.mktemp("slurmrun")
+def _run_config(tmp: Path) -> Path:
+    """configs/two_hosts.yaml, 3 small steps, its two hosts the two workers of a one-node Slurm job."""
     data = yaml.safe_load((ROOT / "configs" / "two_hosts.yaml").read_text())
     data["hosts"]["job"] = {"kind": "slurm", "meshes": {"gen": 1, "train": 1}, "nodes": 1, "cpus_per_task": 1,
                             "time_limit": "00:15:00", "python_exe": sys.executable, "monarch_port": _free_ports(2),
@@ -247,6 +245,13 @@ def slurm_run(cluster, tmp_path_factory):
                  "eval": {"every": 0, "n": 8}, "tracking": {"wandb": False, "out_dir": str(tmp / "runs")}})
     path = tmp / "slurm.yaml"
     path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def slurm_run(cluster, tmp_path_factory):
+    """A Run whose generator and trainer run on the Slurm job's workers (tests/slurm_job_main.py run)."""
+    path = _run_config(tmp_path_factory.mktemp("slurmrun"))
     out = subprocess.run([sys.executable, str(MAIN), "run", str(path)], env=_env(cluster), capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -281,3 +286,25 @@ def test_stopping_the_run_cancels_the_job(slurm_run, cluster):
     listed, alive = _wait_gone(cluster, res["job_id"], [*res["workers"], res["watcher"]])
     assert not listed, "the Slurm job outlived the run"
     assert res["alive_after_shutdown"] == [] and alive == [], res
+
+
+@integration
+def test_batch_mode_runs_the_whole_run_in_one_allocation(cluster, tmp_path):
+    path = _run_config(tmp_path)
+    before = {j["job_id"] for j in json.loads(cluster.run("squeue", "--json").stdout)["jobs"]}
+    job_id = subprocess.run([sys.executable, "-m", "forgelab.runtime.slurm", "submit", str(path)], env=_env(cluster),
+                            capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    listed, _ = _wait_gone(cluster, job_id, [], timeout=600)
+    assert not listed
+    info = parse_squeue(json.loads(cluster.run("squeue", "--json").stdout), job_id)
+    logs = tmp_path / "logs"
+    err = "\n".join(p.read_text()[-3000:] for p in logs.glob(f"slurm_{job_id}_*.err"))
+    assert info is not None and info.states == ("COMPLETED",), (info, err)  # the controller's exit status: 0
+    # the controller adopted its own allocation: no second job was submitted from inside it
+    after = {j["job_id"] for j in json.loads(cluster.run("squeue", "--json").stdout)["jobs"]}
+    assert after - before == {int(job_id)}, (before, after)
+    out = next(logs.glob(f"slurm_{job_id}_*.out")).read_text().strip().splitlines()
+    summary = json.loads(out[-1])
+    assert summary["steps"] == 3, out[-8:]
+    e = summary["episodes"]  # every generated episode is accounted for
+    assert e["generated"] == e["trained"] + e["evicted"] + e["dropped"] + e["buffered"] + e["in_flight"], e

@@ -263,8 +263,7 @@ def _worker_command(cfg: SlurmConfig) -> str:
     return f"srun --kill-on-bad-exit=0 {shlex.quote(cfg.python_exe)} -c {shlex.quote(code)}"
 
 
-def batch_script(cfg: SlurmConfig, log_dir: str, job_name: str) -> str:
-    """The `sbatch` script that starts every worker of `cfg` (one `srun` step, one task per worker)."""
+def _directives(cfg: SlurmConfig, log_dir: str, job_name: str) -> list[str]:
     nodes = cfg.nodes or cfg.workers
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={cfg.workers_per_node}",
@@ -277,8 +276,75 @@ def batch_script(cfg: SlurmConfig, log_dir: str, job_name: str) -> str:
             lines.append(f"#SBATCH {flag}={value}")
     if cfg.exclusive:
         lines.append("#SBATCH --exclusive")
-    lines += [f"#SBATCH {a}" for a in cfg.sbatch_args]
-    return "\n".join([*lines, _worker_command(cfg), ""])
+    return lines + [f"#SBATCH {a}" for a in cfg.sbatch_args]
+
+
+def batch_script(cfg: SlurmConfig, log_dir: str, job_name: str) -> str:
+    """The `sbatch` script that starts every worker of `cfg` (one `srun` step, one task per worker)."""
+    return "\n".join([*_directives(cfg, log_dir, job_name), _worker_command(cfg), ""])
+
+
+BATCH_ENV = "FORGELAB_SLURM_BATCH"
+"""Set (to the job's stderr path) in a batch job's controller: its Slurm job adopts $SLURM_JOB_ID, submits nothing."""
+
+
+def batch_run_script(cfg: SlurmConfig, log_dir: str, job_name: str, config_path: str,
+                     overrides: Sequence[str] = ()) -> str:
+    """The `sbatch` script of batch mode: the workers (one `srun` step, in the background) and the controller
+    (`forgelab run CONFIG` in the batch step, on the first node) in one allocation; the workers stop when the
+    controller exits, and the job's exit status is the controller's."""
+    err = os.path.join(log_dir, f"slurm_${{SLURM_JOB_ID}}_{job_name}.err")
+    run = [cfg.python_exe, "-m", "forgelab.cli", "run", os.path.abspath(config_path)]
+    for o in overrides:
+        run += ["--set", o]
+    return "\n".join([
+        *_directives(cfg, log_dir, job_name),
+        f'export {BATCH_ENV}="{err}"',
+        _worker_command(cfg) + " &",
+        "workers=$!",
+        " ".join(shlex.quote(a) for a in run),
+        "rc=$?",
+        "kill $workers 2>/dev/null; wait $workers 2>/dev/null",
+        "exit $rc",
+        "",
+    ])
+
+
+def submit_batch(config_path: str, overrides: Sequence[str] = ()) -> str:
+    """Submit a whole run (`forgelab run CONFIG`) as one Slurm batch job; its `hosts.job` (kind slurm) sizes the
+    allocation and places the parts. Returns the job id; the run's summary line ends the job's stdout file."""
+    import yaml
+
+    try:
+        with open(config_path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise SlurmConfigError(f"config file {config_path!r} cannot be read: {err}") from err
+    job = (data.get("hosts") or {}).get("job") if isinstance(data, dict) else None
+    if not isinstance(job, dict) or job.get("kind") != "slurm":
+        raise SlurmConfigError(f"{config_path}: batch mode needs hosts.job with kind: slurm, got {job!r}")
+    if any(o.startswith("hosts.job") for o in overrides):
+        raise SlurmConfigError("batch mode sizes the allocation from the file's hosts.job: edit it there, not with "
+                               "--set hosts.job...")
+    cfg = SlurmConfig.from_dict(job)
+    log_dir = os.path.abspath(cfg.log_dir or os.getcwd())
+    os.makedirs(log_dir, exist_ok=True)
+    script = batch_run_script(cfg, log_dir, f"{cfg.job_name}_batch", config_path, overrides)
+    return _sbatch(script)
+
+
+def _sbatch(script: str) -> str:
+    try:
+        out = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=True,
+                             timeout=120)
+    except FileNotFoundError as err:
+        raise RuntimeError("sbatch not found: run on a Slurm login node (or install slurm-client)") from err
+    except subprocess.CalledProcessError as err:
+        raise RuntimeError(f"sbatch refused the forgelab job: {err.stderr.strip()}") from err
+    job_id = out.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch --parsable gave {out.stdout!r}, not a job id")
+    return job_id
 
 
 def squeue_json() -> Mapping[str, object]:
@@ -321,23 +387,22 @@ class ForgelabSlurmJob(SlurmJob):
         """The Slurm job id once `apply()` submitted it."""
         return self._slurm_job_id
 
+    @property
+    def in_batch(self) -> bool:
+        """Whether this controller runs inside its own batch job (`submit_batch`)."""
+        return bool(os.environ.get(BATCH_ENV)) and "SLURM_JOB_ID" in os.environ
+
     def _submit_slurm_job(self, num_nodes: int, client_script: str | None = None) -> str:
         if client_script is not None:
-            raise NotImplementedError("forgelab's Slurm job runs the controller outside the allocation (interactive "
-                                      "mode); batch mode is not built yet")
+            raise NotImplementedError("forgelab's batch mode is forgelab.runtime.slurm.submit_batch(CONFIG) "
+                                      "(python -m forgelab.runtime.slurm submit CONFIG), not apply(client_script=)")
+        if self.in_batch:  # the allocation exists: its batch script started the workers
+            self.err_path = os.environ[BATCH_ENV]
+            return os.environ["SLURM_JOB_ID"]
         log_dir = self.config.log_dir or os.getcwd()
         os.makedirs(log_dir, exist_ok=True)
         name = f"{self.config.job_name}_{os.getpid()}"
-        try:
-            out = subprocess.run(["sbatch", "--parsable"], input=batch_script(self.config, log_dir, name),
-                                 capture_output=True, text=True, check=True, timeout=120)
-        except FileNotFoundError as err:
-            raise RuntimeError("sbatch not found: run on a Slurm login node (or install slurm-client)") from err
-        except subprocess.CalledProcessError as err:
-            raise RuntimeError(f"sbatch refused the forgelab job: {err.stderr.strip()}") from err
-        job_id = out.stdout.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise RuntimeError(f"sbatch --parsable gave {out.stdout!r}, not a job id")
+        job_id = _sbatch(batch_script(self.config, log_dir, name))
         self.err_path = os.path.join(log_dir, f"slurm_{job_id}_{name}.err")
         log.info("forgelab: Slurm job %s submitted (%d workers); logs in %s", job_id, self.config.workers, log_dir)
         if self.config.watch_controller:
@@ -432,7 +497,7 @@ class ForgelabSlurmJob(SlurmJob):
 
     def _kill(self) -> None:
         job_id = self._slurm_job_id
-        if job_id is not None:
+        if job_id is not None and not self.in_batch:  # in batch mode the allocation ends with the controller
             out = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)
             if out.returncode != 0:
                 log.warning("forgelab: scancel %s failed: %s", job_id, out.stderr.strip())
@@ -456,10 +521,10 @@ _WATCHERS: dict[int, subprocess.Popen[bytes]] = {}  # pid -> the watcher this pr
 
 
 def start_watcher(job_id: str, pid: int | None = None) -> int:
-    """Start `python -m forgelab.runtime.slurm --job JOB --pid PID` in a session of its own (a signal to the
+    """Start `python -m forgelab.runtime.slurm watch --job JOB --pid PID` in a session of its own (a signal to the
     controller's process group does not reach it); returns its pid."""
     pid = os.getpid() if pid is None else pid
-    proc = subprocess.Popen([sys.executable, "-m", "forgelab.runtime.slurm", "--job", job_id, "--pid", str(pid)],
+    proc = subprocess.Popen([sys.executable, "-m", "forgelab.runtime.slurm", "watch", "--job", job_id, "--pid", str(pid)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _WATCHERS[proc.pid] = proc
@@ -510,12 +575,19 @@ def watch(job_id: str, pid: int, poll: float = 0.5, check_job_every: float = 10.
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m forgelab.runtime.slurm",
-                                     description="Cancel a Slurm job when the controller process dies.")
-    parser.add_argument("--job", required=True)
-    parser.add_argument("--pid", type=int, required=True)
+    parser = argparse.ArgumentParser(prog="python -m forgelab.runtime.slurm", description="forgelab on Slurm.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_watch = sub.add_parser("watch", help="cancel a Slurm job when the controller process dies")
+    p_watch.add_argument("--job", required=True)
+    p_watch.add_argument("--pid", type=int, required=True)
+    p_sub = sub.add_parser("submit", help="batch mode: submit a whole run (hosts.job kind slurm) as one sbatch job")
+    p_sub.add_argument("config")
+    p_sub.add_argument("--set", action="append", default=[], help="override a field: train.steps=20")
     args = parser.parse_args(argv)
-    print(watch(args.job, args.pid), flush=True)
+    if args.cmd == "watch":
+        print(watch(args.job, args.pid), flush=True)
+    else:
+        print(submit_batch(args.config, args.set), flush=True)
 
 
 if __name__ == "__main__":
