@@ -94,6 +94,11 @@ def test_srun_reports_name_the_mesh_and_host():
         worker_of_task(cfg, 4)
 
 
+def test_monarchs_slurm_args_are_accepted():
+    cfg = SlurmConfig.from_dict({"kind": "slurm", "meshes": {"gen": 1}, "slurm_args": ["--account=rl"]})
+    assert cfg.sbatch_args == ("--account=rl",) and "#SBATCH --account=rl" in batch_script(cfg, "/l", "j")
+
+
 def test_batch_script_carries_every_setting():
     cfg = SlurmConfig.from_dict({"kind": "slurm", "meshes": {"gen": 1, "train": 1}, "partition": "gpu",
                                  "cpus_per_task": 8, "time_limit": "1-02:00:00", "account": "rl",
@@ -117,6 +122,8 @@ def test_batch_script_carries_every_setting():
     ({"meshes": {"gen": 1}, "sbatch_args": "--qos=high"}, "sbatch_args"),
     ({"meshes": {"gen": 1}, "sbatch_args": ["qos=high"]}, "not a flag"),
     ({"meshes": {"gen": 1}, "sbatch_args": ["--nodes=4"]}, "--nodes is set by forgelab"),
+    ({"meshes": {"gen": 1}, "account": "rl", "slurm_args": ["--account=ml"]}, "repeats hosts.job.account"),
+    ({"meshes": {"gen": 1}, "sbatch_args": [], "slurm_args": []}, "not both"),
     ({"meshes": {"gen": 1}, "partiton": "gpu"}, "partiton"),
 ])
 def test_bad_config_is_named(bad, names):
