@@ -200,6 +200,32 @@ def test_sbatch_runs_on_the_test_cluster(cluster, tmp_path):
 
 
 @integration
+def test_the_watcher_cancels_when_its_process_dies_and_leaves_when_the_job_ends(cluster, tmp_path, monkeypatch):
+    import threading
+
+    from forgelab.runtime.slurm_watch import watch
+
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    owner = subprocess.Popen(["sleep", "600"])
+    try:
+        long_job = cluster.run("sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 600").stdout.strip()
+        result: list[str] = []
+        t = threading.Thread(target=lambda: result.append(watch(long_job, owner.pid, poll=0.1)))
+        t.start()
+        assert _job_listed(cluster, long_job)
+        owner.kill()
+        owner.wait()
+        t.join(timeout=30)
+        assert result == ["cancelled"]
+        assert _wait_gone(cluster, long_job, [])[0] is False
+    finally:
+        owner.kill()
+        owner.wait()
+    short_job = cluster.run("sbatch", "--parsable", "-o", "/dev/null", "--wrap", "true").stdout.strip()
+    assert watch(short_job, os.getpid(), poll=0.1, check_job_every=0.2) == "ended"  # this process lives on
+
+
+@integration
 def test_a_lost_worker_is_named_and_killing_the_controller_cancels_the_job(cluster, tmp_path):
     job = {"kind": "slurm", "meshes": {"gen": 1, "train": 1}, "nodes": 1, "cpus_per_task": 1,
            "python_exe": sys.executable, "monarch_port": _free_ports(2), "log_dir": str(tmp_path / "logs")}

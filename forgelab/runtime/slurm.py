@@ -16,8 +16,9 @@ What differs from Monarch 0.6.0's `SlurmJob` (its issue #2330: it fails on Slurm
   object submitted (22.05 ignores `--job` with `--json` and lists every job). A hostlist string with no list
   beside it is expanded by `scontrol show hostnames`.
 - The controller's death cancels the job: `apply()` starts a watcher process in its own session
-  (`python -m forgelab.runtime.slurm watch`) that runs `scancel` when the controller process is gone (a killed
-  notebook kernel included), and exits when the job ends. `kill()` (a run's shutdown) cancels it at once.
+  (forgelab/runtime/slurm_watch.py, run by path: the standard library only) that runs `scancel` when the
+  controller process is gone (a killed notebook kernel included), and exits when the job ends. `kill()` (a
+  run's shutdown) cancels the job at once.
 - A worker that ends while the job runs is named (mesh, host, task, reason) from srun's own report in the job's
   stderr file (`job.lost`, and a warning in the log); the other workers run on (`--kill-on-bad-exit=0`).
 - Config is validated up front (`SlurmConfig`), with errors that name the key; Monarch's `slurm_args` is
@@ -57,7 +58,7 @@ from forgelab.runtime.slurm_spec import (
 
 __all__ = ["BATCH_ENV", "ForgelabSlurmJob", "LostWorker", "SlurmConfig", "SlurmConfigError", "SqueueJob",
            "batch_run_script", "batch_script", "expand_hostlist", "parse_squeue", "parse_srun_errors",
-           "slurm_job_from_config", "submit_batch", "watch", "worker_addresses", "worker_of_task"]
+           "slurm_job_from_config", "start_watcher", "submit_batch", "worker_addresses", "worker_of_task"]
 
 log = logging.getLogger(__name__)
 
@@ -272,10 +273,12 @@ _WATCHERS: dict[int, subprocess.Popen[bytes]] = {}  # pid -> the watcher this pr
 
 
 def start_watcher(job_id: str, pid: int | None = None) -> int:
-    """Start `python -m forgelab.runtime.slurm watch --job JOB --pid PID` in a session of its own (a signal to the
-    controller's process group does not reach it); returns its pid."""
+    """Start forgelab/runtime/slurm_watch.py (by path: a bare interpreter) for `job_id` and the controller `pid`
+    (default: this process), in a session of its own; returns its pid."""
+    from forgelab.runtime import slurm_watch
+
     pid = os.getpid() if pid is None else pid
-    proc = subprocess.Popen([sys.executable, "-m", "forgelab.runtime.slurm", "watch", "--job", job_id, "--pid", str(pid)],
+    proc = subprocess.Popen([sys.executable, "-I", slurm_watch.__file__, "--job", job_id, "--pid", str(pid)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _WATCHERS[proc.pid] = proc
@@ -294,51 +297,16 @@ def _stop(pid: int) -> None:
         proc.wait(timeout=10)
 
 
-def _start_time(pid: int) -> str | None:
-    """Process `pid`'s start time in clock ticks (/proc/PID/stat field 22): tells a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def watch(job_id: str, pid: int, poll: float = 0.5, check_job_every: float = 10.0) -> str:
-    """Wait until process `pid` ends (then `scancel job_id`: "cancelled") or the job leaves the queue ("ended")."""
-    from forgelab.runtime.supervision import pid_alive
-
-    born = _start_time(pid)
-    last_check = time.monotonic()
-    while born is not None and pid_alive(pid) and _start_time(pid) == born:
-        if time.monotonic() - last_check > check_job_every:
-            last_check = time.monotonic()
-            try:
-                info = parse_squeue(squeue_json(), job_id)
-            except Exception:  # noqa: BLE001 -- a slurmctld hiccup: ask again later
-                info = SqueueJob(job_id, ("UNKNOWN",), None, "")
-            if info is None or info.ended:
-                return "ended"
-        time.sleep(poll)  # waiting on another process's death: Linux gives no wait on a non-child but pidfd
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
-    return "cancelled"
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m forgelab.runtime.slurm", description="forgelab on Slurm.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_watch = sub.add_parser("watch", help="cancel a Slurm job when the controller process dies")
-    p_watch.add_argument("--job", required=True)
-    p_watch.add_argument("--pid", type=int, required=True)
     p_sub = sub.add_parser("submit", help="batch mode: submit a whole run (hosts.job kind slurm) as one sbatch job")
     p_sub.add_argument("config")
     p_sub.add_argument("--set", action="append", default=[], help="override a field: train.steps=20")
     args = parser.parse_args(argv)
-    if args.cmd == "watch":
-        print(watch(args.job, args.pid), flush=True)
-    else:
-        print(submit_batch(args.config, args.set), flush=True)
+    print(submit_batch(args.config, args.set), flush=True)
 
 
 if __name__ == "__main__":
