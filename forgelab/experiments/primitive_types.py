@@ -153,6 +153,9 @@ class SampledSequence:
 
 @dataclass
 class SampleResponse:
+    """What ``sample`` returns: ``num_samples`` sequences (tokens, each token's logprob, why it stopped), and the
+    prompt's logprobs when ``include_prompt_logprobs`` asked for them."""
+
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     """Each prompt token's logprob given the ones before it (None for the first); None unless asked for."""
