@@ -334,3 +334,28 @@ def test_two_trackers_alive_in_one_process_each_keep_a_complete_wandb_history(tm
         wandb.teardown()
     assert sorted(p) == [1, 2, 3, 4, 5] and all(p[s]["loss"] == 1.0 / s for s in p)
     assert sorted(c) == [3, 4, 5] and all(c[s]["loss"] == 2.0 / s for s in c)
+
+
+def test_restored_function_keeps_its_recorded_source_when_its_file_is_gone(tmp_path):
+    """A function restored from a record reports the record's source (what `fn_record` writes again in a replay),
+    even when the file it was defined in no longer exists (a run directory made on another machine)."""
+    import importlib.util
+
+    from forgelab.controller.function_code import fn_record, restore_fn, source_of
+
+    path = tmp_path / "gone_module.py"
+    path.write_text("def gone_reward(prompt, completion, target, **info):\n    return 0.25\n")
+    spec = importlib.util.spec_from_file_location("gone_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rec = fn_record(module.gone_reward)
+    rec["pickle"] = base64.b64encode(cloudpickle.dumps(module.gone_reward, protocol=5)).decode()  # by value
+    rec["pickle_sha256"] = hashlib.sha256(base64.b64decode(rec["pickle"])).hexdigest()
+    assert "return 0.25" in rec["source"]
+    path.unlink()
+    import linecache
+
+    linecache.clearcache()
+    back = restore_fn(rec, trusted=True)
+    assert back("", "", "") == 0.25
+    assert source_of(back) == rec["source"] and fn_record(back)["source"] == rec["source"]

@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import textwrap
 import types
+import weakref
 from typing import Mapping, TypeVar, cast
 
 F = TypeVar("F")
@@ -43,11 +44,23 @@ class TamperedCodeError(FunctionRestoreError):
     """A recorded function's pickle does not hash to the SHA-256 recorded when it was written."""
 
 
+_RESTORED_SOURCE: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
+"""The recorded source of each function `restore_fn` unpickled: its code is the recorded code, and the file it
+was defined in may be on another machine, gone, or edited since (the record's text is the truth)."""
+
+
 def source_of(fn: object) -> str:
     """The function's source text ('' when Python cannot find it, e.g. defined in a bare REPL); an adapter
-    (a TRL-style reward's `TRLReward`) shows the function it wraps (``__wrapped__``)."""
+    (a TRL-style reward's `TRLReward`) shows the function it wraps (``__wrapped__``). A function restored from a
+    record (`restore_fn`) has the record's source."""
     if callable(fn):
         fn = inspect.unwrap(fn)
+    try:
+        recorded = _RESTORED_SOURCE.get(fn)
+    except TypeError:  # not weak-referenceable: never restored
+        recorded = None
+    if recorded:
+        return recorded
     try:
         return textwrap.dedent(inspect.getsource(fn))  # type: ignore[arg-type]  # getsource raises TypeError on what it cannot read
     except (OSError, TypeError):
@@ -168,12 +181,19 @@ def restore_fn(rec: Mapping[str, object], registry: Mapping[str, F] | None = Non
             "hash); refusing to unpickle it, even though the caller trusts the directory")
     try:
         # the record was written by `fn_record` for this registry's kind of function (a loss, a reward)
-        return cast(F, cloudpickle.loads(payload))
+        fn = cast(F, cloudpickle.loads(payload))
     except Exception as e:
         raise FunctionRestoreError(
             f"{what} ({rec.get('qualname') or rec.get('name')}, sha256 {str(rec.get('sha256'))[:12]}) cannot be "
             f"unpickled here: {type(e).__name__}: {e}. Its source was:\n{rec.get('source') or '(unknown)'}"
         ) from e
+    source = rec.get("source")
+    if isinstance(source, str) and source:
+        try:
+            _RESTORED_SOURCE[inspect.unwrap(fn) if callable(fn) else fn] = source
+        except TypeError:  # an object that takes no weak reference: its source is looked up as usual
+            pass
+    return fn
 
 
 def loss_record(loss: object) -> dict[str, object]:
