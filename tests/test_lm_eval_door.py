@@ -141,3 +141,36 @@ def test_loglikelihoods_equal_door_and_independent_forward(lm_run, loop):
             assert acc_items[i] == float(margin > 0), (i, lls)
     assert result.scores[f"lm_eval/{MC}/acc"] == sum(acc_items) / N
     assert f"lm_eval/{MC}/acc" in run.metrics.columns
+
+
+def test_echo_gives_prompt_top_logprobs(lm_run, loop):
+    """The door's echo gives each prompt token (after the first) its `logprobs` most likely alternatives, as for
+    sampled tokens (lm-eval's log-likelihood parser reads them to tell a greedy continuation): the top-1 is the
+    float32 transformers forward's argmax wherever the forward's top-2 margin exceeds the float32 bound."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run, _ = lm_run
+    prompt = run.tokenizer.encode("<|bos|><|user|>35+47=<|end|><|assistant|>82", add_special_tokens=False)
+
+    async def call():
+        client = openai.AsyncOpenAI(base_url=run.openai_base_url, api_key=run.door_key, max_retries=0)
+        return await client.completions.create(model=run.door.model_name, prompt=prompt, echo=True, logprobs=2,
+                                               max_tokens=1, temperature=0.0)
+
+    lp = loop.run_until_complete(call()).choices[0].logprobs
+    assert lp.top_logprobs[0] is None and lp.token_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(run.config.model.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_T_V = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1)
+    bound = 12 * 768 * 2.0 ** -24 * 20  # one token's float32 forward bound (test above)
+    for i in range(1, len(prompt)):
+        top = lp.top_logprobs[i]
+        assert lp.tokens[i] in top and top[lp.tokens[i]] == lp.token_logprobs[i]
+        assert 1 <= len(top) <= 3  # the 2 most likely, and the prompt's own token when it is not among them
+        best2 = ref_T_V[i - 1].topk(2)
+        assert abs(max(top.values()) - float(best2.values[0])) <= bound
+        if float(best2.values[0] - best2.values[1]) > 2 * bound:
+            want = run.tokenizer.decode([int(best2.indices[0])])
+            assert max(top, key=top.get) == want, (i, top, want)
