@@ -17,13 +17,49 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.integration
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 N = 24  # held-out problems: 24 generations, 96 log-likelihood requests
 GEN, MC = "forgelab_addition_gen", "forgelab_addition_mc"
+
+
+@pytest.mark.parametrize("completion", ["57", " 57\n", "057", "0057 ", "5 7", "57.", "+57", "-57", "", "57\n58",
+                                        "0", "-0", "-00", " -0 ", "00", "-", "x57", "75"])
+@pytest.mark.parametrize("target", ["57", "0"])
+def test_answer_filter_is_forgelabs_rule(completion, target):
+    """The generate_until task's regex filter + lm-eval's exact_match (lm-eval's own code) give forgelab's
+    addition reward on the same completion (ASCII digits: forgelab also reads other Unicode digits)."""
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    from forgelab.data.tasks import get_task
+    from forgelab.serve.lm_eval_door import ANSWER_REGEX
+
+    (filtered,), = RegexFilter(regex_pattern=ANSWER_REGEX).apply([[completion]], [{}])
+    lm = float(exact_match_hf_evaluate([filtered], [target])["exact_match"])
+    assert lm == get_task("addition").reward("", completion, target), (completion, filtered)
+
+
+def test_tracker_annotate_merges_into_the_steps_row(tmp_path):
+    """Scores at the last row's step join that row; at a later step they are a row of their own; metrics.csv
+    gets the columns."""
+    import pandas as pd
+
+    from forgelab.controller.tracking import Tracker
+    from forgelab.serve.lm_eval_door import scores_of
+
+    t = Tracker(tmp_path, use_wandb=False)
+    t.log({"step": 1, "loss": 0.5})
+    scores = scores_of({"t": {"alias": "t", "exact_match,integer": 0.25, "exact_match_stderr,integer": "N/A",
+                              "acc,none": 0.5, "acc_stderr,none": 0.1, "sample_len": 4}})
+    assert scores == {"lm_eval/t/exact_match": 0.25, "lm_eval/t/acc": 0.5}
+    t.annotate(1, scores)
+    t.annotate(3, {"lm_eval/t/acc": 0.75})
+    df = pd.read_csv(tmp_path / "metrics.csv")
+    assert df["step"].tolist() == [1, 3] and df["loss"].tolist()[0] == 0.5
+    assert df["lm_eval/t/acc"].tolist() == [0.5, 0.75] and df["lm_eval/t/exact_match"].tolist()[0] == 0.25
+    assert t.dataframe()["lm_eval/t/acc"].tolist() == [0.5, 0.75]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +81,7 @@ def lm_run(loop, tmp_path_factory):
     loop.run_until_complete(run.shutdown())
 
 
+@pytest.mark.integration
 def test_exact_match_equals_forgelab_evaluation(lm_run, loop):
     """(f) lm-eval's exact match on the generate_until task is forgelab's held-out accuracy on the same problems
     and policy version, item by item, and it is in the run's metrics and events."""
@@ -79,6 +116,7 @@ def test_exact_match_equals_forgelab_evaluation(lm_run, loop):
     assert len(ev) == 1 and ev[0]["scores"][col] == score and ev[0]["version_start"] == ev[0]["version_end"] == 0
 
 
+@pytest.mark.integration
 def test_loglikelihoods_equal_door_and_independent_forward(lm_run, loop):
     """The multiple_choice task's per-candidate log-likelihoods equal the door's prompt logprobs (the openai SDK,
     echo) and a float32 transformers forward of the checkpoint, within the float32 bound; `acc` follows."""
@@ -143,6 +181,7 @@ def test_loglikelihoods_equal_door_and_independent_forward(lm_run, loop):
     assert f"lm_eval/{MC}/acc" in run.metrics.columns
 
 
+@pytest.mark.integration
 def test_echo_gives_prompt_top_logprobs(lm_run, loop):
     """The door's echo gives each prompt token (after the first) its `logprobs` most likely alternatives, as for
     sampled tokens (lm-eval's log-likelihood parser reads them to tell a greedy continuation): the top-1 is the

@@ -32,10 +32,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from forgelab.data.prompts import format_prompt, problem_chat
 from forgelab.data.tasks import Problem
+
+if TYPE_CHECKING:
+    from forgelab.config.run_config import RunConfig
+    from forgelab.controller.lifecycle import Lifecycle
+    from forgelab.controller.tracking import Tracker
+    from forgelab.serve.door import AgentDoor
 
 __all__ = ["ADDITION_TASKS", "LmEvalResult", "lm_eval_run", "run_lm_eval", "scores_of", "write_addition_tasks"]
 
@@ -149,12 +155,13 @@ class LmEvalResult:
 
 
 def scores_of(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """lm-eval's ``results`` as flat ``lm_eval/<task>/<metric>`` numbers (stderrs and aliases left out)."""
+    """lm-eval's ``results`` as flat ``lm_eval/<task>/<metric>`` numbers: its ``"<metric>,<filter>"`` entries,
+    stderrs left out (``name``, ``alias``, ``sample_len`` are not metrics)."""
     out: dict[str, float] = {}
     for task, metrics in results.items():
         for key, value in metrics.items():
             metric = key.split(",", 1)[0]
-            if metric == "alias" or metric.endswith("_stderr") or isinstance(value, bool) \
+            if "," not in key or metric.endswith("_stderr") or isinstance(value, bool) \
                     or not isinstance(value, (int, float)):
                 continue
             out[f"lm_eval/{task}/{metric}"] = float(value)
@@ -224,7 +231,27 @@ async def run_lm_eval(*, base_url: str, key: str, model_name: str, tokenizer_pat
                         seconds=time.perf_counter() - t0)
 
 
-async def lm_eval_run(run: Any, tasks: Sequence[str] = ADDITION_TASKS, *, n: int | None = None,
+class DoorRun(Protocol):
+    """What `lm_eval_run` reads of a run (a `forgelab.run.Run`)."""
+
+    door: AgentDoor | None
+    out_dir: Path
+    config: RunConfig
+    lifecycle: Lifecycle
+    tracker: Tracker | None
+
+    @property
+    def heldout(self) -> Sequence[Problem]: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    def emit(self, kind: str, **fields: Any) -> None: ...
+
+
+async def lm_eval_run(run: DoorRun, tasks: Sequence[str] = ADDITION_TASKS, *, n: int | None = None,
                       include_path: str | os.PathLike[str] | None = None, limit: int | None = None,
                       batch_size: int = 16, timeout_s: float = 3600.0) -> LmEvalResult:
     """`run_lm_eval` on a `forgelab.run.Run` with its door open (``run.lm_eval`` calls this).
