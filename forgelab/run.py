@@ -74,6 +74,7 @@ from forgelab.runtime.watchdog import StackDump, Watchdog
 
 if TYPE_CHECKING:
     from forgelab.serve.door import AgentDoor
+    from forgelab.serve.lm_eval_door import LmEvalResult
 
 log = logging.getLogger("forgelab.run")
 
@@ -384,6 +385,13 @@ class Run:
         """Held-out greedy accuracy (the task's exact-answer reward) with the generator's current weights,
         each problem played as one episode of the run's environment (single-turn: one completion)."""
         return await self.evaluator.evaluate(self.step, n)
+
+    async def lm_eval(self, tasks: Sequence[str] | None = None, **kw: Any) -> LmEvalResult:
+        """lm-eval through the agent door on local tasks (default: forgelab's addition tasks over the held-out
+        problems); scores recorded as ``lm_eval/<task>/<metric>`` metrics (`forgelab.serve.lm_eval_door.lm_eval_run`)."""
+        from forgelab.serve.lm_eval_door import ADDITION_TASKS, lm_eval_run
+
+        return await lm_eval_run(self, tasks or ADDITION_TASKS, **kw)
 
     # ------------------------------------------------------------------ live controls
     def set_reward_weights(self, weights: dict[str, float]) -> None:

@@ -57,6 +57,9 @@ class Completion:
     """With k > 0 top logprobs asked for (a sampling setting whose ``to_vllm`` sets ``logprobs=k``): for each
     completion token, the k most likely tokens at its position and their logprobs (the agent door's
     ``top_logprobs``); None when not asked for."""
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    """With prompt logprobs and k > 0 top logprobs asked for (the agent door's ``echo`` with ``logprobs=k``): for
+    each prompt token, the k most likely tokens at its position and their logprobs (None for the first)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from forgelab.controller.events import Event, as_int
@@ -68,6 +68,22 @@ class Tracker:
                 self._wandb.log(clean, step=as_int(row.get("step", len(self.rows))))
             except Exception as e:
                 log.warning("forgelab: wandb log failed (%s)", e)
+
+    def annotate(self, step: int, values: Mapping[str, float]) -> None:
+        """Add ``values`` (an evaluation's scores, say) at ``step``: into the last row when it is that step's,
+        else as a new row; mirrored to metrics.csv and wandb like a logged row."""
+        if self.rows and as_int(self.rows[-1].get("step", -1)) == step:
+            row = self.rows[-1]
+            row.update(values)
+            self._columns += [k for k in values if k not in self._columns]
+            self._rewrite_csv()
+            if self._wandb is not None:
+                try:
+                    self._wandb.log({k: v for k, v in values.items() if math.isfinite(v)}, step=step)
+                except Exception as e:
+                    log.warning("forgelab: wandb log failed (%s)", e)
+        else:
+            self.log({"step": step, **values})
 
     def _rewrite_csv(self) -> None:
         with self.csv_path.open("w", newline="") as f:

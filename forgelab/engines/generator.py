@@ -292,6 +292,7 @@ class VLLMEngine:
             num_cached_tokens=int(out.num_cached_tokens or 0),
             token_versions=runs,
             prompt_logprobs=_prompt_logprobs(prompt_ids, out.prompt_logprobs),
+            prompt_top_logprobs=_prompt_top_logprobs(out.prompt_logprobs, top),
             # vLLM's entry holds the sampled token and the top `top` (by rank); keep the top ones
             top_logprobs=[{int(t): float(lp.logprob) for t, lp in d.items() if lp.rank is not None and lp.rank <= top}
                           for d in c.logprobs] if top > 0 and c.logprobs is not None else None,
@@ -435,6 +436,16 @@ def _prompt_logprobs(prompt_ids: Sequence[int],
     if given is None:
         return None
     return [None if d is None else float(d[t].logprob) for t, d in zip(prompt_ids, given)]
+
+
+def _prompt_top_logprobs(given: "FlatLogprobs | list[dict[int, Logprob] | None] | None",
+                         top: int) -> list[dict[int, float] | None] | None:
+    """With prompt logprobs and k > 0 top logprobs asked for: each prompt token's k most likely tokens and their
+    logprobs (None for the first); None otherwise."""
+    if given is None or top <= 0:
+        return None
+    return [None if d is None else {int(t): float(lp.logprob) for t, lp in d.items() if lp.rank is not None and lp.rank <= top}
+            for d in given]
 
 
 def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from forgelab.controller.facade import RunFacade
 #: (title, metric columns) per subplot; "reward/*" expands to every reward function's column.
 DEFAULT_PLOTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward_mean", "reward/*")),
-    ("held-out accuracy", ("heldout_accuracy",)),
+    ("held-out accuracy", ("heldout_accuracy", "lm_eval/*")),  # lm-eval's scores through the agent door too
     ("loss", ("loss",)),
     ("KL to reference (k3)", ("kl_ref",)),
     ("entropy", ("entropy",)),

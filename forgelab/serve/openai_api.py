@@ -414,10 +414,15 @@ class OpenAIDoor:
 
     def _legacy_logprobs(self, prompt: list[int], c: Completion, echo: bool, top: int | None) -> dict[str, Any]:
         """The completions API's ``logprobs`` object; with ``echo`` the prompt's tokens come first (the first has
-        logprob null, the others their logprob under the policy; their ``top_logprobs`` are null)."""
+        logprob null, the others their logprob under the policy and, as for sampled tokens, the ``logprobs`` most
+        likely tokens at their position: lm-eval's log-likelihood requests read them to tell a greedy continuation)."""
         ids = (prompt if echo else []) + c.completion_ids
         lps: list[float | None] = (list(c.prompt_logprobs or [None] * len(prompt)) if echo else []) + list(c.logprobs)
-        tops: list[dict[str, float] | None] = [None] * (len(prompt) if echo else 0)
+        tops: list[dict[str, float] | None] = []
+        if echo:
+            given = c.prompt_top_logprobs or [None] * len(prompt)
+            for t, alts, lp in zip(prompt, given, lps):
+                tops.append(None if lp is None else {self._token(a): v for a, v in {**(alts or {}), t: lp}.items()})
         for i, t in enumerate(c.completion_ids):
             alts = (c.top_logprobs[i] if c.top_logprobs else None) or {t: c.logprobs[i]}
             tops.append({self._token(a): lp for a, lp in alts.items()})

@@ -23,7 +23,8 @@ class DoorSampling(SamplingConfig):
     top_logprobs: int = 0
     """Alternatives per completion token returned (`Completion.top_logprobs`); 0: the sampled token's only."""
     prompt_logprobs: bool = False
-    """Return each prompt token's logprob (`Completion.prompt_logprobs`): ``echo`` of /v1/completions."""
+    """Return each prompt token's logprob (`Completion.prompt_logprobs`), and its `top_logprobs` alternatives
+    (`Completion.prompt_top_logprobs`): ``echo`` of /v1/completions."""
 
     def validate(self, where: str = "DoorSampling") -> None:
         super().validate(where)
@@ -40,4 +41,4 @@ class DoorSampling(SamplingConfig):
             n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
             stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []), min_tokens=self.min_tokens,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None, logprobs=self.top_logprobs,
-            prompt_logprobs=0 if self.prompt_logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY, seed=seed)
+            prompt_logprobs=self.top_logprobs if self.prompt_logprobs else None, output_kind=RequestOutputKind.FINAL_ONLY, seed=seed)
