@@ -74,7 +74,8 @@ class RolloutConfig:
     prompts_per_rollout: int = 8
     """P: prompts one rollout task generates at a time (P*G episodes)."""
     concurrency: int = 2
-    """N: rollout tasks running at once in the controller."""
+    """N: rollout tasks running at once in the controller. 0 (only with ``door.enabled``): no native rollouts, the
+    agent door's sessions (`Run.play_agents`) are the only episodes trained on."""
     max_tokens: int = 16
     """Longest completion, in tokens."""
     temperature: float = 1.0
@@ -243,6 +244,10 @@ class DoorConfig:
     ``rollout.group_size``."""
     retry_after_s: float = 1.0
     """The Retry-After (seconds) of a 429."""
+    tool_dialect: str = "auto"
+    """How the model writes tool calls (`forgelab.serve.tools.DIALECTS`): "calc" (tiny-llama-tool's
+    ``<calc>``/``<result>``), "hermes" (``<tool_call>`` JSON: Qwen2.5/Qwen3), "none" (``tools`` refused), or "auto"
+    (hermes when the chat template writes ``<tool_call>``, else calc when it renders a tool role)."""
 
 
 @dataclass(kw_only=True)
@@ -358,8 +363,10 @@ class RunConfig:
                               "existing dataset (.jsonl/.parquet/.csv/.json file, save_to_disk directory)" + (
                                   "; a dataset object from Python is recorded by its description only: save it "
                                   "with save_to_disk and give the directory" if r.task.startswith("<Dataset") else ""))
-        for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
+        for name in ("group_size", "prompts_per_rollout", "max_tokens"):
             positive_int(f"rollout.{name}", getattr(r, name))
+        if not (self.door.enabled and r.concurrency == 0):  # 0: the agent door is the only source of episodes
+            positive_int("rollout.concurrency", r.concurrency)
         try:
             check_split_fields(r.max_train_problems, r.heldout, r.task, r.split)
         except ValueError as err:
