@@ -25,14 +25,13 @@ import secrets
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from forgelab.controller.agent_sessions import AgentSessions, DoorRefused, UnknownSession
 from forgelab.controller.events import Emit
 
 __all__ = ["AgentFn", "AgentReport", "AgentRunner"]
 
-AgentFn = Callable[[Any, Any], Awaitable[float]]
+AgentFn = Callable[[object, object], Awaitable[float]]
 """``async def agent(client: openai.AsyncOpenAI, task) -> reward``."""
 
 
@@ -62,15 +61,15 @@ class AgentRunner:
     """
 
     def __init__(self, sessions: AgentSessions, *, base_url: str, key: str, emit: Emit,
-                 client: Callable[[str, str], Any] | None = None):
+                 client: Callable[[str, str], object] | None = None):
         self.sessions, self.base_url, self.key, self.emit = sessions, base_url, key, emit
         self._client = client or _openai_client
         self._nonce = secrets.token_hex(4)  # session ids of two `play` calls never collide
         self._plays = 0
 
-    async def play(self, agent: AgentFn, tasks: Sequence[Any], *, group_size: int | None = None,
+    async def play(self, agent: AgentFn, tasks: Sequence[object], *, group_size: int | None = None,
                    concurrency: int = 64, timeout_s: float = 300.0,
-                   task_key: Callable[[Any], str] | None = None) -> AgentReport:
+                   task_key: Callable[[object], str] | None = None) -> AgentReport:
         """Run ``agent`` on each task ``group_size`` times (default: the door's group size), at most
         ``concurrency`` sessions at once, each within ``timeout_s``; returns when every session was rewarded or
         failed. ``task_key(task)`` names its group (default: its index in this call)."""
@@ -83,7 +82,7 @@ class AgentRunner:
         report = AgentReport()
         slots = asyncio.Semaphore(concurrency)
 
-        async def one(t: int, task: Any, g: int) -> None:
+        async def one(t: int, task: object, g: int) -> None:
             sid, group = f"{prefix}-t{t}-s{g}", f"{prefix}:{task_key(task) if task_key else t}"
             async with slots:
                 client = self._client(self.base_url, f"{self.key}.{sid}")
@@ -126,7 +125,7 @@ class AgentRunner:
         self.emit("agent_error", session=sid, reason=reason, error=error[-2000:], episodes=ids)
 
 
-def _openai_client(base_url: str, api_key: str) -> Any:
+def _openai_client(base_url: str, api_key: str) -> object:
     import openai
 
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
