@@ -293,3 +293,68 @@ def test_messages_with_tool_calls_render_in_the_dialect():
     assert (k, role) == (0, "tool") and ids == r.prompt_ids(m)
     with pytest.raises(ValueError, match="tool_calls"):
         normalize_messages([said])  # no tools: named
+
+
+def test_runner_groups_failures_and_timeouts_over_fakes():
+    """`AgentRunner` over in-process sessions and a fake client (no processes): G sessions per task share its group;
+    a raise, a timeout, a non-finite reward and a reward with no call are failed sessions (dropped, event with the
+    traceback), counted toward their group, which is then closed without them."""
+    from forgelab.algos.agent_episodes import Call, Choice
+    from forgelab.controller.agent_runner import AgentRunner
+    from forgelab.controller.agent_sessions import AgentSessions, DoorLimits
+
+    class Sink:
+        def __init__(self):
+            self.next, self.closed, self.dropped = 0, [], []
+
+        async def open(self):
+            self.next += 1
+            return self.next - 1
+
+        async def close(self, groups):
+            self.closed += groups
+
+        async def discard(self, episodes, reason):
+            self.dropped += [(ep.id, reason, ep.info["error"]) for ep in episodes]
+
+        async def forget(self, episode_id):
+            pass
+
+    sink, events = Sink(), []
+    sessions = AgentSessions(DoorLimits(group_size=3), sink)
+
+    class Client:  # records one call in its session, as the door would
+        def __init__(self, base_url, key):
+            self.session = key.split(".", 1)[1]
+
+        async def call(self):
+            s = sessions.session(self.session)
+            async with s.lock:
+                k = await sessions.plan(s, [1, 2])
+                sessions.record(s, k, Call(prompt_ids=[1, 2], choices=[Choice(completion_ids=[3], logprobs=[-0.1],
+                                                                             version=0, text="x")]))
+
+        async def close(self):
+            pass
+
+    async def agent(client, task):
+        if task == "silent":
+            return 1.0  # no call: a failed session
+        await client.call()
+        if task == "raise":
+            raise KeyError("bad tool")
+        if task == "hang":
+            await asyncio.Event().wait()
+        return float("nan") if task == "nan" else 0.5
+
+    runner = AgentRunner(sessions, base_url="http://x/v1", key="tml-k", emit=lambda kind, **f: events.append((kind, f)),
+                         client=Client)
+    report = asyncio.run(runner.play(agent, ["ok", "raise", "hang", "nan", "silent"], group_size=2, timeout_s=0.5,
+                                     task_key=str))
+    assert (report.rewarded, report.failed) == (2, 8) and report.rewards == [0.5, 0.5]
+    assert [len(g) for g in sink.closed] == [2]  # only "ok"'s group has episodes; the others closed empty
+    reasons = sorted(r for _, r, _ in sink.dropped)
+    assert reasons == ["agent_error"] * 6 + ["agent_timeout"] * 2
+    assert all("Traceback" in e for _, r, e in sink.dropped if "KeyError" in e) and len(events) == 8
+    assert sessions.counters()["agent/open_sessions"] == 0 and sessions.counters()["agent/open_groups"] == 0
+    assert sessions.counters()["agent/failed_sessions"] == 8
