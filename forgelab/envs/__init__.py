@@ -7,7 +7,9 @@
 - `episode`: the token-in/token-out episode runner (`run_episode`, `ChatFormat`, `EpisodeLimits`);
 - `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv` (and its `tool_use_stats`);
 - `registry`: `ENVS` (name -> factory; adding an environment is adding an entry) and `make_env`;
-- `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process.
+- `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process;
+- `mcp_tools`: the calculator as an MCP server (`calculator_server`, `calculator_stdio`) and `McpTools` (an MCP
+  server's tools as OpenAI tools, for agents through the door: docs/agents.md).
 
 The factory of a registered environment must be importable by name in the env
 actor's process (define it in a module, not in a notebook cell).
@@ -17,6 +19,7 @@ from __future__ import annotations
 from forgelab.envs.base import Env
 from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv, tool_use_stats
 from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, env_metric_means, run_episode
+from forgelab.envs.mcp_tools import McpTools, calculator_server, calculator_stdio
 from forgelab.envs.registry import ENVS, make_env
 
 
@@ -30,5 +33,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "DROP_OUTCOMES", "ENVS", "ArithmeticTutorEnv", "CalculatorToolEnv", "ChatFormat", "EchoEnv", "Env",
-    "EnvActor", "EnvActorConfig", "EpisodeLimits", "env_metric_means", "make_env", "run_episode", "tool_use_stats",
+    "EnvActor", "EnvActorConfig", "EpisodeLimits", "McpTools", "calculator_server", "calculator_stdio",
+    "env_metric_means", "make_env", "run_episode", "tool_use_stats",
 ]
