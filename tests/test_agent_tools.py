@@ -358,3 +358,25 @@ def test_runner_groups_failures_and_timeouts_over_fakes():
     assert all("Traceback" in e for _, r, e in sink.dropped if "KeyError" in e) and len(events) == 8
     assert sessions.counters()["agent/open_sessions"] == 0 and sessions.counters()["agent/open_groups"] == 0
     assert sessions.counters()["agent/failed_sessions"] == 8
+
+
+def test_config_door_only_runs_and_dialect_names():
+    """``rollout.concurrency: 0`` is a door-only run (refused without the door, named); a bad dialect is named."""
+    from forgelab.config.run_config import ConfigError, DoorConfig, RolloutConfig, RunConfig
+    from forgelab.data.tokenizer import build_tokenizer
+    from forgelab.serve.tools import choose_dialect
+
+    RunConfig(door=DoorConfig(enabled=True), rollout=RolloutConfig(concurrency=0)).validate()
+    with pytest.raises(ConfigError, match="needs door.enabled"):
+        RunConfig(rollout=RolloutConfig(concurrency=0)).validate()
+    with pytest.raises(ConfigError, match="door.tool_dialect"):
+        RunConfig(door=DoorConfig(enabled=True, tool_dialect="")).validate()
+    with pytest.raises(ValueError, match="unknown dialect 'qwen'"):
+        choose_dialect("qwen", None)
+    tok = build_tokenizer()
+    assert choose_dialect("auto", tok).name == "calc" and choose_dialect("none", tok) is None
+
+    class Qwen:
+        chat_template = "{% for m in messages %}...<tool_call>...{% endfor %}"
+
+    assert choose_dialect("auto", Qwen()).name == "hermes"

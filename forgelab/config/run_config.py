@@ -365,7 +365,10 @@ class RunConfig:
                                   "with save_to_disk and give the directory" if r.task.startswith("<Dataset") else ""))
         for name in ("group_size", "prompts_per_rollout", "max_tokens"):
             positive_int(f"rollout.{name}", getattr(r, name))
-        if not (self.door.enabled and r.concurrency == 0):  # 0: the agent door is the only source of episodes
+        if r.concurrency == 0 and not self.door.enabled:
+            raise ConfigError("rollout.concurrency: 0 (no native rollouts) needs door.enabled: the agent door's "
+                              "sessions are then the only episodes; give a positive count otherwise")
+        if r.concurrency != 0:
             positive_int("rollout.concurrency", r.concurrency)
         try:
             check_split_fields(r.max_train_problems, r.heldout, r.task, r.split)
@@ -500,6 +503,9 @@ class RunConfig:
             raise ConfigError(f"door.port: {d.port!r} is not a port number (0 lets the OS pick one)")
         if not isinstance(d.model_name, str):
             raise ConfigError(f"door.model_name: expected a string (\"\" for the run's name), got {d.model_name!r}")
+        if not isinstance(d.tool_dialect, str) or not d.tool_dialect:
+            raise ConfigError(f"door.tool_dialect: expected a dialect name (calc, hermes, auto or none; "
+                              f"forgelab.serve.tools.DIALECTS), got {d.tool_dialect!r}")
         finite_range("door.idle_timeout_s", d.idle_timeout_s, 0.0, 7 * 24 * 3600, low_open=True)
         finite_range("door.retry_after_s", d.retry_after_s, 0.0, 3600, low_open=True)
         for name in ("max_sessions", "max_segments", "max_n", "max_concurrent_calls"):
