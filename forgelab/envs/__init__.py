@@ -19,7 +19,6 @@ from __future__ import annotations
 from forgelab.envs.base import Env
 from forgelab.envs.builtin import ArithmeticTutorEnv, CalculatorToolEnv, EchoEnv, tool_use_stats
 from forgelab.envs.episode import DROP_OUTCOMES, ChatFormat, EpisodeLimits, env_metric_means, run_episode
-from forgelab.envs.mcp_tools import McpTools, calculator_server, calculator_stdio
 from forgelab.envs.registry import ENVS, make_env
 
 
@@ -28,6 +27,10 @@ def __getattr__(name: str):
         from forgelab.envs import actor
 
         return getattr(actor, name)
+    if name in ("McpTools", "calculator_server", "calculator_stdio"):  # not imported with the package, so that
+        from forgelab.envs import mcp_tools                              # `python -m forgelab.envs.mcp_tools` runs clean
+
+        return getattr(mcp_tools, name)
     raise AttributeError(f"module 'forgelab.envs' has no attribute {name!r}")
 
 
