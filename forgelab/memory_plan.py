@@ -196,7 +196,9 @@ def plan_memory(cfg: Any, *, gpus: int | None = None, gpu_mem_gib: float | None 
 
     # generator
     wb = _bytes(gen.dtype)
-    seqs = min(int(gen.max_num_seqs), cfg.rollout.group_size * cfg.rollout.prompts_per_rollout * cfg.rollout.concurrency)
+    # rollout.concurrency 0: the agent door alone, whose calls may fill the engine
+    native = cfg.rollout.group_size * cfg.rollout.prompts_per_rollout * cfg.rollout.concurrency
+    seqs = min(int(gen.max_num_seqs), native) if native else int(gen.max_num_seqs)
     g_terms = {"weights": P * wb, "runtime": RUNTIME_BYTES["generator"], "sampler logits": seqs * V * 4 * 2}
     lora = cfg.lora if cfg.lora.enabled else None
     A = shape.lora_params(lora.targets, lora.rank) if lora else 0  # trainable adapter parameters

@@ -186,6 +186,13 @@ class Run:
     door_key = property(lambda self: self.door.key if self.door else None,
                         doc="The agent door's key (the SDK's api_key; ``f'{key}.{session}'`` names a session).")
 
+    async def play_agents(self, agent: Callable[..., Any], tasks: Sequence[Any], **kw: Any) -> Any:
+        """Run ``async def agent(client, task) -> reward`` as rollouts through the agent door (`AgentRunner.play`:
+        ``group_size``, ``concurrency``, ``timeout_s``, ``task_key``); its `AgentReport`."""
+        if self.door is None:
+            raise RuntimeError("Run.play_agents needs the agent door: set door.enabled and spawn or start the run")
+        return await self.door.runner(self.bus.emit).play(agent, tasks, **kw)
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "Run":
         """Spawn the processes (if not yet) and start training in the background. Returns at once."""

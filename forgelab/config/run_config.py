@@ -104,7 +104,8 @@ class RolloutConfig:
     prompts_per_rollout: int = 8
     """P: prompts one rollout task generates at a time (P*G episodes)."""
     concurrency: int = 2
-    """N: rollout tasks running at once in the controller."""
+    """N: rollout tasks running at once in the controller. 0 (only with ``door.enabled``): no native rollouts, the
+    agent door's sessions (`Run.play_agents`) are the only episodes trained on."""
     max_tokens: int = 16
     """Longest completion, in tokens."""
     temperature: float = 1.0
@@ -273,6 +274,10 @@ class DoorConfig:
     ``rollout.group_size``."""
     retry_after_s: float = 1.0
     """The Retry-After (seconds) of a 429."""
+    tool_dialect: str = "auto"
+    """How the model writes tool calls (`forgelab.serve.tools.DIALECTS`): "calc" (tiny-llama-tool's
+    ``<calc>``/``<result>``), "hermes" (``<tool_call>`` JSON: Qwen2.5/Qwen3), "none" (``tools`` refused), or "auto"
+    (hermes when the chat template writes ``<tool_call>``, else calc when it renders a tool role)."""
 
 
 @dataclass(kw_only=True)
@@ -398,8 +403,13 @@ class RunConfig:
                               "existing dataset (.jsonl/.parquet/.csv/.json file, save_to_disk directory)" + (
                                   "; a dataset object from Python is recorded by its description only: save it "
                                   "with save_to_disk and give the directory" if r.task.startswith("<Dataset") else ""))
-        for name in ("group_size", "prompts_per_rollout", "concurrency", "max_tokens"):
+        for name in ("group_size", "prompts_per_rollout", "max_tokens"):
             positive_int(f"rollout.{name}", getattr(r, name))
+        if r.concurrency == 0 and not self.door.enabled:
+            raise ConfigError("rollout.concurrency: 0 (no native rollouts) needs door.enabled: the agent door's "
+                              "sessions are then the only episodes; give a positive count otherwise")
+        if r.concurrency != 0:
+            positive_int("rollout.concurrency", r.concurrency)
         try:
             check_split_fields(r.max_train_problems, r.heldout, None if rg_on else r.task, r.split)
         except ValueError as err:
@@ -534,6 +544,9 @@ class RunConfig:
             raise ConfigError(f"door.port: {d.port!r} is not a port number (0 lets the OS pick one)")
         if not isinstance(d.model_name, str):
             raise ConfigError(f"door.model_name: expected a string (\"\" for the run's name), got {d.model_name!r}")
+        if not isinstance(d.tool_dialect, str) or not d.tool_dialect:
+            raise ConfigError(f"door.tool_dialect: expected a dialect name (calc, hermes, auto or none; "
+                              f"forgelab.serve.tools.DIALECTS), got {d.tool_dialect!r}")
         finite_range("door.idle_timeout_s", d.idle_timeout_s, 0.0, 7 * 24 * 3600, low_open=True)
         finite_range("door.retry_after_s", d.retry_after_s, 0.0, 3600, low_open=True)
         for name in ("max_sessions", "max_segments", "max_n", "max_concurrent_calls"):

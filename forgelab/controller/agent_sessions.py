@@ -172,6 +172,7 @@ class AgentSession:
 
 @dataclass
 class _Group:
+    size: int
     episodes: list[Episode] = field(default_factory=list)
     sessions: int = 0
     last: float = 0.0
@@ -192,12 +193,13 @@ class AgentSessions:
         self._groups: dict[str, _Group] = {}
         self._counts: dict[str, int] = {k: 0 for k in (
             "sessions", "calls", "segments", "retokenized_segments", "episodes", "rewarded_sessions",
-            "expired_sessions", "busy")}
+            "expired_sessions", "failed_sessions", "busy")}
 
     # -- views ------------------------------------------------------------------------------------------
     def counters(self) -> dict[str, int]:
         """``agent/*`` counters since the door opened: sessions, calls, segments, retokenized_segments (a call
-        that did not extend its session's last call), episodes, rewarded_sessions, expired_sessions, busy (429s),
+        that did not extend its session's last call), episodes, rewarded_sessions, expired_sessions,
+        failed_sessions (`fail`: an agent that raised or timed out), busy (429s),
         and open_sessions / open_groups now."""
         return {**{f"agent/{k}": v for k, v in self._counts.items()},
                 "agent/open_sessions": len(self._sessions), "agent/open_groups": len(self._groups)}
@@ -297,9 +299,10 @@ class AgentSessions:
         return eps
 
     async def reward(self, session_id: str, reward: float, group: str | None = None, choice: int = 0,
-                     parts: Mapping[str, float] | None = None) -> list[int]:
+                     parts: Mapping[str, float] | None = None, group_size: int | None = None) -> list[int]:
         """Close session ``session_id`` with ``reward`` (every segment's episode gets it) into ``group``; the
-        episode ids. The group is buffered once ``group_size`` sessions joined it (None: a group of its own)."""
+        episode ids. The group is buffered once ``group_size`` (default: the door's) sessions joined it (None: a
+        group of its own)."""
         s = self.get(session_id)
         async with s.lock:
             if not s.segments:
@@ -317,14 +320,51 @@ class AgentSessions:
             del self._sessions[session_id]
         self._counts["rewarded_sessions"] += 1
         self._counts["episodes"] += len(eps)
-        key = group if group is not None else f"\0{session_id}"
-        g = self._groups.setdefault(key, _Group())
+        await self._join(group if group is not None else f"\0{session_id}", eps,
+                         1 if group is None else group_size or self.limits.group_size)
+        return [ep.id for ep in eps]
+
+    async def _join(self, key: str, eps: list[Episode], size: int) -> None:
+        """One more session of group ``key`` ended (with ``eps``: none for a failed one); buffer the group once
+        ``size`` sessions ended."""
+        g = self._groups.setdefault(key, _Group(size=size))
         g.episodes += eps
         g.sessions += 1
         g.last = self.clock()
-        if group is None or g.sessions >= self.limits.group_size:
+        if g.sessions >= g.size:
             del self._groups[key]
-            await self.sink.close([g.episodes])
+            if g.episodes:
+                await self.sink.close([g.episodes])
+
+    async def fail(self, session_id: str, reason: str, error: str, group: str | None = None,
+                   group_size: int | None = None) -> list[int]:
+        """Close session ``session_id`` as failed (its agent raised or timed out): its episodes are dropped with
+        ``reason``, ``info["outcome"] = reason`` and ``info["error"] = error`` (the traceback), so they are in the
+        rollout log and the accounting; a session that never made a call becomes one empty episode (a fresh
+        admitted id, no tokens) dropped the same way, unless admission is closed. The failed session counts
+        toward ``group`` (it is not waited for). The dropped episode ids."""
+        s = self._sessions.get(session_id)
+        eps: list[Episode] = []
+        if s is not None:
+            async with s.lock:
+                eps = self._episodes(s, 0) if s.segments else []
+                await self.abandon(s)
+                self._sessions.pop(session_id, None)
+        if not eps:
+            eid = await self.sink.open()
+            if eid is not None:
+                eps = [Episode(id=eid, group_id=0, prompt_ids=[], completion_ids=[], generator_logprobs=[],
+                               policy_version=-1, task=f"agent:{session_id}", loss_mask=[],
+                               info={"session": session_id, "calls": 0})]
+        for ep in eps:
+            ep.info.update(outcome=reason, error=error)
+            if group is not None:
+                ep.info["agent_group"] = group
+        self._counts["failed_sessions"] += 1
+        if eps:
+            await self.sink.discard(eps, reason)
+        if group is not None:
+            await self._join(group, [], group_size or self.limits.group_size)
         return [ep.id for ep in eps]
 
     async def sweep(self) -> dict[str, int]:

@@ -8,7 +8,9 @@
 - `builtin`: `EchoEnv`, `ArithmeticTutorEnv`, `CalculatorToolEnv` (and its `tool_use_stats`);
 - `skyrl`: `SkyRLGymEnv`, skyrl-gym's synchronous text environments behind the async protocol;
 - `registry`: `ENVS` (name -> factory; adding an environment is adding an entry) and `make_env`;
-- `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process.
+- `actor`: `EnvActor`, thousands of episodes as asyncio tasks in one process;
+- `mcp_tools`: the calculator as an MCP server (`calculator_server`, `calculator_stdio`) and `McpTools` (an MCP
+  server's tools as OpenAI tools, for agents through the door: docs/agents.md).
 
 The factory of a registered environment must be importable by name in the env
 actor's process (define it in a module, not in a notebook cell).
@@ -27,10 +29,15 @@ def __getattr__(name: str):
         from forgelab.envs import actor
 
         return getattr(actor, name)
+    if name in ("McpTools", "calculator_server", "calculator_stdio"):  # not imported with the package, so that
+        from forgelab.envs import mcp_tools                              # `python -m forgelab.envs.mcp_tools` runs clean
+
+        return getattr(mcp_tools, name)
     raise AttributeError(f"module 'forgelab.envs' has no attribute {name!r}")
 
 
 __all__ = [
     "DROP_OUTCOMES", "ENVS", "ArithmeticTutorEnv", "CalculatorToolEnv", "ChatFormat", "EchoEnv", "Env",
-    "EnvActor", "EnvActorConfig", "EpisodeLimits", "SkyRLGymEnv", "env_metric_means", "make_env", "run_episode", "tool_use_stats",
+    "EnvActor", "EnvActorConfig", "EpisodeLimits", "McpTools", "SkyRLGymEnv", "calculator_server", "calculator_stdio",
+    "env_metric_means", "make_env", "run_episode", "tool_use_stats",
 ]

@@ -16,29 +16,58 @@ reasoning, say) is detected and the call starts a new segment from its full rend
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from forgelab.algos.agent_episodes import Segment
+from forgelab.serve.tools import FunctionTool, ToolCall, ToolDialect, tool_calls_key
 
 __all__ = ["ChatRenderer", "normalize_messages"]
 
 _MESSAGE_KEYS = {"role", "content", "name"}
+_TOOL_KEY = "tool_calls"
+"""In a normalized assistant message: `tool_calls_key` of its content and calls (what continuation matches on)."""
 
 
-def normalize_messages(raw: object) -> list[dict[str, str]]:
+def _calls(i: int, raw: object) -> list[ToolCall]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"messages[{i}].tool_calls must be a non-empty list")
+    out = []
+    for j, c in enumerate(raw):
+        f = c.get("function") if isinstance(c, Mapping) else None
+        if not (isinstance(f, Mapping) and isinstance(f.get("name"), str) and c.get("type", "function") == "function"):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\", \"arguments\"}}")
+        args = f.get("arguments") or "{}"
+        out.append(ToolCall(name=f["name"], arguments=args if isinstance(args, str) else json.dumps(args),
+                            id=str(c.get("id") or "")))
+    return out
+
+
+def normalize_messages(raw: object, dialect: ToolDialect | None = None,
+                       tools: Sequence[FunctionTool] = ()) -> list[dict[str, str]]:
     """An OpenAI ``messages`` list as plain ``{"role", "content"[, "name"]}`` dicts; ValueError naming what is not
-    supported (tool calls, non-text content parts)."""
+    supported (non-text content parts; tool calls without ``tools``).
+
+    With ``tools`` and their ``dialect`` (`forgelab.serve.tools`): an assistant message's ``tool_calls`` become the
+    dialect's text (and the message keeps `tool_calls_key` under ``"tool_calls"`` for continuation), a ``tool``
+    message its result text, and the dialect's tool listing is put in the system prompt."""
     if not isinstance(raw, list) or not raw:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
     out: list[dict[str, str]] = []
     for i, m in enumerate(raw):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string 'role'")
-        extra = sorted(k for k, v in m.items() if k not in _MESSAGE_KEYS and v is not None)
+        allowed = _MESSAGE_KEYS | ({"tool_calls"} if m["role"] == "assistant" else set()) \
+            | ({"tool_call_id"} if m["role"] == "tool" else set())
+        extra = sorted(k for k, v in m.items() if k not in allowed and v is not None)
         if extra:
-            raise ValueError(f"messages[{i}] has {', '.join(map(repr, extra))}, which the agent door does not support "
-                             "yet (tool calls come with the tool dialects, docs/agents.md)")
+            raise ValueError(f"messages[{i}] has {', '.join(map(repr, extra))}, which the agent door does not "
+                             "support (docs/agents.md)")
+        if m.get("tool_calls") is not None and (dialect is None or not tools):
+            raise ValueError(f"messages[{i}] has 'tool_calls': send the request's 'tools' too (the door renders "
+                             "calls in the model's tool dialect, door.tool_dialect)")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -54,8 +83,27 @@ def normalize_messages(raw: object) -> list[dict[str, str]]:
         msg = {"role": m["role"], "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if dialect is not None and m.get("tool_calls") is not None:
+            calls = _calls(i, m["tool_calls"])
+            msg["content"] = dialect.render_call(content or None, calls, tools)
+            msg[_TOOL_KEY] = tool_calls_key(content or None, calls)
+        elif dialect is not None and tools and m["role"] == "tool":
+            msg = dialect.result_message(content)
         out.append(msg)
+    listing = dialect.system_text(tools) if dialect is not None and tools else None
+    if listing is not None:
+        if out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
     return out
+
+
+def _same(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
+    """Two normalized messages say the same (a tool-call message: the same calls, however they were spelled)."""
+    if _TOOL_KEY in a or _TOOL_KEY in b:
+        return a.get("role") == b.get("role") and a.get(_TOOL_KEY) == b.get(_TOOL_KEY)
+    return dict(a) == dict(b)
 
 
 class ChatRenderer:
@@ -67,7 +115,8 @@ class ChatRenderer:
         self.eos_text: str = tokenizer.decode([self.eos_id]) if self.eos_id is not None else ""
 
     def render(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool) -> str:
-        return str(self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+        plain = [{k: v for k, v in m.items() if k != _TOOL_KEY} for m in messages]
+        return str(self.tokenizer.apply_chat_template(plain, tokenize=False,
                                                       add_generation_prompt=generation_prompt))
 
     def encode(self, text: str) -> list[int]:
@@ -78,18 +127,26 @@ class ChatRenderer:
         return self.encode(self.render(messages, True))
 
     def continuation(self, previous: Sequence[Mapping[str, object]] | None, segment: Segment | None,
-                     messages: list[dict[str, str]]) -> tuple[list[int], int, str] | None:
+                     messages: list[dict[str, str]], said_by: Callable[[str], str] | None = None,
+                     ) -> tuple[list[int], int, str] | None:
         """``(prompt ids, choice continued, role of the new tokens)`` when ``messages`` continue the segment's last
-        call (whose messages were ``previous``), else None."""
+        call (whose messages were ``previous``), else None. ``said_by(text)``: the `tool_calls_key` of a sampled
+        text (the request's tool dialect), so an assistant tool-call message continues the choice whose text
+        parses to the same calls; its sampled text replaces the message's rendering in ``messages`` (in place)."""
         if previous is None or segment is None or not segment.tail:
             return None
         j = len(previous)
-        if len(messages) < j + 2 or [dict(m) for m in messages[:j]] != [dict(m) for m in previous]:
+        if len(messages) < j + 2 or not all(_same(a, b) for a, b in zip(messages[:j], previous)):
             return None
+        messages[:j] = [dict(m) for m in previous]  # what the stored ids were rendered from
         said, new = messages[j], messages[j + 1:]
         if said["role"] != "assistant" or any(m["role"] == "assistant" for m in new):
             return None
         k = next((i for i, c in enumerate(segment.tail) if c.text == said["content"]), None)
+        if k is None and _TOOL_KEY in said and said_by is not None:
+            k = next((i for i, c in enumerate(segment.tail) if said_by(c.text) == said[_TOOL_KEY]), None)
+            if k is not None:
+                said = messages[j] = {**said, "content": segment.tail[k].text}
         if k is None:
             return None
         before = self.render(messages[:j], True)

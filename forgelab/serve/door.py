@@ -16,11 +16,14 @@ import logging
 from typing import Any
 
 from forgelab.config.run_config import DoorConfig
+from forgelab.controller.agent_runner import AgentRunner
 from forgelab.controller.agent_sessions import AgentSessions, DoorLimits, PlayedRollouts, RolloutSink
 from forgelab.controller.buffer import ReplayBuffer
+from forgelab.controller.events import Emit
 from forgelab.generation import Generators
 from forgelab.serve.http import LoopbackServer
 from forgelab.serve.openai_api import OpenAIDoor
+from forgelab.serve.tools import choose_dialect
 
 __all__ = ["AgentDoor"]
 
@@ -48,7 +51,7 @@ class AgentDoor:
         api = OpenAIDoor(server, generators, tokenizer, sessions, model_name=config.model_name or name,
                          max_model_len=max_model_len, max_n=config.max_n,
                          max_concurrent_calls=config.max_concurrent_calls, retry_after_s=config.retry_after_s,
-                         lora_slot=lora_slot)
+                         lora_slot=lora_slot, tool_dialect=choose_dialect(config.tool_dialect, tokenizer))
         server.mount(api.router())
         await server.start()
         door = cls(server, api, sessions, sweep_s=min(max(config.idle_timeout_s / 4, 0.05), 30.0))
@@ -68,6 +71,10 @@ class AgentDoor:
     @property
     def model_name(self) -> str:
         return self.api.model_name
+
+    def runner(self, emit: Emit) -> AgentRunner:
+        """An `AgentRunner` over this door: the user's agent function as rollouts (``emit``: the run's events)."""
+        return AgentRunner(self.sessions, base_url=self.base_url, key=self.key, emit=emit)
 
     def counters(self) -> dict[str, int]:
         """The ``agent/*`` counters (`AgentSessions.counters`)."""

@@ -36,13 +36,15 @@ from forgelab.generation import GenerateRequest, Generators
 from forgelab.serve.chat import ChatRenderer, normalize_messages
 from forgelab.serve.http import LoopbackServer, ServerKey
 from forgelab.serve.sampling import DoorSampling
+from forgelab.serve.tools import FunctionTool, ToolDialect, check_tools, tool_calls_key
 from forgelab.types import Completion
 
 __all__ = ["OpenAIDoor"]
 
 _COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "stream_options", "user",
            "logprobs"}
-CHAT_PARAMS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "return_token_ids"})
+CHAT_PARAMS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "return_token_ids", "tools",
+                                   "tool_choice", "parallel_tool_calls"})
 COMPLETION_PARAMS = frozenset(_COMMON | {"prompt", "echo", "return_token_ids"})
 
 
@@ -91,15 +93,17 @@ class OpenAIDoor:
         max_model_len: the generator's context length (prompt + max_tokens).
         max_n: the largest ``n``; max_concurrent_calls: calls generating at once (beyond: 429).
         retry_after_s: a 429's Retry-After; lora_slot: serve this LoRA slot (shared engines), None: the run's own.
+        tool_dialect: how the model writes tool calls (`forgelab.serve.tools`); None: ``tools`` are refused.
     """
 
     def __init__(self, server: LoopbackServer, generators: Generators, tokenizer: Any, sessions: AgentSessions, *,
                  model_name: str, max_model_len: int, max_n: int = 16, max_concurrent_calls: int = 1024,
-                 retry_after_s: float = 1.0, lora_slot: str | None = None):
+                 retry_after_s: float = 1.0, lora_slot: str | None = None, tool_dialect: ToolDialect | None = None):
         self.server, self.generators, self.tokenizer, self.sessions = server, generators, tokenizer, sessions
         self.renderer = ChatRenderer(tokenizer)
         self.model_name, self.max_model_len, self.max_n = model_name, max_model_len, max_n
         self.max_concurrent_calls, self.retry_after_s, self.lora_slot = max_concurrent_calls, retry_after_s, lora_slot
+        self.tool_dialect = tool_dialect
         self.in_flight = 0
         self.disconnects = 0
         self.closed = False
@@ -235,7 +239,8 @@ class OpenAIDoor:
                 call.cancel()
 
     async def _served(self, key: ServerKey, prompt: list[int], n: int, sampling: DoorSampling, seed: int | None,
-                      messages: list[dict[str, str]] | None, request: Request) -> tuple[list[int], list[Completion]]:
+                      messages: list[dict[str, str]] | None, request: Request,
+                      tools: Sequence[FunctionTool] = ()) -> tuple[list[int], list[Completion]]:
         """Generate one prompt's ``n`` completions, recorded in the key's session if it names one. ``messages``:
         a chat call (its prompt may be rebuilt from the session's stored ids)."""
         if key.session is None:
@@ -246,7 +251,10 @@ class OpenAIDoor:
             raise HTTPException(429, str(e), headers={"Retry-After": f"{e.retry_after_s:g}"}) from None
         try:
             async with s.lock:
-                cont = (self.renderer.continuation(s.messages, s.current, messages) if messages is not None else None)
+                dialect = self.tool_dialect if tools else None
+                said_by = (lambda text: tool_calls_key(*dialect.parse(text, tools))) if dialect is not None else None
+                cont = (self.renderer.continuation(s.messages, s.current, messages, said_by)
+                        if messages is not None else None)
                 ids, prefer, role = cont if cont is not None else (prompt, None, "user" if messages else "env")
                 if len(ids) + sampling.max_tokens > self.max_model_len:
                     raise _bad(f"this session's conversation is {len(ids)} tokens and max_tokens is "
@@ -273,7 +281,8 @@ class OpenAIDoor:
         body = await self._body(request)
         self._check(body, CHAT_PARAMS, "/v1/chat/completions")
         try:
-            messages = normalize_messages(body.get("messages"))
+            tools, parse_calls = self._tools(body)
+            messages = normalize_messages(body.get("messages"), self.tool_dialect if tools else None, tools)
             prompt = self.renderer.prompt_ids(messages)
         except ValueError as e:
             raise _bad(str(e)) from None
@@ -287,8 +296,10 @@ class OpenAIDoor:
             raise _bad("'top_logprobs' needs 'logprobs': true")
         n, seed = self._n(body), _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
         sampling = self._sampling(body, len(prompt), None, top, False)
+        if parse_calls and body.get("stream"):
+            raise _bad("'stream' with 'tools' is not supported yet: call without stream (docs/agents.md)")
         try:
-            ids, comps = await self._served(key, prompt, n, sampling, seed, messages, request)
+            ids, comps = await self._served(key, prompt, n, sampling, seed, messages, request, tools)
         except ClientGone:
             raise HTTPException(499, "the client disconnected while its call was generating") from None
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
@@ -296,11 +307,37 @@ class OpenAIDoor:
         if body.get("stream"):
             return self._stream(self._chat_chunks(rid, created, comps, bool(want_lp), usage, body))
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": g, "message": {"role": "assistant", "content": c.text},
-                             "finish_reason": c.finish_reason,
+                "choices": [{"index": g, **self._message(c, tools if parse_calls else ()),
                              "logprobs": {"content": self._lp_entries(c, range(len(c.completion_ids)))} if want_lp else None,
                              "token_ids": c.completion_ids} for g, c in enumerate(comps)],
                 "usage": usage, "prompt_token_ids": ids}
+
+    def _tools(self, body: Mapping[str, Any]) -> tuple[list[FunctionTool], bool]:
+        """The request's tools (`check_tools`) and whether the answer's text is parsed for calls (``tool_choice``
+        "auto", the default, or "none"); ValueError naming an unsupported choice."""
+        raw, choice = body.get("tools"), body.get("tool_choice")
+        if raw is None:
+            if choice is not None:
+                raise ValueError("'tool_choice' needs 'tools'")
+            return [], False
+        if choice not in (None, "auto", "none"):
+            raise ValueError(f"'tool_choice' {choice!r} is not supported: the door does not constrain decoding, so it "
+                             "takes only \"auto\" (the default) or \"none\"")
+        if body.get("parallel_tool_calls") is False:
+            raise ValueError("'parallel_tool_calls': false is not supported (the dialect decides how many calls a "
+                             "turn makes); leave it out")
+        return check_tools(raw, self.tool_dialect), choice != "none"
+
+    def _message(self, c: Completion, tools: Sequence[FunctionTool]) -> dict[str, Any]:
+        """A choice's ``message`` and ``finish_reason``: with ``tools``, the dialect's calls in the text become
+        ``tool_calls`` (finish_reason "tool_calls")."""
+        content, calls = (self.tool_dialect.parse(c.text, tools) if tools and self.tool_dialect is not None
+                          else (c.text, []))
+        if not calls:
+            return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+        return {"message": {"role": "assistant", "content": content, "tool_calls": [
+            {"id": "call_" + secrets.token_hex(8), "type": "function",
+             "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}, "finish_reason": "tool_calls"}
 
     def _usage(self, prompt_len: int, comps: Sequence[Completion], prompts: int = 1) -> dict[str, int]:
         done = sum(len(c.completion_ids) for c in comps)

@@ -1,0 +1,131 @@
+"""The agent runner: the user's own async agent function, run as the run's rollouts through the agent door.
+
+    async def agent(client: openai.AsyncOpenAI, task) -> float:     # plain openai SDK; any framework works
+        r = await client.chat.completions.create(model="...", messages=[{"role": "user", "content": task}])
+        return 1.0 if r.choices[0].message.content == "57" else 0.0
+
+    report = await run.play_agents(agent, ["12+45=", "3*4="], group_size=2, concurrency=64, timeout_s=60)
+    report.rewarded, report.failed, report.episodes
+
+What it really is: for each task, ``group_size`` sessions of the door (each its own ``openai.AsyncOpenAI`` whose
+key names the session), at most ``concurrency`` at once; each session's reward closes it into the task's group
+(`AgentSessions.reward`), so GRPO normalises advantages over the sessions of one task. An agent that raises, or runs
+past ``timeout_s`` (it is cancelled), or returns no finite number, becomes a failed episode (`AgentSessions.fail`:
+dropped with reason ``agent_error`` / ``agent_timeout``, its traceback in ``info["error"]``, so in the rollout log)
+and an ``agent_error`` event; its group is buffered without it. Nothing is lost: every session is rewarded or failed,
+and the buffer's accounting identity holds.
+
+It receives its collaborators typed (the door's sessions, its URL and key, the event emitter), never the `Run`.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from forgelab.controller.agent_sessions import AgentSessions, DoorRefused, UnknownSession
+from forgelab.controller.events import Emit
+
+__all__ = ["AgentFn", "AgentReport", "AgentRunner"]
+
+AgentFn = Callable[[object, object], Awaitable[float]]
+"""``async def agent(client: openai.AsyncOpenAI, task) -> reward``."""
+
+
+@dataclass
+class AgentReport:
+    """What one `AgentRunner.play` did: sessions rewarded and failed, their rewards and episode ids."""
+
+    rewarded: int = 0
+    failed: int = 0
+    rewards: list[float] = field(default_factory=list)
+    episodes: list[int] = field(default_factory=list)
+    """Ids of the episodes the rewarded sessions closed with."""
+    failed_episodes: list[int] = field(default_factory=list)
+    """Ids of the failed sessions' (dropped) episodes."""
+    errors: list[str] = field(default_factory=list)
+    """One line per failed session: the session and the exception."""
+
+
+class AgentRunner:
+    """Runs an agent function as rollouts through the door (see the module docstring).
+
+    Args:
+        sessions: the door's sessions (rewards, failures, groups).
+        base_url: the door's OpenAI base URL; key: the run's door key (a session's key is ``f"{key}.{session}"``).
+        emit: the run's event emitter (``agent_error`` events).
+        client: ``client(base_url, api_key)`` -> an ``openai.AsyncOpenAI`` (default: the SDK's, no retries).
+    """
+
+    def __init__(self, sessions: AgentSessions, *, base_url: str, key: str, emit: Emit,
+                 client: Callable[[str, str], object] | None = None):
+        self.sessions, self.base_url, self.key, self.emit = sessions, base_url, key, emit
+        self._client = client or _openai_client
+        self._nonce = secrets.token_hex(4)  # session ids of two `play` calls never collide
+        self._plays = 0
+
+    async def play(self, agent: AgentFn, tasks: Sequence[object], *, group_size: int | None = None,
+                   concurrency: int = 64, timeout_s: float = 300.0,
+                   task_key: Callable[[object], str] | None = None) -> AgentReport:
+        """Run ``agent`` on each task ``group_size`` times (default: the door's group size), at most
+        ``concurrency`` sessions at once, each within ``timeout_s``; returns when every session was rewarded or
+        failed. ``task_key(task)`` names its group (default: its index in this call)."""
+        g_size = group_size or self.sessions.limits.group_size
+        if g_size < 1 or concurrency < 1 or not timeout_s > 0:
+            raise ValueError(f"AgentRunner.play: group_size ({g_size}) and concurrency ({concurrency}) must be >= 1 "
+                             f"and timeout_s ({timeout_s}) > 0")
+        self._plays += 1
+        prefix = f"agent-{self._nonce}-{self._plays}"
+        report = AgentReport()
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(t: int, task: object, g: int) -> None:
+            sid, group = f"{prefix}-t{t}-s{g}", f"{prefix}:{task_key(task) if task_key else t}"
+            async with slots:
+                client = self._client(self.base_url, f"{self.key}.{sid}")
+                try:
+                    try:
+                        reward = float(await asyncio.wait_for(agent(client, task), timeout_s))
+                        if not math.isfinite(reward):
+                            raise ValueError(f"the agent returned reward {reward!r}; return a finite number")
+                    except asyncio.TimeoutError:
+                        await self._fail(report, sid, group, g_size, "agent_timeout",
+                                         f"the agent ran past timeout_s={timeout_s:g} s and was cancelled")
+                        return
+                    except Exception as e:
+                        await self._fail(report, sid, group, g_size, "agent_error",
+                                         f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+                        return
+                    try:
+                        ids = await self.sessions.reward(sid, reward, group, group_size=g_size)
+                    except (UnknownSession, DoorRefused):
+                        await self._fail(report, sid, group, g_size, "agent_error", "the agent returned a reward "
+                                         "without a call recorded through its client (no call, or none admitted)")
+                        return
+                    report.rewarded += 1
+                    report.rewards.append(reward)
+                    report.episodes += ids
+                finally:
+                    close = getattr(client, "close", None)
+                    if close is not None:
+                        await close()
+
+        await asyncio.gather(*(one(t, task, g) for t, task in enumerate(tasks) for g in range(g_size)))
+        return report
+
+    async def _fail(self, report: AgentReport, sid: str, group: str, g_size: int, reason: str, error: str) -> None:
+        ids = await self.sessions.fail(sid, reason, error, group, group_size=g_size)
+        first = error.splitlines()[0] if error else reason
+        report.failed += 1
+        report.failed_episodes += ids
+        report.errors.append(f"{sid}: {first}")
+        self.emit("agent_error", session=sid, reason=reason, error=error[-2000:], episodes=ids)
+
+
+def _openai_client(base_url: str, api_key: str) -> object:
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
