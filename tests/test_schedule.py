@@ -45,3 +45,37 @@ def test_committed_record_names_files_that_exist() -> None:
     record = schedule.load_record()
     stale = [f for f in record if not (ROOT / f).exists()]
     assert not stale, f"tests/durations.json names files that are gone: {stale}; run `make durations`"
+
+
+def test_exclusive_files_go_last() -> None:
+    record = {"a.py": 10.0, "heavy.py": 300.0}
+    assert schedule.longest_first(["heavy.py", "a.py", "new.py"], record, frozenset({"heavy.py"})) == \
+        ["new.py", "a.py", "heavy.py"]
+
+
+def test_memory_lock_shared_and_exclusive(tmp_path: Path) -> None:
+    """A worker running an ordinary file holds the lock shared (another ordinary file may run beside it, an
+    exclusive one may not); a worker running an `EXCLUSIVE` file holds it alone."""
+    import fcntl
+
+    def can(mode: int) -> bool:
+        with open(tmp_path / "memory.lock", "a+") as probe:
+            try:
+                fcntl.flock(probe, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(probe, fcntl.LOCK_UN)
+            return True
+
+    heavy = next(iter(schedule.EXCLUSIVE))
+    a = schedule.FileLock(str(tmp_path))
+    a.hold("tests/test_x.py")
+    assert can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
+    a.hold("tests/test_x.py")  # the same file again: still held, once
+    a.release()
+    assert can(fcntl.LOCK_EX)
+    a.hold(heavy)
+    assert not can(fcntl.LOCK_SH)
+    a.hold("tests/test_y.py")  # the next file: the exclusive hold is given back first
+    assert can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
+    a.release()
