@@ -12,6 +12,7 @@ import asyncio
 import os
 
 import pytest
+from door_clients import door_client
 
 pytestmark = pytest.mark.integration
 
@@ -40,13 +41,6 @@ def door_run(loop, tmp_path_factory):
     loop.run_until_complete(run.shutdown())
 
 
-def _client(run, session=None):
-    import openai
-
-    key = run.door_key if session is None else f"{run.door_key}.{session}"
-    return openai.AsyncOpenAI(base_url=run.openai_base_url, api_key=key, max_retries=0)
-
-
 async def _chat(client, messages, seed, **kw):
     return await client.chat.completions.create(model="door", messages=messages, seed=seed, max_tokens=8,
                                                 temperature=1.0, logprobs=True, **kw)
@@ -69,7 +63,7 @@ def test_two_turn_chat_matches_native_episode(door_run, loop):
             return (SECOND, 0.0, False, {"role": "user"}) if self.n == 1 else (None, 0.0, True, {})
 
     async def body():
-        client = _client(run, "a")
+        client = door_client(run, "a")
         m1 = [{"role": "user", "content": FIRST}]
         r1 = await _chat(client, m1, seed=11)
         m2 = m1 + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": SECOND}]
@@ -114,7 +108,7 @@ def test_edited_history_starts_a_new_segment(door_run, loop):
     run = door_run
 
     async def body():
-        client = _client(run, "b")
+        client = door_client(run, "b")
         before = run.door.counters()["agent/retokenized_segments"]
         m1 = [{"role": "user", "content": FIRST}]
         r1 = await _chat(client, m1, seed=1)
@@ -138,7 +132,7 @@ def test_concurrent_sessions_export_only_their_own_calls(door_run, loop):
     S = 64
 
     async def agent(s):
-        client = _client(run, f"c{s}")
+        client = door_client(run, f"c{s}")
         m = [{"role": "user", "content": f"{s}+{s}="}]
         r = await _chat(client, m, seed=s)
         await asyncio.sleep(0)  # let the others interleave between the turns
@@ -166,7 +160,7 @@ def test_streaming_errors_and_keys(door_run, loop):
     run = door_run
 
     async def body():
-        client = _client(run)  # no session: served, not recorded
+        client = door_client(run)  # no session: served, not recorded
         m = [{"role": "user", "content": FIRST}]
         plain = await _chat(client, m, seed=5)
         pieces, ids = [], []
@@ -213,7 +207,7 @@ def test_rewarded_sessions_enter_the_buffer(door_run, loop):
 
     async def body():
         for s in ("j0", "j1"):
-            await _chat(_client(run, s), [{"role": "user", "content": FIRST}], seed=len(s))
+            await _chat(door_client(run, s), [{"role": "user", "content": FIRST}], seed=len(s))
         url = run.openai_base_url + "/forgelab/sessions/{}/reward"
         async with httpx.AsyncClient() as http:
             refused = await http.post(url.format("j0"), json={"reward": 1.0}, headers={"Authorization": "Bearer tml-x"})

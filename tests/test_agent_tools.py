@@ -15,6 +15,7 @@ import json
 import os
 
 import pytest
+from door_clients import door_client
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -44,16 +45,9 @@ def tool_run(loop, tmp_path_factory):
     loop.run_until_complete(run.shutdown())
 
 
-def _client(run, session=None):
-    import openai
-
-    key = run.door_key if session is None else f"{run.door_key}.{session}"
-    return openai.AsyncOpenAI(base_url=run.openai_base_url, api_key=key, max_retries=0)
-
-
 async def _calling_seed(run, messages, tools):
     """A seed whose first choice is a tool call (the model calls on ~30 % of samples), found with unrecorded calls."""
-    client = _client(run)
+    client = door_client(run)
     for seed in range(64):
         r = await client.chat.completions.create(model="tools", messages=messages, tools=tools, seed=seed,
                                                  max_tokens=24)
@@ -65,7 +59,7 @@ async def _calling_seed(run, messages, tools):
 async def _call_then_answer(run, session, messages, tools, run_tool):
     """Two turns in ``session``: a call the model makes (a seed found first), the tool's result, its answer."""
     seed = await _calling_seed(run, messages, tools)
-    client = _client(run, session)
+    client = door_client(run, session)
     r1 = await client.chat.completions.create(model="tools", messages=messages, tools=tools, seed=seed, max_tokens=24)
     msg = r1.choices[0].message
     assert r1.choices[0].finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
