@@ -244,8 +244,44 @@ class ForgelabSlurmJob(SlurmJob):
             threading.Thread(target=self._watch_lost, args=(job_id,), name=f"forgelab-slurm-{job_id}",
                              daemon=True).start()
         addresses = worker_addresses(self.config, self._all_hostnames)
+        self._wait_for_workers(job_id, addresses)
         return JobState({name: attach_to_workers(name=name, ca="trust_all_connections", workers=list(workers))
                          for name, workers in addresses.items()})
+
+    def _wait_for_workers(self, job_id: str, addresses: Mapping[str, Sequence[str]]) -> None:
+        """Wait until every worker accepts a TCP connection on its port, or fail naming the ones that do not.
+
+        Monarch's attach pushes its config to each worker and gives the reply one minute
+        (`mesh_attach_config_timeout`); a worker still importing torch on a loaded node misses that. So the
+        controller first waits for the workers to listen, up to `worker_start_timeout`, while the job runs."""
+        import socket
+
+        pending = {addr: name for name, addrs in addresses.items() for addr in addrs}
+        deadline = time.monotonic() + self.config.worker_start_timeout
+        while pending:
+            for addr in list(pending):
+                host, port = addr.removeprefix("tcp://").rsplit(":", 1)
+                try:
+                    with socket.create_connection((host, int(port)), timeout=2):
+                        del pending[addr]
+                except OSError:
+                    pass
+            if not pending:
+                return
+            lost = self.lost_workers()
+            info = self.query(job_id)
+            ended = info is None or info.ended
+            if lost or ended or time.monotonic() > deadline:
+                waiting = ", ".join(f"{name} at {addr}" for addr, name in sorted(pending.items()))
+                why = (f"worker(s) ended: {'; '.join(str(w) for w in lost)}" if lost
+                       else f"the job ended ({'not listed' if info is None else list(info.states)})" if ended
+                       else f"not listening after {self.config.worker_start_timeout} s; raise "
+                            "hosts.job.worker_start_timeout on a loaded cluster")
+                log_dir = self.config.log_dir or os.getcwd()
+                self._kill()
+                raise RuntimeError(f"Slurm job {job_id}: {waiting}: {why}. The workers' output is in {log_dir} "
+                                   f"(slurm_{job_id}_*.out/.err)")
+            time.sleep(0.5)  # a port opening is not an event this process can wait on; bounded by the deadline
 
     def _kill(self) -> None:
         job_id = self._slurm_job_id

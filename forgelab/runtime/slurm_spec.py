@@ -60,6 +60,10 @@ class SlurmConfig:
     """Seconds to wait for the allocation (queueing included); None: wait as long as it takes."""
     watch_controller: bool = True
     """Cancel the job when the controller process dies (a watcher process on the controller's host)."""
+    worker_start_timeout: int = 300
+    """Seconds from the job running until every worker listens on its port (a worker's Python starts, imports
+    torch and Monarch, then listens: on a loaded node that can take minutes). Monarch's attach is given one
+    minute per worker after that, so it waits for listening workers first."""
 
     @property
     def workers(self) -> int:
@@ -84,7 +88,7 @@ class SlurmConfig:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise SlurmConfigError(f"hosts.job.meshes.{name} must be a positive number of workers, got {n!r}")
         cfg["meshes"] = {str(k): int(v) for k, v in meshes.items()}
-        for key in ("nodes", "cpus_per_task", "gpus_per_node", "job_start_timeout", "monarch_port"):
+        for key in ("nodes", "cpus_per_task", "gpus_per_node", "job_start_timeout", "monarch_port", "worker_start_timeout"):
             v = cfg.get(key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise SlurmConfigError(f"hosts.job.{key} must be a positive integer, got {v!r}")
