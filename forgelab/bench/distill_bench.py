@@ -19,8 +19,12 @@ bound), never dropped. ``distill_over_grpo_steps`` is the ratio of the median st
 (censored values included; the goal is at most 1/3). ``distill_step_cost_over_grpo``: the ratio of the median
 wall seconds per step (the time between consecutive metrics rows, evaluations included).
 
-``--quick`` proves the code path in about a minute: 4 steps per arm and a stand-in teacher (the base at
-temperature 0.5, no training) with an unreachable target; its numbers mean nothing.
+``--quick`` proves the code path and measures nothing: a stand-in teacher (the base at temperature 0.5, no
+training, so no recipe run) with an unreachable target; each arm 2 steps (warmup 1) with 8 held-out problems
+evaluated at steps 0 and 2. Branches it runs: both arms' configurations (teacher process, no reference, no KL,
+``advantage: none``; and the demo's GRPO with its reference), a run that ends at its last step without reaching
+the target (`run_arm`'s censored path, counted at `--steps` in `summarise`), the reverse-KL columns of the
+distill arm, and every key of the JSON. Its cost is the two arms' process starts; the steps are a few seconds.
 """
 from __future__ import annotations
 
@@ -119,7 +123,8 @@ def summarise(arms: dict[str, list[dict]], steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench distill", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4 steps per arm, a stand-in teacher (proves the code path)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 steps per arm, 8 held-out problems at steps 0 and 2, a stand-in teacher (proves the code path)")
     ap.add_argument("--steps", type=int, default=250, help="step budget per arm (default 250)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-n", type=int, default=200)
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--teacher-steps", type=int, default=250, help="GRPO steps of the recipe's teacher")
     a = ap.parse_args(argv)
     if a.quick:
-        a.steps, a.eval_every, a.eval_n, a.seeds = 4, 2, 16, 1
+        a.steps, a.eval_every, a.eval_n, a.seeds = 2, 2, 8, 1
     machine = print_machine("start")
     work = tempfile.mkdtemp(prefix="forgelab-distill-bench-")
     try:

@@ -257,6 +257,8 @@ def probe_s_per_step(res: dict, skip: int = 2) -> float:
 
     >>> probe_s_per_step({"step_end_s": [5.0, 6.0, 7.0, 7.5, 8.0]})
     0.5
+    >>> probe_s_per_step({"step_end_s": [5.0, 6.5]}, skip=1)  # the quick probe: its second step
+    1.5
     """
     ends = res["step_end_s"]
     diffs = [b - a for a, b in zip(ends, ends[1:])][max(0, skip - 1):]
@@ -272,10 +274,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench e2e", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: a TRL probe of 3 steps at 2 threads, then 1 pair (its TRL run at 1 "
-                         "thread is the 1-thread probe: its steps after the first) and the TRL + vLLM run at the "
-                         "faster thread count, each 4 steps (warmup 1, batch 8, 10 held-out problems evaluated at "
-                         "steps 0, 2, 4; a run that misses the target is censored as in the full mode)")
+                    help="proves the code path: a TRL probe of 2 steps at 2 threads (its second step timed), then "
+                         "1 pair (its TRL run at 1 thread is the 1-thread probe: its steps after the first) and the "
+                         "TRL + vLLM run at the faster thread count, each 4 steps (warmup 1, batch 8, 10 held-out "
+                         "problems evaluated at steps 0, 2, 4; a run that misses the target is censored as in the "
+                         "full mode)")
     ap.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy to reach")
     ap.add_argument("--every", type=int, default=EVAL_EVERY, help="evaluate every this many steps")
     ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap (also the cosine schedule's length)")
@@ -287,10 +290,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json-out", default="", help="also write the full result (with curves) to this file")
     args = ap.parse_args(argv)
     prompts, eval_n, hf_check, warmup = 8, EVAL_N, True, 5
-    probe_threads = (1, 2)
+    probe_threads, probe_skip = (1, 2), 2
     if args.quick:
-        args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 4, 2, 1, 60.0, 3
-        prompts, eval_n, hf_check, warmup = 1, 10, False, 1
+        # Branches the quick mode runs: the probe loop (2 threads) and the pair's TRL run as the other thread
+        # count's probe; forgelab in its own process (cold clock) and TRL, each with an evaluation during training
+        # (step 2) and at the end (step 4), censored (the target is out of reach in 4 steps); the TRL + vLLM run
+        # (or its error); every ratio and the summary. Only the probe is cut to what one timed step needs: the
+        # 2-thread probe is what collapses under load (10-15 s a step at load 5).
+        args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 4, 2, 1, 60.0, 2
+        prompts, eval_n, hf_check, warmup, probe_skip = 1, 10, False, 1, 1
         probe_threads = (2,)  # the pair's TRL run (1 thread, below) is the 1-thread probe: one TRL start fewer
     model = args.model or SHIPPED_MODEL
     timeout_s = 2 * args.time_cap + 600
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     by_threads = {}
     for threads in probe_threads:
         probe = run_trl({**base, "steps": args.probe_steps, "every": 0, "seed": 0, "threads": threads}, timeout_s)
-        by_threads[str(threads)] = probe_s_per_step(probe)
+        by_threads[str(threads)] = probe_s_per_step(probe, probe_skip)
         print(f"  TRL probe, {threads} thread(s): {by_threads[str(threads)]} s/step", flush=True)
     unprobed = [t for t in (1, 2) if str(t) not in by_threads]  # quick: the pair's TRL run probes it
     trl_threads = unprobed[0] if unprobed else int(min(by_threads, key=by_threads.get))

@@ -159,7 +159,7 @@ class PssSampler:
         self._thread.join()
 
 
-def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2):
+def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2, warmup: int = 1):
     from forgelab.config.run_config import (EvalConfig, ModelConfig, PlacementConfig, RolloutConfig, RunConfig,
                                  TrackingConfig, TrainConfig)
 
@@ -167,7 +167,7 @@ def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2):
         name="realmodel",
         model=ModelConfig(path=model_dir, max_model_len=64),
         rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=prompts, concurrency=1, max_tokens=8),
-        train=TrainConfig(steps=steps, batch_size=4 * prompts, lr=1e-5, warmup_steps=1, max_policy_age=1, seed=0),
+        train=TrainConfig(steps=steps, batch_size=4 * prompts, lr=1e-5, warmup_steps=warmup, max_policy_age=1, seed=0),
         eval=EvalConfig(every=0, n=2),
         tracking=TrackingConfig(out_dir=out_dir, wandb=False),
         placement=PlacementConfig(reference=True),
@@ -178,7 +178,7 @@ async def _loop(model_dir: str, steps: int, prompts: int = 2) -> dict:
     from forgelab.run import Run
 
     with tempfile.TemporaryDirectory(prefix="forgelab-realmodel-") as out, PssSampler() as sampler:
-        cfg = loop_config(model_dir, out, steps, prompts)
+        cfg = loop_config(model_dir, out, steps, prompts, warmup=min(1, steps - 1))
         run = Run(cfg)
         await run.start()
         roles = {}
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench realmodel", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="trainer alone at 2 layers (not 28), batch 1 x 64, 1 step, beside the logits children; "
-                         "loop 2 steps of 1 prompt x 4")
+                         "loop 1 step of 1 prompt x 4 (no warmup)")
     ap.add_argument("--batch", type=int, default=None, help="trainer-alone rows (default 4; quick 1)")
     ap.add_argument("--seq", type=int, default=None, help="trainer-alone tokens per row (default 256; quick 64)")
     ap.add_argument("--skip-trainer", action="store_true", help="skip part 1 (the full-depth trainer)")
@@ -276,7 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"logits memory for {N} tokens: chunked {result['logits_peak_gib_chunked']:.3f} GiB, "
           f"full {result['logits_peak_gib_full']:.3f} GiB", flush=True)
 
-    loop = asyncio.run(_loop(small, 2 if args.quick else 4, 1 if args.quick else 2))
+    # --quick runs every part once: the trainer alone (1 step), both logits paths measured (64 tokens: no
+    # extrapolation), and a 1-step loop: generation, the train step, its weight push (the row's weight_sync_ms)
+    # and the PSS of every process (generator, trainer, reference) against the plan
+    loop = asyncio.run(_loop(small, 1 if args.quick else 4, 1 if args.quick else 2))
     measured = loop.pop("peak_pss_gib")
     cfg = loop.pop("cfg")
     plan = planned_pss(cfg, measured)

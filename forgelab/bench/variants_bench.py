@@ -24,7 +24,11 @@ costs; ``shared_pass_over_sequential`` (`shared_pass_bound`) what sharing the ba
 ``cpu_s_one`` / ``cpu_s_four``: the CPU seconds of every process (this one and the engines') in each phase;
 ``cpu_util_*`` the share of the cores they kept busy; ``four_over_one_cpu_floor`` (`cpu_floor`) the least
 ``four_over_one`` the four's CPU seconds allow on this machine's cores.
-``--quick``: 3 steps per phase; its numbers prove the code path only.
+``--quick``: 2 steps per phase (warmup 1) at batch 16 (2 prompts x 8); its numbers prove the code path only.
+Branches it runs: the engines' spawn, one variant trained on a slot, the sweep (4 forks: checkpoint, restore,
+push) with the four trained at once (slot swaps on the trainer), every row after the fork step timed
+(``trainer_s_per_step_four``), the CPU accounting, the estimate that stands in for the separate runs, and
+`shared_pass_bound` on the last batch (1 repeat after its warm-up).
 """
 from __future__ import annotations
 
@@ -44,14 +48,17 @@ VARIANTS = {"lr_half": {"lr": 1e-3}, "lr_x2": {"lr": 4e-3}, "dapo": {"loss": "da
             "no_format": {"reward_weights": {"answer_format": 0.0}}}
 
 
-def bench_config(name: str, steps: int, out_dir: str):
+def bench_config(name: str, steps: int, out_dir: str, prompts: int = 8):
+    """The variants' configuration: `prompts` x 8 episodes a step (8: the demo's batch), warmup 2 steps (fewer
+    when `steps` is shorter: warmup must end before the last step)."""
     from forgelab.config.components import LoraConfig
     from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(name=name, lora=LoraConfig(enabled=True, rank=8, alpha=16.0),
-                     rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=8, concurrency=2,
+                     rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=prompts, concurrency=2,
                                            max_tokens=8),
-                     train=TrainConfig(steps=steps, batch_size=64, lr=2e-3, warmup_steps=2, max_policy_age=1),
+                     train=TrainConfig(steps=steps, batch_size=8 * prompts, lr=2e-3, warmup_steps=min(2, steps - 1),
+                                       max_policy_age=1),
                      eval=EvalConfig(every=0, n=8), tracking=TrackingConfig(out_dir=out_dir, wandb=False)).validate()
 
 
@@ -105,11 +112,12 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
     from forgelab.experiments.variants import SharedEngines
     from forgelab.run import Run
 
-    engines = SharedEngines(bench_config("one", steps, out_dir), slots=5)
+    prompts = 2 if quick else 8
+    engines = SharedEngines(bench_config("one", steps, out_dir, prompts), slots=5)
     t0 = time.perf_counter()
     await engines.start()
     spawn_s = time.perf_counter() - t0
-    one = Run(bench_config("one", steps, out_dir), spawn=engines)
+    one = Run(bench_config("one", steps, out_dir, prompts), spawn=engines)
     try:
         c0, t0 = tree_cpu(), time.perf_counter()
         await one.start()
@@ -213,16 +221,17 @@ def shared_pass_bound(batch: dict, copies: int = 4, repeats: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench variants", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 steps per phase; the separate runs estimated, not run")
-    ap.add_argument("--steps", type=int, default=None, help="steps per phase (default 20; --quick 3)")
+    ap.add_argument("--quick", action="store_true", help="2 steps per phase at batch 16; the separate runs estimated, not run")
+    ap.add_argument("--steps", type=int, default=None, help="steps per phase (default 20; --quick 2)")
     args = ap.parse_args(argv or [])
-    steps = args.steps or (3 if args.quick else 20)
+    steps = args.steps or (2 if args.quick else 20)
     start = print_machine("start")
     with tempfile.TemporaryDirectory(prefix="forgelab-variants-") as d:
         r = asyncio.run(_run(steps, args.quick, d))
     r.update(shared_pass_bound(r.pop("last_batch"), repeats=1 if args.quick else 3))
     end = print_machine("end")
-    print(f"variants bench: shipped model, LoRA rank 8, batch 64 (8 x 8), {steps} steps per variant")
+    print(f"variants bench: shipped model, LoRA rank 8, batch {16 if args.quick else 64} "
+          f"({2 if args.quick else 8} x 8), {steps} steps per variant")
     print_table([
         {"what": "engines spawn (not counted)", "seconds": r["engines_spawn_s"], "ratio": ""},
         {"what": f"1 variant, {steps} steps", "seconds": r["one_s"], "ratio": 1.0},
