@@ -28,6 +28,11 @@ to count the controller thread's CPU time spent in it (``time.thread_time``).
 the median wall seconds per step; goal <= 0.02 (the panels' shared budget is
 1.5 %; the rest is the listeners' own calls).
 Building the lab (first draws) is reported apart (``lab_build_cpu_s``).
+
+``--quick`` measures nothing; it runs one (off, on) pair of 3-step segments at batch 8 (3 steps: the shortest
+segment with a timed step after the attach step): one bare segment, the lab built (every panel, a first draw),
+metered listeners and refreshes in the "on" segment, the lab closed, and every key of the JSON. Its cost is the
+run's spawn; the six steps take a few seconds.
 """
 from __future__ import annotations
 

@@ -58,6 +58,11 @@ wave's `generator_busy_fraction_wave` (steps only), `prefix_hit_rate`, and for t
 `episodes_in_flight_max` (goal >= 10,000), `generator_busy_at_10k` (goal >= 0.95), `turn_latency_p99_ms_at_10k`
 and `env_mib_per_1k_episodes` (goal <= 100), each the worse of the 2- and 4-replica runs (per replica
 count under `big`).
+
+``--quick`` measures nothing; it runs every part once at its smallest: the warm-up wave, one wave per level
+(C = 1 once, 10, 100, 1000), the steady state at 100 and 1000 for 5 s each (a window needs a call back after the
+pipeline filled), 16 prefix-reuse episodes, and the replicas level at 1000 episodes over 2 replicas (the routed
+path needs two) for 3 s after it filled, with its in-flight sampling and memory readings.
 """
 from __future__ import annotations
 

@@ -20,6 +20,10 @@ one warm-up. Bare vLLM and actor runs alternate in pairs (7 on the tiny model,
 the order flipping each pair); ``actor_over_bare_vllm`` is the median over
 those pairs of actor / bare tokens/s (the machine's load drifts), and
 ``pair_ratios`` lists every pair's ratio.
+
+``--quick`` measures nothing; it runs the tiny model only: bare vLLM and the actor built at once, 8 prompts x 8,
+2 bare/actor pairs (both orders), 1 HF run, 1 weight update through the actor, and every key of the JSON (the
+~50 M model, made only for the full mode, is left out).
 """
 from __future__ import annotations
 

@@ -33,6 +33,11 @@ the steps-to-target spread between seeds), `generator_idle_drain`, `generator_id
 `heldout_accuracy_drain` / `_inflight` (at the last step, per pair), `accuracy_spread` (the largest gap
 between two pairs of one mode) and `learning_not_worse` (median final accuracy inflight >= median drain -
 that spread).
+
+``--quick`` measures nothing; it runs both modes' process sets on the pool (each warmed by a 1-step run, as in the
+full mode: the generator's counters are read from the pool's idle processes), then one pair (both modes, the
+alternating order's first) of 2 steps each at batch 8 (1 group x 8) with 10 held-out problems at steps 0 and 2,
+each censored, with the long-tailed sampling, and every key of the JSON.
 """
 from __future__ import annotations
 

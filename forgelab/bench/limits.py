@@ -28,6 +28,10 @@ limit is (1-thread matmul GFLOP/s at its shape) / (FLOPs per token), and
 Each stage's fraction is given per CPU second (``*_fraction_of_limit``: how
 close the code gets to the core while it has the core) and per wall second
 (``*_fraction_of_limit_wall``: what the run got on this loaded host).
+
+``--quick`` measures nothing; it runs each part once at its smallest: 2 matmul repeats per shape, bare vLLM in
+its own process (8 prompts x 8, 1 timed run after its warm-up), a 2-step `Run` of 2 prompts x 8 (warmup 1; step
+1 warms up, step 2 is the one timed row) and the same batches through `TrainerState` in this process.
 """
 from __future__ import annotations
 

@@ -22,7 +22,10 @@ LoRA is rank 8 on all seven projections, the reference taken from the base (no r
    write, and the generator's load (vLLM ``reload_weights`` vs loading the adapter).
 
 ``--quick`` runs every part on the shipped tiny model (``shape: tiny-llama``): it proves the code path in
-about a minute; its numbers say nothing about the Qwen3 goals.
+about a minute; its numbers say nothing about the Qwen3 goals. It runs the three trainer kinds (full, LoRA,
+LoRA without activation checkpointing) in three processes at once (peaks stay per process), batch 4 x 64, 2
+steps each (the second timed), then the full loop (generator, trainer, reference) and the LoRA loop (generator,
+trainer) of 2 steps each (the second step's push is the one compared), every process's PSS against the plan.
 """
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ Python primitives on slot B, both with ``importance_sampling`` (the REST API ser
 batch: the median per-round ratio of the SDK's step time (measured in the client: submit both calls, wait for
 both results) to the Python step's.
 
-``--quick`` runs 3 rounds: it proves the code path and reports the keys.
+``--quick`` runs 3 rounds: it proves the code path and reports the keys: round 0 (each path's first call,
+left out) and two timed rounds, one in each order, for both the fused/primitives pair and the REST/Python pair
+(the SDK's process started once).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ spawn=pool)` on an empty `forgelab.engines.pool.ProcessPool` spawns generator an
 trainer (and reference) processes; warm: a second `Run` on the pool the first
 left idle re-initialises the same processes (trainer rebuilt from the config,
 generators reset to the fresh weights as version 0). Goal: warm_over_cold <= 0.15.
-The full mode times the warm start 3 times (median); --quick once.
+The full mode times the warm start 3 times (median); --quick once: one cold start and one warm one, each
+branch of the pool (spawn, re-initialise) once; nothing smaller runs both.
 """
 from __future__ import annotations
 

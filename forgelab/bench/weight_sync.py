@@ -29,6 +29,9 @@ started at the same instant, timed as the slowest: what N reloads cost on this
 machine at its current load (on an idle 2-core host about one raw; on a loaded
 one up to N raws, since the replicas then compete for the same share of CPU).
 
+``--quick`` measures nothing; it runs the tiny model only, 1 replica (one engine per side), the warm-up push of
+each transport, then 1 repetition: raw, shm push, raw, message push, raw xN together, and every key of the JSON.
+
 Sizes: the shipped tiny model (3.2 M params) and a random-init ~100 M-param
 Llama (hidden 768, 16 layers, same tokenizer) written to a temp dir. Each
 repetition runs raw, shm push, raw, message push, raw xN together, so load
