@@ -83,6 +83,9 @@ def test_quick_mode_runs_and_reports(name, quick_env):
         assert len(result["ci95"]) == 2 and len(result["ci95_cold"]) == 2
         assert result["forgelab_over_trl"] == result["forgelab_over_trl_warm"]
         assert ("trl_vllm" in result) != ("trl_vllm_error" in result)
+    if name == "distill":  # both arms ran and were evaluated at step 0 and after training
+        assert set(result["censored"]) == {"distill", "grpo"}
+        assert all(len(c) == 1 and len(c[0]) >= 2 for c in result["curves"].values()), result["curves"]
     if name == "async":
         assert set(result["time_to_target_s"]) == {"0", "1", "2"}
         assert result["async_over_sync_default"] == result["async_over_sync_by_age"]["1"]
