@@ -207,9 +207,13 @@ class Faulty:
 def faulty(loop, tmp_path_factory):
     from forgelab.run import Run
 
-    # long enough that the run is still training when the later fault tests inject their faults, even on an
-    # idle machine where steps are fast (the reward test then waits for the end)
-    cfg = tiny_config(tmp_path_factory.mktemp("faulty"), "faulty", 40, generator_replicas=2, reference=True)
+    # Long enough that the run is still training when the later fault tests inject their faults. The run only
+    # advances while a test drives the loop, and each fault test drives it to a condition then pauses or
+    # returns, so the step they reach does not depend on the machine's speed: the generator kill lands at
+    # step 1, the reference kill at step 3, the bad loss pauses at step 5 and one more step follows (every
+    # recorded artifacts/faults_summary.json); 16 steps leave that twice over, and the reward test waits for
+    # the end. (40 steps before: the last 34 trained only toward the end.)
+    cfg = tiny_config(tmp_path_factory.mktemp("faulty"), "faulty", 16, generator_replicas=2, reference=True)
     run = Run(cfg)
     rewards = FaultyRewards()
     run.rewards.add("sleepy", rewards.sleepy, 0.0)  # weight 0: still evaluated, still fails the episode
