@@ -207,9 +207,13 @@ class Faulty:
 def faulty(loop, tmp_path_factory):
     from forgelab.run import Run
 
-    # long enough that the run is still training when the later fault tests inject their faults, even on an
-    # idle machine where steps are fast (the reward test then waits for the end)
-    cfg = tiny_config(tmp_path_factory.mktemp("faulty"), "faulty", 40, generator_replicas=2, reference=True)
+    # Long enough that the run is still training when the later fault tests inject their faults. The run only
+    # advances while a test drives the loop, and each fault test drives it to a condition then pauses or
+    # returns, so the step they reach does not depend on the machine's speed: the generator kill lands at
+    # step 1, the reference kill at step 3, the bad loss pauses at step 5 and one more step follows (every
+    # recorded artifacts/faults_summary.json); 16 steps leave that twice over, and the reward test waits for
+    # the end. (40 steps before: the last 34 trained only toward the end.)
+    cfg = tiny_config(tmp_path_factory.mktemp("faulty"), "faulty", 16, generator_replicas=2, reference=True)
     run = Run(cfg)
     rewards = FaultyRewards()
     run.rewards.add("sleepy", rewards.sleepy, 0.0)  # weight 0: still evaluated, still fails the episode
@@ -271,6 +275,9 @@ def test_reward_that_fails_everything_is_refused(loop, faulty):
 
 
 def test_generator_replica_killed(loop, faulty):
+    """Claim: a generator replica SIGKILLed with a call in flight is noticed, training goes on with the other
+    replica, the service respawns it, and it serves the run's current weights before its first request.
+    Structural: one kill after step 1 reaches every branch (its time is vLLM's respawn)."""
     run = faulty.run
     drive(loop, run, lambda: run.step >= 1 and run.generators.status()[1].in_flight > 0,
           "a generate call in flight on replica 1 after step 1")
@@ -428,6 +435,11 @@ asyncio.run(main())
 
 
 def test_controller_killed_then_resumed(loop, tmp_path):
+    """Claim: a controller SIGKILLed after its first checkpoint leaves no orphan process, and a run resumed from
+    that checkpoint starts at its step, version, data stream and trainer fingerprint, listens on loopback only,
+    and finishes with a gapless learning curve and every episode accounted for. Structural: 6 steps with a
+    checkpoint every 2 is the smallest run with a checkpoint before the kill and steps after the resume; its
+    time is two cold starts (the killed controller's and the resumed run's), which this test must keep."""
     from forgelab.run import Run
 
     cfg = tiny_config(tmp_path, "resume", 6, checkpoint_every=2, reference=False, trainer_procs=2)

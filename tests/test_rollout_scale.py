@@ -121,6 +121,8 @@ def ssh_run(sshd, tmp_path_factory):
 
 
 def test_a_run_over_the_ssh_job_trains_three_steps(ssh_run):
+    """Claim: a Run placed over Monarch's SSH job (two loopback hosts behind a real sshd) trains, and its
+    weights cross hosts after every step. Structural: 3 steps of 16 (the time is the job's two cold starts)."""
     res, _ = ssh_run
     assert res["state"] == "finished", res["message"]
     assert res["steps"] == [1, 2, 3]
@@ -193,6 +195,10 @@ def env_replica_killed(loop, tmp_path_factory):
 
 
 def test_killing_an_env_replica_at_1000_in_flight_loses_no_episode(env_replica_killed):
+    """Claim: with >= 1,000 episodes in flight, SIGKILLing one of two environment replicas loses no episode: the
+    run trains all its steps, the killed replica's rollouts are counted unused in rollout_error events (whole
+    rollouts of 256), every episode id is accounted for, and the service restarts the replica. Structural: the
+    fixture's 1,024 admitted episodes (batch 512, staleness bound 1) are the smallest load that reaches 1,000."""
     run, victim, in_flight = env_replica_killed
     assert in_flight >= 1000
     c = run.buffer.check_accounting()  # generated == trained + evicted + dropped + buffered + in_flight

@@ -171,6 +171,15 @@ def grpo_config(out_dir):
 @integration
 @pytest.mark.timeout(600)
 def test_grpo_from_warm_start_learns_to_call_the_calculator_and_use_its_result(hf, tmp_path):
+    """Claim: GRPO from the tool warm start (multistep in the calculator env, 3 turns of 24 tokens, batch 64,
+    lr 1e-4, 40 steps) learns to call the calculator and answer with its result: in the rollouts (first vs last
+    10 steps) reward, tool use and answer == result rise and the calls stay well-formed; greedily on 200
+    held-out problems tool rate, well-formedness, result use and accuracy pass their floors; `Run.evaluate` in
+    the env agrees with the env's own verdict and rises by 0.2.
+
+    Not shortened (issue #39): at 24 steps, train.seed 0 / 1 (2026-11-27, load ~20) gave rollout tool use
+    0.258 -> 0.656 / 0.195 -> 0.386 and held-out greedy accuracy 0.095 -> 0.705 / 0.575: seed 1 misses the
+    tool-use floor max(0.5, first + 0.2)."""
     from forgelab.engines.generator import SamplingConfig
     from forgelab.run import Run
 
