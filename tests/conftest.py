@@ -34,9 +34,44 @@ if _THREADS:
     _component.Placement.process_env = _process_env_with_test_threads
 
 
+ENGINE_POOL_MAX_IDLE = 1
+"""Idle engine sets one test worker keeps (each holds a generator, a trainer and a reference: see the report of
+tests/test_pool_reuse.py for its memory); the modules that share them need one engine key."""
+
+
+def _module_uses_pool(request: pytest.FixtureRequest) -> bool:
+    return any("engine_pool" in getattr(item, "fixturenames", ()) for item in request.session.items
+               if getattr(item, "module", None) is request.module)
+
+
+@pytest.fixture(scope="session")
+def worker_loop():
+    """The test worker's long-lived event loop: the pooled engine sets' services (and the modules that use them)
+    live on it, since a service keeps the loop it started on. Closed at the session's end."""
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(worker_loop):
+    """This test worker's `ProcessPool` (one idle set at most): a module opts in with ``Run(cfg, spawn=engine_pool)``
+    and gets warm processes re-initialised for its run when an earlier module left a set with the same engine key
+    (`forgelab.engines.pool.engine_key`); its `loop` is then `worker_loop`. Stopped at the session's end."""
+    from forgelab.engines.pool import ProcessPool
+
+    pool = ProcessPool(max_idle=ENGINE_POOL_MAX_IDLE)
+    yield pool
+    worker_loop.run_until_complete(pool.shutdown())
+
+
 @pytest.fixture(scope="module")
-def loop():
-    """One event loop per test module: its module-scoped actors, services and runs live and die on it."""
+def loop(request):
+    """One event loop per test module: its module-scoped actors, services and runs live and die on it. A module
+    that takes `engine_pool` runs on the worker's `worker_loop` instead (the pooled services live on it)."""
+    if _module_uses_pool(request):
+        yield request.getfixturevalue("worker_loop")
+        return
     lp = asyncio.new_event_loop()
     yield lp
     lp.close()
