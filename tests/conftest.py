@@ -1,6 +1,7 @@
 """Shared test setup: environment defaults every forgelab process inherits, and fixtures several modules use."""
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 
@@ -61,8 +62,23 @@ def engine_pool(worker_loop):
     from forgelab.engines.pool import ProcessPool
 
     pool = ProcessPool(max_idle=ENGINE_POOL_MAX_IDLE)
+    _POOL[:] = [(pool, worker_loop)]
     yield pool
+    _POOL.clear()
     worker_loop.run_until_complete(pool.shutdown())
+
+
+_POOL: list = []
+"""This worker's `engine_pool` and its loop, while the session has one (for the hook below)."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A file that needs the machine's memory to itself (the root conftest's EXCLUSIVE) starts with this worker's
+    idle pooled engines stopped."""
+    root = item.config.pluginmanager.get_plugin(str(Path(__file__).resolve().parent.parent / "conftest.py"))
+    if _POOL and _POOL[0][0].idle and item.nodeid.split("::", 1)[0] in getattr(root, "EXCLUSIVE", ()):
+        pool, lp = _POOL[0]
+        lp.run_until_complete(pool.close_idle())
 
 
 @pytest.fixture(scope="module")

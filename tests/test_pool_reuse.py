@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
-
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids: the generator takes them as they are
 
 
@@ -102,6 +100,7 @@ def handed_over(loop, tmp_path_factory):
         run(pool.shutdown())
 
 
+@pytest.mark.integration
 def test_user_changed_the_set(handed_over):
     """The first user really trained and changed what the next one must not see."""
     u = handed_over["user"]
@@ -110,6 +109,7 @@ def test_user_changed_the_set(handed_over):
     assert u["info"]["step"] == 3 and u["info"]["policy_version"] != handed_over["fresh"]["info"]["policy_version"]
 
 
+@pytest.mark.integration
 def test_handed_over_set_equals_a_fresh_spawn(handed_over):
     w = handed_over
     assert w["pool"] == (1, 2) and w["next_pids"] == w["fresh_pids"]  # the same processes, re-initialised twice
@@ -118,3 +118,36 @@ def test_handed_over_set_equals_a_fresh_spawn(handed_over):
     assert nxt["info"] == fresh["info"]  # step, policy version, loss and kwargs, LoRA flag
     assert nxt["versions"] == fresh["versions"]
     assert nxt["completions"] == fresh["completions"]  # the served weights, and no logprob hook left armed
+
+
+def test_max_idle_closes_the_longest_idle_set_first():
+    """The pool's memory cap, without processes: returned sets beyond ``max_idle`` are stopped oldest first;
+    ``close_idle`` stops the rest; a negative cap is refused."""
+    from forgelab.engines.pool import PooledParts, ProcessPool
+
+    stopped: list[str] = []
+
+    class Set(PooledParts):
+        async def stop_processes(self) -> None:
+            stopped.append(self.label)
+
+    async def healthy(parts) -> bool:
+        return True
+
+    async def scenario() -> None:
+        pool = ProcessPool(max_idle=2)
+        pool._healthy = healthy  # the stubs have no processes to ask
+        sets = []
+        for label in "abc":
+            s = Set(generators=None, trainer=None, reference=None, pool=pool, key={})
+            s.label = label
+            pool.busy.append(s)
+            sets.append(s)
+        for s in sets:
+            await s.shutdown()  # back to the pool
+        assert stopped == ["a"] and [s.label for s in pool.idle] == ["b", "c"]
+        assert await pool.close_idle() == 2 and stopped == ["a", "b", "c"] and pool.idle == []
+
+    asyncio.run(scenario())
+    with pytest.raises(ValueError, match="max_idle"):
+        ProcessPool(max_idle=-1)

@@ -226,6 +226,14 @@ class ProcessPool:
                              "generator_replicas": len(p.generators.status()) if p.generators is not None else 0})
         return rows
 
+    async def close_idle(self) -> int:
+        """Stop the idle process sets (their memory back before something big); busy ones stay. Returns how many."""
+        async with self._lock:
+            sets, self.idle = self.idle, []
+        for p in sets:
+            await p.stop_processes()
+        return len(sets)
+
     async def shutdown(self) -> None:
         """Stop every idle process set (and busy ones: their runs lose their processes)."""
         async with self._lock:
