@@ -1,6 +1,7 @@
 """Suite-wide scheduling for `make test` (pytest-xdist, ``--dist loadfile``): files run longest first.
 
-Each xdist worker takes a whole file at a time, in collection order, when it finishes its last one. Files in
+Each xdist worker takes a whole file (or a group of files, below) at a time, in collection order, when it
+finishes its last one. Files in
 the order they happen to be collected let a long file start last and run alone while the other worker idles;
 longest first (the greedy rule for two machines) makes both end close together. Durations come from
 ``tests/durations.json``, the record of a whole `make test` written by ``make durations``; a file missing from
@@ -11,6 +12,13 @@ alone peaks near 12 GiB during a 1.5 GB weight message; with any other run besid
 killer took the generator) go last, and hold an exclusive lock while they run: a worker starting any other
 file takes the lock shared, so the two never overlap (a gate lock keeps shared takers from starving the
 exclusive one). Without xdist nothing is locked.
+
+**Files that share pooled engines** (`ENGINE_GROUPS`: modules whose fixtures take the worker's ``engine_pool``
+with the same engine key, `forgelab.engines.pool.engine_key`) run on one worker, one after the other, so the
+second takes the first's warm processes instead of spawning its own (~25-45 s each). Under ``--dist loadfile``
+(`make test`) this conftest's scheduler (`pytest_xdist_make_scheduler`) hands out a group as one unit of work, as
+loadfile hands out a file (xdist's own ``--dist loadgroup`` does not work with pytest 9: it renames items through
+a field pytest no longer reads); groups go out longest first by their summed time, files longest first within.
 
 With ``FORGELAB_DURATIONS_OUT=path`` the controller process sums each file's setup, call and teardown times of
 this run and writes them there (``make test`` writes ``artifacts/test_durations.json``).
@@ -31,6 +39,15 @@ RECORD = ROOT / "tests" / "durations.json"
 EXCLUSIVE = frozenset({"tests/test_real_shapes.py"})
 """Files that run with no other file beside them (see the module)."""
 
+ENGINE_GROUPS: dict[str, str] = {
+    # the shipped model's GRPO engines with a reference process (generator, trainer, reference)
+    "tests/test_run.py": "engines:grpo-reference",
+    "tests/test_lab.py": "engines:grpo-reference",
+    # the same without a reference process (generator, trainer)
+    "tests/test_records_replay.py": "engines:grpo",
+}
+"""File -> the engine group it shares on one worker (files whose module fixtures take ``engine_pool``)."""
+
 
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
@@ -46,22 +63,51 @@ def load_record(path: Path = RECORD) -> dict[str, float]:
     return {str(k): float(v) for k, v in files.items()}
 
 
-def longest_first(files: list[str], record: dict[str, float], last: frozenset[str] = frozenset()) -> list[str]:
+def longest_first(files: list[str], record: dict[str, float], last: frozenset[str] = frozenset(),
+                  groups: dict[str, str] | None = None) -> list[str]:
     """``files`` (each once, in collection order) reordered longest first by ``record``; files the record lacks
-    come first, in collection order; the files in ``last`` go at the end (they run alone). Ties keep
-    collection order."""
-    shared = [f for f in files if f not in last]
-    unknown = [f for f in shared if f not in record]
-    known = sorted((f for f in shared if f in record), key=lambda f: -record[f])
-    return unknown + known + [f for f in files if f in last]
+    come first, in collection order; the files in ``last`` go at the end (they run alone). Files in one of
+    ``groups`` stay together: the group goes where its summed time puts it (first if the record lacks one of
+    its files), its files longest first. Ties keep collection order."""
+    groups = groups or {}
+    units: dict[str, list[str]] = {}
+    for f in files:
+        if f not in last:
+            units.setdefault(groups.get(f, f), []).append(f)
+
+    def inner(unit: list[str]) -> list[str]:
+        return [f for f in unit if f not in record] + sorted((f for f in unit if f in record), key=lambda f: -record[f])
+
+    ordered = [inner(u) for u in units.values()]
+    unknown = [u for u in ordered if any(f not in record for f in u)]
+    known = sorted((u for u in ordered if all(f in record for f in u)), key=lambda u: -sum(record[f] for f in u))
+    return [f for u in unknown + known for f in u] + [f for f in files if f in last]
+
+
+def group_of(file: str) -> str:
+    """The unit of work a file goes to a worker in: its engine group, or the file itself."""
+    return ENGINE_GROUPS.get(file, file)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     by_file: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         by_file[_file_of(item.nodeid)].append(item)
-    order = longest_first(list(by_file), load_record(), EXCLUSIVE)
+    order = longest_first(list(by_file), load_record(), EXCLUSIVE, ENGINE_GROUPS)
     items[:] = [item for f in order for item in by_file[f]]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` with `ENGINE_GROUPS`: a group's files go to one worker as one unit, in collection order."""
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for the other modes
+    from xdist.scheduler import LoadFileScheduling
+
+    class EngineGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(_file_of(nodeid))
+
+    return EngineGroupScheduling(config, log)
 
 
 class FileLock:

@@ -1,6 +1,7 @@
 """Shared test setup: environment defaults every forgelab process inherits, and fixtures several modules use."""
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 
@@ -34,9 +35,59 @@ if _THREADS:
     _component.Placement.process_env = _process_env_with_test_threads
 
 
+ENGINE_POOL_MAX_IDLE = 1
+"""Idle engine sets one test worker keeps (each holds a generator, a trainer and a reference: see the report of
+tests/test_pool_reuse.py for its memory); the modules that share them need one engine key."""
+
+
+def _module_uses_pool(request: pytest.FixtureRequest) -> bool:
+    return any("engine_pool" in getattr(item, "fixturenames", ()) for item in request.session.items
+               if getattr(item, "module", None) is request.module)
+
+
+@pytest.fixture(scope="session")
+def worker_loop():
+    """The test worker's long-lived event loop: the pooled engine sets' services (and the modules that use them)
+    live on it, since a service keeps the loop it started on. Closed at the session's end."""
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(worker_loop):
+    """This test worker's `ProcessPool` (one idle set at most): a module opts in with ``Run(cfg, spawn=engine_pool)``
+    and gets warm processes re-initialised for its run when an earlier module left a set with the same engine key
+    (`forgelab.engines.pool.engine_key`); its `loop` is then `worker_loop`. Stopped at the session's end."""
+    from forgelab.engines.pool import ProcessPool
+
+    pool = ProcessPool(max_idle=ENGINE_POOL_MAX_IDLE)
+    _POOL[:] = [(pool, worker_loop)]
+    yield pool
+    _POOL.clear()
+    worker_loop.run_until_complete(pool.shutdown())
+
+
+_POOL: list = []
+"""This worker's `engine_pool` and its loop, while the session has one (for the hook below)."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A file that needs the machine's memory to itself (the root conftest's EXCLUSIVE) starts with this worker's
+    idle pooled engines stopped."""
+    root = item.config.pluginmanager.get_plugin(str(Path(__file__).resolve().parent.parent / "conftest.py"))
+    if _POOL and _POOL[0][0].idle and item.nodeid.split("::", 1)[0] in getattr(root, "EXCLUSIVE", ()):
+        pool, lp = _POOL[0]
+        lp.run_until_complete(pool.close_idle())
+
+
 @pytest.fixture(scope="module")
-def loop():
-    """One event loop per test module: its module-scoped actors, services and runs live and die on it."""
+def loop(request):
+    """One event loop per test module: its module-scoped actors, services and runs live and die on it. A module
+    that takes `engine_pool` runs on the worker's `worker_loop` instead (the pooled services live on it)."""
+    if _module_uses_pool(request):
+        yield request.getfixturevalue("worker_loop")
+        return
     lp = asyncio.new_event_loop()
     yield lp
     lp.close()

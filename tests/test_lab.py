@@ -229,7 +229,7 @@ def test_inspector_filters_and_lists_the_newest_episodes():
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(loop, engine_pool, tmp_path_factory):
     from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
     from forgelab.run import Run
 
@@ -242,9 +242,8 @@ def live(tmp_path_factory):
         tracking=TrackingConfig(out_dir=str(tmp), wandb=False),
         placement=PlacementConfig(reference=True),
     )
-    loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    run = Run(cfg)
+    run = Run(cfg, spawn=engine_pool)
     lab = dashboard(run)
     _ = lab.widget  # builds every panel and starts listening before the first step
     loop.run_until_complete(run.start())
@@ -254,7 +253,6 @@ def live(tmp_path_factory):
     finally:
         lab.close()
         loop.run_until_complete(run.shutdown())
-        loop.close()
         asyncio.set_event_loop(None)
 
 

@@ -48,12 +48,12 @@ def _config(out_dir, name):
 
 
 @pytest.fixture(scope="module")
-def world(loop, tmp_path_factory):
+def world(loop, engine_pool, tmp_path_factory):
     from forgelab.run import Run
 
     out = tmp_path_factory.mktemp("records")
     w = {"out": out}
-    parent = Run(_config(out / "runs", "rec-parent"))
+    parent = Run(_config(out / "runs", "rec-parent"), spawn=engine_pool)
     child = None
     run = loop.run_until_complete
     try:

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def finished_run(loop, grpo_config, tmp_path_factory):
+def finished_run(loop, engine_pool, grpo_config, tmp_path_factory):
     from forgelab.run import Run
 
-    run = Run(grpo_config(tmp_path_factory.mktemp("run")))
+    run = Run(grpo_config(tmp_path_factory.mktemp("run")), spawn=engine_pool)
     loop.run_until_complete(run.start())
     loop.run_until_complete(run.wait())
     yield run

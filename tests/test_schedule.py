@@ -79,3 +79,44 @@ def test_memory_lock_shared_and_exclusive(tmp_path: Path) -> None:
     a.hold("tests/test_y.py")  # the next file: the exclusive hold is given back first
     assert can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
     a.release()
+
+
+def test_engine_groups_stay_together_longest_first() -> None:
+    """Files sharing pooled engines run back to back (one worker's pool hands the set on); a group goes where its
+    summed time puts it, its files longest first; ungrouped files are their own unit."""
+    record = {"a.py": 100.0, "r1.py": 30.0, "r2.py": 80.0, "b.py": 90.0, "n1.py": 10.0}
+    groups = {"r1.py": "R", "r2.py": "R", "n1.py": "N", "n2.py": "N"}
+    files = ["a.py", "r1.py", "b.py", "r2.py", "n1.py", "n2.py"]
+    # n2.py is new: its group goes first; R (110 s) before a.py (100 s) before b.py (90 s)
+    assert schedule.longest_first(files, record, frozenset(), groups) == \
+        ["n2.py", "n1.py", "r2.py", "r1.py", "a.py", "b.py"]
+    assert schedule.group_of("r1.py") == "r1.py"  # not in the suite's table: its own group
+
+
+def test_files_taking_the_engine_pool_are_grouped() -> None:
+    """A module whose fixtures take ``engine_pool`` is in ENGINE_GROUPS (else it may land on the other worker
+    and spawn its own engines), and every grouped file exists and takes it."""
+    takers = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+              if "engine_pool" in p.read_text() and p.name != "test_schedule.py"}
+    assert takers == set(schedule.ENGINE_GROUPS), (sorted(takers), sorted(schedule.ENGINE_GROUPS))
+
+
+def test_loadfile_scheduler_hands_out_an_engine_group_as_one_unit() -> None:
+    """Under ``--dist loadfile`` the suite's scheduler puts a group's files in one unit of work (one worker), and
+    every other file in its own; other modes keep xdist's scheduler."""
+    grouped = [f for f, g in schedule.ENGINE_GROUPS.items() if list(schedule.ENGINE_GROUPS.values()).count(g) > 1]
+    assert len(grouped) >= 2, "no engine group with two files: nothing to check"
+
+    class Config:
+        def __init__(self, dist: str) -> None:
+            self.values = {"dist": dist, "tx": ["2*popen"]}
+
+        def getvalue(self, name: str) -> object:
+            return self.values[name]
+
+    assert schedule.pytest_xdist_make_scheduler(Config("load"), None) is None
+    sched = schedule.pytest_xdist_make_scheduler(Config("loadfile"), None)
+    scope = sched._split_scope
+    a, b = grouped[0], next(f for f in grouped[1:] if schedule.ENGINE_GROUPS[f] == schedule.ENGINE_GROUPS[grouped[0]])
+    assert scope(f"{a}::test_x") == scope(f"{b}::test_y[1]") == schedule.ENGINE_GROUPS[a]
+    assert scope("tests/test_other.py::test_z") == "tests/test_other.py" != scope(f"{a}::test_x")

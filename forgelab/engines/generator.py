@@ -540,8 +540,10 @@ class Generator(Component):
     @endpoint
     async def reset_version(self, version: int = -1) -> int:
         """Forget the served version (a warm pool's next run): the next weight push may carry any later one.
-        With LoRA the base is served again (a new run's adapter starts at B = 0)."""
+        With LoRA the base is served again (a new run's adapter starts at B = 0); an armed test hook
+        (`corrupt_next_logprob`) is disarmed."""
         self._engine().version = int(version)
+        self._engine().logprob_shift = None
         serve_base(self._engine())
         return self._engine().version
 

@@ -21,6 +21,11 @@ processes, and the pool says why (log line and `pool.last_note`).
 `Run.shutdown()` on a pooled run returns its parts (`PooledParts.shutdown`);
 only `pool.shutdown()` stops processes. Parts whose processes failed are not
 kept. Runs on a `monarch.job` (hosts.job) are not pooled.
+
+Memory: every idle set holds a generator, a trainer (model and optimizer) and a
+reference; `ProcessPool(max_idle=N)` keeps at most N idle sets, closing the one
+idle longest when a returned set would exceed it (None: no cap; 0: nothing kept
+idle, every returned set is stopped). The test suite keeps one set per worker.
 """
 from __future__ import annotations
 
@@ -86,8 +91,14 @@ class PooledParts(Parts["GeneratorService", "ActorHandle[Trainer]"]):
 class ProcessPool:
     """Keeps parts alive between runs in one kernel or script; pass it as `Run(cfg, spawn=pool)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_idle: int | None = None) -> None:
+        if max_idle is not None and max_idle < 0:
+            raise ValueError(f"ProcessPool(max_idle={max_idle}): give a count of idle process sets to keep, "
+                             "0 or more (None: no cap)")
+        self.max_idle = max_idle
+        """At most this many idle sets are kept (the oldest idle one is closed first); None: no cap."""
         self.idle: list[PooledParts] = []
+        """Idle sets, the longest idle first."""
         self.busy: list[PooledParts] = []
         self.last_note = ""
         self.spawned = 0
@@ -168,11 +179,17 @@ class ProcessPool:
         async with self._lock:
             if parts in self.busy:
                 self.busy.remove(parts)
-        if await self._healthy(parts):
-            self.idle.append(parts)
-        else:
+        if not await self._healthy(parts):
             self._note("pool: a returned set had failed processes: stopped, not kept")
             await parts.stop_processes()
+            return
+        async with self._lock:
+            self.idle.append(parts)
+            over = self.idle[:max(0, len(self.idle) - self.max_idle)] if self.max_idle is not None else []
+            del self.idle[:len(over)]
+        for old in over:  # the memory cap: the sets idle longest go first
+            self._note(f"pool: an idle set closed (max_idle={self.max_idle}; it served {old.runs} runs)")
+            await old.stop_processes()
 
     @staticmethod
     async def _healthy(parts: PooledParts) -> bool:
@@ -209,6 +226,14 @@ class ProcessPool:
                              "generator_replicas": len(p.generators.status()) if p.generators is not None else 0})
         return rows
 
+    async def close_idle(self) -> int:
+        """Stop the idle process sets (their memory back before something big); busy ones stay. Returns how many."""
+        async with self._lock:
+            sets, self.idle = self.idle, []
+        for p in sets:
+            await p.stop_processes()
+        return len(sets)
+
     async def shutdown(self) -> None:
         """Stop every idle process set (and busy ones: their runs lose their processes)."""
         async with self._lock:
@@ -221,4 +246,4 @@ class ProcessPool:
         (log.warning if "differ" in text or "failed" in text else log.info)("forgelab pool: %s", text)
 
     def __repr__(self) -> str:
-        return f"<ProcessPool idle {len(self.idle)} busy {len(self.busy)} spawned {self.spawned} reused {self.reused}>"
+        return f"<ProcessPool max_idle {self.max_idle} idle {len(self.idle)} busy {len(self.busy)} spawned {self.spawned} reused {self.reused}>"
