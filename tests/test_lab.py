@@ -1,7 +1,7 @@
 """The live lab, headless: widgets are driven and checked by their traits against a real short `Run`.
 
-The integration tests share one 4-step run (module-scoped, on an event loop
-this module owns). They read the run only through its public API, like the
+The integration tests share one 4-step run (module-scoped, on the test worker's
+loop, with engines from the worker's pool: tests/conftest.py `engine_pool`). They read the run only through its public API, like the
 widgets do.
 """
 import asyncio
