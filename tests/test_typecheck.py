@@ -8,6 +8,7 @@ its stubs of Monarch (``typings/monarch``), which ship no type information of th
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -54,11 +55,37 @@ def test_config_is_strict_for_the_goal_packages() -> None:
     assert STRICT and set(STRICT) <= set(GOAL)
 
 
+def test_no_skipped_package_is_imported_by_the_checked_code() -> None:
+    """pyproject skips (does not read) some third-party packages to save a cold run's time: a module there types
+    as ``Any``, so none may be imported by the strict packages (a name from it would be checked less)."""
+    cfg = tomllib.loads(CONFIG.read_text())["tool"]["mypy"]
+    skipped = [m for o in cfg["overrides"] if o.get("follow_imports") == "skip" for m in o["module"]]
+    followed = [m for o in cfg["overrides"] if o.get("follow_imports") == "normal" for m in o["module"]]
+    assert skipped and not any(m.startswith("forgelab") or m in ("torch.*", "transformers.*") for m in skipped)
+
+    def is_skipped(name: str) -> bool:
+        def match(pat: str) -> bool:
+            return name == pat or (pat.endswith(".*") and (name == pat[:-2] or name.startswith(pat[:-1])))
+        if name in followed:
+            return False
+        best = max((p for p in skipped + followed if match(p)), key=len, default=None)
+        return best is not None and best in skipped
+
+    bad = []
+    for package in STRICT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if is_skipped(n)]
+    assert not bad, "the strict packages import packages pyproject's mypy config skips:\n" + "\n".join(bad)
+
+
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
-    """ONE mypy run over the strict packages and every probe below (a run costs a minute or more of a busy
-    2-core machine, most of it reading torch's and vLLM's types): (the probes' folder, exit status, output).
-    The probes are plain modules beside the packages, checked with the same configuration."""
+    """ONE mypy run over the strict packages and every probe below (a cold run, as in a fresh clone, costs about
+    100 CPU-seconds, most of it reading the types of torch, vLLM, transformers and openai): (the probes' folder,
+    exit status, output). The probes are plain modules beside the packages, checked with the same configuration."""
     probes = tmp_path_factory.mktemp("typecheck_probes")
     (probes / "typecheck_probe.py").write_text(textwrap.dedent(PROBE))
     for name, (wrong, _) in GENERATOR_PROBES.items():
@@ -93,7 +120,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from monarch.actor import endpoint
+from transformers import AutoTokenizer
 
 from forgelab.engines.trainer import Trainer
 from forgelab.runtime import ActorHandle, Component, Service
@@ -132,6 +161,12 @@ async def wrong(learner: ActorHandle[Learner], svc: Service[Learner], trainer: A
     await trainer.call_one(Trainer.train_step, 3)  # E: call-overload
     await learner.train_step.call_one(batch, 0.1)  # E: attr-defined
     await learner.call_one(Learner.no_such_endpoint, batch)  # E: attr-defined
+
+
+def third_party(logits: torch.Tensor) -> None:
+    total: str = logits.sum()  # E: assignment
+    tokenizer = AutoTokenizer.from_pretrained("tiny")
+    text: int = tokenizer.decode([1, 2])  # E: assignment
 '''
 
 
