@@ -34,7 +34,8 @@ EXTRA_KEYS = {
                  "cpu_util_one", "cpu_util_four", "four_over_one_cpu_floor"},
     "distill": {"censored", "curves", "target", "teacher_accuracy", "s_per_step"},
     "inflight": {"heldout_accuracy_drain", "heldout_accuracy_inflight", "accuracy_spread", "learning_not_worse",
-                 "censored", "time_to_target_s", "inflight_over_drain_s_per_step", "drain_wait_s"},
+                 "censored", "time_to_target_s", "inflight_over_drain_s_per_step", "drain_wait_s",
+                 "process_sets_spawned", "update_mode_served", "weight_updates", "inflight_updates"},
     "primitives": {"primitives_over_fused_ci95", "fused_s_per_step", "primitives_s_per_step", "rest_over_python_ci95",
                    "rest_s_per_step"},
 }
@@ -86,9 +87,30 @@ def test_quick_mode_runs_and_reports(name, quick_env):
     if name == "distill":  # both arms ran and were evaluated at step 0 and after training
         assert set(result["censored"]) == {"distill", "grpo"}
         assert all(len(c) == 1 and len(c[0]) >= 2 for c in result["curves"].values()), result["curves"]
+    if name == "inflight":  # both modes ran on one set of processes, each run's pushes loaded in its own mode
+        assert result["process_sets_spawned"] == 1, result
+        assert result["update_mode_served"] == {"drain": ["drain"], "inflight": ["inflight"]}, result
+        for mode, ups in result["weight_updates"].items():
+            assert ups and all(u >= 1 for u in ups), result["weight_updates"]
+            assert result["inflight_updates"][mode] == (ups if mode == "inflight" else [0] * len(ups)), result
     if name == "async":
         assert set(result["time_to_target_s"]) == {"0", "1", "2"}
         assert result["async_over_sync_default"] == result["async_over_sync_by_age"]["1"]
+
+
+def test_update_mode_is_not_in_the_engine_key(tmp_path):
+    """The inflight bench runs both modes on one pooled set: the update mode is set per run (`_reinit`)."""
+    import dataclasses
+
+    from forgelab.demo import demo_config
+    from forgelab.engines.pool import engine_key
+
+    cfg = demo_config(10, out_dir=str(tmp_path))
+    modes = [dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, update_mode=m)) for m in
+             ("drain", "inflight")]
+    assert engine_key(modes[0]) == engine_key(modes[1])
+    other = dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, max_num_seqs=64))
+    assert engine_key(other)["generator"] != engine_key(cfg)["generator"]  # an engine setting still is
 
 
 def test_suites_registered():

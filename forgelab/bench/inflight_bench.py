@@ -15,8 +15,9 @@ outlive one push).
 
 Each pair runs the same seed under ``generator.update_mode: drain`` (a weight push stops intake and waits for
 the running requests, the long tail included) and ``inflight`` (loaded between two engine steps, requests run
-on), in alternating order, on one process pool (each mode's processes spawned once and warmed by a one-step
-run, then re-initialised per run). Every run trains `--steps` steps (on past the target), so the final
+on), in alternating order, on one set of processes in a `ProcessPool` (spawned once, warmed by a one-step run
+in each mode, then re-initialised per run: the update mode is set per run at re-initialisation, as it fixes no
+engine; until 2026-11-27 each mode had its own set). Every run trains `--steps` steps (on past the target), so the final
 accuracies compare runs of the same length. Time is warm wall time from the end of the step-0 held-out
 evaluation to the end of the first evaluation (every `--every` steps, `--eval-n` test problems, greedy) at or
 above the target; a run that misses (step or time cap) stays in, censored at the time it stopped (`censored`
@@ -34,10 +35,13 @@ the steps-to-target spread between seeds), `generator_idle_drain`, `generator_id
 between two pairs of one mode) and `learning_not_worse` (median final accuracy inflight >= median drain -
 that spread).
 
-``--quick`` measures nothing; it runs both modes' process sets on the pool (each warmed by a 1-step run, as in the
-full mode: the generator's counters are read from the pool's idle processes), then one pair (both modes, the
+``--quick`` measures nothing; it spawns the one process set (warmed by a 1-step run in each mode, as in the full
+mode: the generator's counters are read from the pool's idle processes), then one pair (both modes, the
 alternating order's first) of 2 steps each at batch 8 (1 group x 8) with 10 held-out problems at steps 0 and 2,
-each censored, with the long-tailed sampling, and every key of the JSON.
+each censored, with the long-tailed sampling, and every key of the JSON. Its cost is that one spawn (two before
+the update mode left the pool's engine key); the four runs are re-initialisations. ``process_sets_spawned``,
+``update_mode_served`` and ``weight_updates`` / ``inflight_updates`` (per run: every push of an inflight run is
+loaded in flight, none of a drain run's) show that one set served both modes.
 """
 from __future__ import annotations
 
@@ -88,12 +92,15 @@ def configure(cfg, mode: str, eos_id: int):
     return cfg.validate()
 
 
-async def _gen_stats(pool, cfg) -> dict:
+def _idle_parts(pool, cfg):
     from forgelab.engines.pool import engine_key
 
     key = engine_key(cfg)
-    parts = next(p for p in pool.idle if p.key == key)
-    return (await parts.generators.fanout("stats"))[0]
+    return next(p for p in pool.idle if p.key == key)
+
+
+async def _gen_stats(pool, cfg) -> dict:
+    return (await _idle_parts(pool, cfg).generators.fanout("stats"))[0]
 
 
 async def _one(pool, cfg, target: float, time_cap_s: float) -> dict:
@@ -110,15 +117,16 @@ async def _one(pool, cfg, target: float, time_cap_s: float) -> dict:
     r["tokens_per_request"] = round((s1["tokens_generated"] - s0["tokens_generated"])
                                     / max(1, s1["requests"] - s0["requests"]), 2)
     for k in ("requests_spanning_versions", "prefix_cache_resets", "prefix_cache_resets_deferred",
-              "cached_tokens_possibly_stale", "preemptions", "drain_wait_s"):
+              "cached_tokens_possibly_stale", "preemptions", "drain_wait_s", "weight_updates", "inflight_updates"):
         r[k] = round(s1[k] - s0[k], 3)
     r["prefix_hit_rate"] = round((s1["cached_prompt_tokens"] - s0["cached_prompt_tokens"])
                                  / max(1, s1["prompt_tokens"] - s0["prompt_tokens"]), 3)
     r["wall_s"] = round(wall, 1)
+    r["update_mode_served"] = (await _idle_parts(pool, cfg).generators.engine_status())[0].update_mode
     return r
 
 
-async def _main(args, out_dir: str) -> dict[str, list[dict]]:
+async def _main(args, out_dir: str) -> tuple[dict[str, list[dict]], dict[str, int]]:
     from transformers import AutoTokenizer
 
     from forgelab.engines.pool import ProcessPool
@@ -133,7 +141,7 @@ async def _main(args, out_dir: str) -> dict[str, list[dict]]:
     pool = ProcessPool()
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     try:
-        for mode in MODES:  # spawn and warm each mode's processes (not measured)
+        for mode in MODES:  # spawn the processes, warm them in each mode (not measured)
             await run_forgelab(cfg_for(mode, 99, 1, 4, f"warm_{mode}", warmup=0), 2.0, 60.0, hf_check=False, spawn=pool)
         for pair in range(args.pairs):
             order = MODES if pair % 2 == 0 else MODES[::-1]
@@ -146,7 +154,7 @@ async def _main(args, out_dir: str) -> dict[str, list[dict]]:
     finally:
         for parts in list(pool.idle):
             await parts.stop_processes()
-    return runs
+    return runs, {"spawned": pool.spawned, "reused": pool.reused}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"target {args.target}, "
           f"{args.pairs} pair(s), cap {args.steps} steps / {args.time_cap:.0f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="forgelab-inflight-") as out_dir:
-        runs = asyncio.run(_main(args, out_dir))
+        runs, sets = asyncio.run(_main(args, out_dir))
     end = print_machine("end")
     rows = [{"mode": m, "pair": r["pair"], "time_to_target_s": r["time_to_target_s"] if r["reached"] else f">{r['end_s']}",
              "steps": r["steps_to_target"] if r["reached"] else f">{r['final_step']}", "s/step": r["s_per_step"],
@@ -217,6 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
         "cached_tokens_possibly_stale": {m: [r["cached_tokens_possibly_stale"] for r in runs[m]] for m in MODES},
         "preemptions": {m: [r["preemptions"] for r in runs[m]] for m in MODES},
         "drain_wait_s": {m: [r["drain_wait_s"] for r in runs[m]] for m in MODES},
+        "weight_updates": {m: [r["weight_updates"] for r in runs[m]] for m in MODES},
+        "inflight_updates": {m: [r["inflight_updates"] for r in runs[m]] for m in MODES},
+        "update_mode_served": {m: [r["update_mode_served"] for r in runs[m]] for m in MODES},
+        "process_sets_spawned": sets["spawned"],
+        "process_sets_reused": sets["reused"],
         "clock": "wall time from the end of the step-0 evaluation, evaluations included; misses censored",
         "goal": "inflight_over_drain_time_to_target <= 0.75",
         "goal_met": None if ratio is None else ratio <= 0.75,

@@ -35,6 +35,7 @@ on. `Completion.policy_version` is the version its first token came from (the ol
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
 import operator
@@ -560,6 +561,15 @@ class Generator(Component):
     @endpoint
     async def stats(self) -> EngineStats:
         return EngineStats.from_counters(self._engine().stats())
+
+    @endpoint
+    async def set_update_mode(self, mode: str) -> str:
+        """Load later weight pushes as `mode` (`GeneratorConfig.update_mode`: "drain" or "inflight"), a warm
+        pool's next run's choice: nothing in the engine depends on it, only how `receive` loads a push."""
+        engine = self._engine()
+        dataclasses.replace(engine.config, update_mode=mode).validate()  # a bad mode, or inflight with LoRA
+        engine.config.update_mode = self.config.update_mode = mode
+        return mode
 
 
 __all__ = ["Generator", "GeneratorConfig", "GeneratorService", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",

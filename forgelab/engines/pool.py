@@ -62,7 +62,7 @@ def engine_key(cfg: RunConfig) -> dict[str, str | None]:
     t = cc["trainer"]
     return {
         "model": repr((cfg.model.path, cfg.model.dtype, cfg.model.max_model_len)),
-        "generator": _fields(cc["generator"], drop=("sampling",)),
+        "generator": _fields(cc["generator"], drop=("sampling", "update_mode")),  # both per run (_reinit sets the mode)
         "trainer": repr((t.model_dir, getattr(t, "dtype", None), t.device, t.weight_transport, t.shm_dir)),
         "reference": _fields(cc["reference"]) if reference_process(cfg) else "none",
         "envs": _fields(cc["envs"]) if cfg.rollout.env is not None else "none",
@@ -158,6 +158,9 @@ class ProcessPool:
         # the process group (and its port) is kept: the new config's rendezvous fields are not used
         await trainer.call("reinit", cc["trainer"])
         await generators.reset_version(-1)
+        # the update mode is the new run's (a respawned replica's config too): it fixes no engine, only how a push loads
+        await generators.fanout("set_update_mode", cc["generator"].update_mode)
+        generators.args = (cc["generator"], *generators.args[1:])
         # the fresh weights as version 0 (the model's own unless the trainer config changed them: it does not)
         live = [h for h in generators.handles() if h is not None]
         raw = cast(WeightPush, (await trainer.call("push_weights", 0, [h.actor for h in live]))[0])  # rank 0's report
