@@ -43,8 +43,14 @@ ENGINE_GROUPS: dict[str, str] = {
     # the shipped model's GRPO engines with a reference process (generator, trainer, reference)
     "tests/test_run.py": "engines:grpo-reference",
     "tests/test_lab.py": "engines:grpo-reference",
-    # the same without a reference process (generator, trainer)
+    # the same without a reference process (generator, trainer); door runs too (the door is controller-side)
     "tests/test_records_replay.py": "engines:grpo",
+    "tests/test_experiments.py": "engines:grpo",
+    "tests/test_provenance.py": "engines:grpo",
+    "tests/test_trl_compat.py": "engines:grpo",
+    "tests/test_agent_door.py": "engines:grpo",
+    "tests/test_lm_eval_door.py": "engines:grpo",
+    "tests/test_token_truth.py": "engines:grpo",
 }
 """File -> the engine group it shares on one worker (files whose module fixtures take ``engine_pool``)."""
 

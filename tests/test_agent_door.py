@@ -23,7 +23,7 @@ FIRST, SECOND = "12+34=", "again, 21+5="
 
 
 @pytest.fixture(scope="module")
-def door_run(loop, tmp_path_factory):
+def door_run(loop, tmp_path_factory, engine_pool):
     from forgelab.config.run_config import (DoorConfig, EvalConfig, PlacementConfig, RolloutConfig, RunConfig,
                                             TrackingConfig, TrainConfig)
     from forgelab.run import Run
@@ -35,7 +35,7 @@ def door_run(loop, tmp_path_factory):
                     eval=EvalConfig(every=0, n=4), placement=PlacementConfig(reference=False),
                     tracking=TrackingConfig(out_dir=str(tmp_path_factory.mktemp("door")), wandb=False),
                     door=DoorConfig(enabled=True, group_size=2, max_n=4))
-    run = Run(cfg)
+    run = Run(cfg, spawn=engine_pool)  # the worker's warm processes when an earlier module left a set
     loop.run_until_complete(run.spawn())
     yield run
     loop.run_until_complete(run.shutdown())

@@ -63,7 +63,7 @@ def test_tracker_annotate_merges_into_the_steps_row(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def lm_run(loop, tmp_path_factory):
+def lm_run(loop, tmp_path_factory, engine_pool):
     from forgelab.config.run_config import (DoorConfig, EvalConfig, PlacementConfig, RolloutConfig, RunConfig,
                                             TrackingConfig, TrainConfig)
     from forgelab.run import Run
@@ -74,7 +74,7 @@ def lm_run(loop, tmp_path_factory):
                     eval=EvalConfig(every=0, n=N), placement=PlacementConfig(reference=False),
                     tracking=TrackingConfig(out_dir=str(tmp_path_factory.mktemp("lmeval")), wandb=False),
                     door=DoorConfig(enabled=True))
-    run = Run(cfg)
+    run = Run(cfg, spawn=engine_pool)  # the worker's warm processes when an earlier module left a set
     loop.run_until_complete(run.spawn())
     result = loop.run_until_complete(run.lm_eval(n=N))
     yield run, result

@@ -9,6 +9,13 @@ same set right after its cold spawn, before any run used it; the pids show it is
 
 Real processes (the shipped model, no reference: the engine key several modules share). The test also prints the
 resident memory of one set (the test pool's cap is sized by it; `tests/conftest.py` ENGINE_POOL_MAX_IDLE).
+
+The same for a LoRA set (adapters on the frozen base; the generator serves pushed adapters by name): after an
+asynchronous LoRA run with live changes (max_policy_age 1, a loss swap, an lr change, an added reward, held-out
+evals, adapters pushed at later versions), the re-initialised set equals its cold spawn (trainer checksums and
+info, versions, seeded completions: the served adapter is B = 0 again), and a short synchronous LoRA run (its
+learning metrics are a function of the seed) trains exactly as the same run did on the set before the
+asynchronous run (every learning column: losses, rewards, KL, grad norms; `compare_metrics`).
 """
 from __future__ import annotations
 
@@ -20,16 +27,19 @@ import pytest
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids: the generator takes them as they are
 
 
-def _config(out_dir, name, steps=3):
+def _config(out_dir, name, steps=3, lora=False, max_policy_age=0):
+    from forgelab.config.components import LoraConfig
     from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 
     return RunConfig(
         name=name,
         rollout=RolloutConfig(task="addition", group_size=8, prompts_per_rollout=2, concurrency=2, max_tokens=8),
-        train=TrainConfig(steps=steps, batch_size=16, lr=1e-4, warmup_steps=2, max_policy_age=0, seed=5),
+        train=TrainConfig(steps=steps, batch_size=16, lr=2e-3 if lora else 1e-4, warmup_steps=1 if lora else 2,
+                          max_policy_age=max_policy_age, seed=5, loss_kwargs={"kl_coef": 0.02} if lora else {}),
         eval=EvalConfig(every=0, n=8),
         tracking=TrackingConfig(out_dir=str(out_dir), wandb=False),
-        placement=PlacementConfig(reference=False),
+        placement=PlacementConfig() if lora else PlacementConfig(reference=False),  # LoRA: the base is the reference
+        lora=LoraConfig(enabled=True, rank=8, alpha=16.0) if lora else LoraConfig(),
     )
 
 
@@ -118,6 +128,73 @@ def test_handed_over_set_equals_a_fresh_spawn(handed_over):
     assert nxt["info"] == fresh["info"]  # step, policy version, loss and kwargs, LoRA flag
     assert nxt["versions"] == fresh["versions"]
     assert nxt["completions"] == fresh["completions"]  # the served weights, and no logprob hook left armed
+
+
+@pytest.fixture(scope="module")
+def lora_handed_over(loop, tmp_path_factory):
+    import pandas as pd
+
+    from forgelab.engines.pool import ProcessPool
+    from forgelab.run import Run
+
+    out = tmp_path_factory.mktemp("reuse-lora")
+    pool = ProcessPool(max_idle=1)  # its own pool: the first state must be a cold spawn's
+    run = loop.run_until_complete
+    try:
+        fresh_parts = run(pool.acquire(_config(out, "lora-fresh", lora=True)))
+        w = {"fresh": run(_state(fresh_parts)), "fresh_pids": run(pool.pids(fresh_parts))}
+        run(fresh_parts.shutdown())
+
+        def synchronous(name: str) -> pd.DataFrame:
+            r = Run(_config(out, name, steps=2, lora=True), spawn=pool)
+            try:
+                run(r.start())
+                run(r.wait())
+                assert r.state == "finished", r.message
+            finally:
+                run(r.shutdown())
+            return pd.read_csv(r.out_dir / "metrics.csv")
+
+        w["before"] = synchronous("lora-sync-before")
+        user = Run(_config(out, "lora-user", steps=4, lora=True, max_policy_age=1), spawn=pool)
+
+        async def use() -> None:
+            await user.start()
+            await user.until(step=1)
+            await user.set_loss("dapo", eps_high=0.28)
+            await user.trainer.call("set_lr", 5e-3)
+            user.add_reward("short", short_reward, 0.5)
+            await user.wait()
+            await user.evaluate()  # held-out greedy answers from the last adapter
+
+        run(use())
+        w["user"] = {"state": user.state, "message": user.message, "step": user.step,
+                     "info": run(user.trainer.call("info"))[0], "versions": run(user.parts.generators.versions())}
+        run(user.shutdown())
+        w["after"] = synchronous("lora-sync-after")
+        next_parts = run(pool.acquire(_config(out, "lora-next", lora=True)))
+        w["next"], w["next_pids"] = run(_state(next_parts)), run(pool.pids(next_parts))
+        w["pool"] = (pool.spawned, pool.reused)
+        run(next_parts.shutdown())
+        yield w
+    finally:
+        run(pool.shutdown())
+
+
+@pytest.mark.integration
+def test_lora_set_after_an_asynchronous_run_equals_a_fresh_spawn(lora_handed_over):
+    from forgelab.experiments.replay import compare_metrics
+
+    w = lora_handed_over
+    u = w["user"]
+    assert u["state"] == "finished" and u["step"] == 4, u["message"]  # the user really trained and changed it
+    assert u["info"]["lora"] is True
+    assert u["info"]["loss"] == "dapo" and u["info"]["loss_kwargs"] == {"eps_high": 0.28}
+    assert all(v == 4 for v in u["versions"]), u["versions"]  # adapters pushed at later versions
+    assert w["pool"] == (1, 4) and w["next_pids"] == w["fresh_pids"]  # one spawn, re-initialised four times
+    assert w["next"] == w["fresh"]  # adapters and optimizer (checksums), info, versions, the served adapter
+    assert list(w["after"]["step"]) == [1, 2]
+    assert compare_metrics(w["before"], w["after"]) == []  # losses, rewards, KL, grad norms: bit for bit
 
 
 def test_max_idle_closes_the_longest_idle_set_first():

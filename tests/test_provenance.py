@@ -2,10 +2,12 @@
 
 One synchronous run (max_policy_age 0, 20 steps, batch 16) is shared by the module: a custom
 reward is added after step 5 and a custom loss with kwargs swapped in after step 10, both live.
-Its replay runs on the same processes (a module ProcessPool re-initialises them, so no live change may
-linger there) and must reproduce every learning metric exactly; its step-20 checkpoint is resumed (in a
-fresh Run on new processes, after the pool's are gone) and must train with that loss, those kwargs and
-that reward. The first tests are pure functions (no processes).
+Its replay runs on the same processes (the test worker's `engine_pool` re-initialises them, so no live change
+may linger there; the run itself takes an idle set an earlier module left, if any) and must reproduce every
+learning metric exactly; its step-20 checkpoint is resumed (in a fresh Run on the pool's processes, re-initialised
+again: the trainer starts from its config's loss "grpo" and no custom reward, so only the checkpoint can bring
+them back) and must train with that loss, those kwargs and that reward. The first tests are pure functions (no
+processes).
 """
 import asyncio
 import hashlib
@@ -145,15 +147,14 @@ def _config(out_dir, name="prov", steps=20):
 
 
 @pytest.fixture(scope="module")
-def recorded(loop, tmp_path_factory):
+def recorded(loop, tmp_path_factory, engine_pool):
     """The 20-step synchronous run with two live changes, finished, checkpointed and shut down (its processes
-    idle in ``pool`` for the replay)."""
-    from forgelab.engines.pool import ProcessPool
+    idle in ``pool``, the worker's `engine_pool`, for the replay)."""
     from forgelab.run import Run
 
     head_before = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                  cwd=Path(__file__).parent).stdout.strip()
-    pool = ProcessPool()
+    pool = engine_pool
     run = Run(_config(tmp_path_factory.mktemp("prov")), spawn=pool)
     swaps = []
 
@@ -172,12 +173,11 @@ def recorded(loop, tmp_path_factory):
         loop.run_until_complete(asyncio.gather(*swaps))
         ckpt = loop.run_until_complete(run.save_checkpoint())
         events = list(run.events)
-        loop.run_until_complete(run.shutdown())
-        assert run.state == "finished", run.message
-        yield {"head_before": head_before, "dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics,
-               "config": run.config, "pool": pool}
     finally:
-        loop.run_until_complete(pool.shutdown())  # idle or still busy (a failed start): stopped
+        loop.run_until_complete(run.shutdown())  # back to the worker's pool (stopped if a process failed)
+    assert run.state == "finished", run.message
+    yield {"head_before": head_before, "dir": run.out_dir, "ckpt": ckpt, "events": events, "metrics": run.metrics,
+           "config": run.config, "pool": pool}
 
 
 @pytest.mark.integration
@@ -265,9 +265,9 @@ def test_replay_reproduces_learning_metrics_exactly(recorded, loop, tmp_path_fac
 def test_resume_restores_custom_loss_kwargs_and_reward(recorded, loop, tmp_path_factory):
     from forgelab.run import Run
 
-    loop.run_until_complete(recorded["pool"].shutdown())  # nothing of the first run's processes survives
     cfg = _config(tmp_path_factory.mktemp("resumed"), name="prov-resumed", steps=24)
-    run = Run(cfg, resume_from=recorded["ckpt"])
+    # the pool re-initialises the processes (loss "grpo", no custom reward): only the checkpoint brings them back
+    run = Run(cfg, resume_from=recorded["ckpt"], spawn=recorded["pool"])
     rows = []
 
     def on_row(row):

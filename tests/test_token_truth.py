@@ -18,7 +18,7 @@ SHIFT_INDEX, SHIFT = 2, 3.0
 
 
 @pytest.fixture(scope="module")
-def truth_run(loop, tmp_path_factory):
+def truth_run(loop, tmp_path_factory, engine_pool):
     from forgelab.config import RunConfig
     from forgelab.controller.rollout_log import read_rollouts
     from forgelab.run import Run
@@ -32,7 +32,7 @@ def truth_run(loop, tmp_path_factory):
         "eval": {"every": 0, "n": 8},
         "tracking": {"wandb": False, "out_dir": str(tmp_path_factory.mktemp("truth"))},
     })
-    run = Run(cfg)
+    run = Run(cfg, spawn=engine_pool)  # the worker's warm processes when an earlier module left a set
 
     async def go():
         await run.start()

@@ -139,7 +139,7 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def trl_run(loop, tmp_path_factory):
+def trl_run(loop, tmp_path_factory, engine_pool):
     import datasets
     from trl.rewards import get_soft_overlong_punishment
 
@@ -158,7 +158,7 @@ def trl_run(loop, tmp_path_factory):
         tracking=TrackingConfig(out_dir=str(tmp / "runs"), wandb=False),
         placement=PlacementConfig(reference=False),
     )
-    run = Run(cfg)
+    run = Run(cfg, spawn=engine_pool)  # the worker's warm processes when an earlier module left a set
     overlong = get_soft_overlong_punishment(max_completion_len=MAX_TOKENS, soft_punish_cache=MAX_TOKENS - 2)
     run.add_reward("overlong", overlong, 0.5)
     run.add_reward("correct", correct_answer, 1.0)
