@@ -322,3 +322,55 @@ def test_show_prints_timeline_with_code(recorded):
     assert "scaled_grpo" in page and "<details><summary>code diff" in page and "def short_reward" in page
     assert [e["kind"] for e in view.entries if e["category"] in ("loss", "reward")] == [
         "reward_added", "reward_effective", "loss_swapped"]
+
+
+@pytest.mark.integration
+def test_a_checkpoint_waits_for_the_rollouts_being_played(loop, tmp_path_factory, engine_pool, monkeypatch):
+    """A periodic checkpoint holds every rollout whose prompts and ids it counts: one still being played while the
+    trainer saves (as on a loaded machine) lands in the buffer before the checkpoint is written, so a resume from
+    it trains exactly what the run trained. (Written before the fix, the step-4 checkpoint of this run counted
+    group 9 in its ids but did not hold it, and the resumed steps 5-6 differed in the last bits.)"""
+    import json
+
+    import pandas as pd
+
+    from forgelab.controller import rollout
+    from forgelab.experiments.replay import compare_metrics
+    from forgelab.run import Run
+
+    slow_group = 9  # the second group of step 5's rollouts (2 prompts per rollout: groups 8 and 9)
+    delayed = {"on": True, "seen": 0}
+    original = rollout.Rollouts._advantages_and_buffer
+
+    async def late(self, groups, failed, coef=1.0):
+        if delayed["on"] and any(ep.group_id == slow_group for g in groups for ep in g):
+            delayed["seen"] += 1
+            while not any(e["kind"] == "checkpoint" for e in run.events) and run.state == "running":
+                await asyncio.sleep(0.05)  # this group lands only after the checkpoint has started (a condition)
+        return await original(self, groups, failed, coef)
+
+    monkeypatch.setattr(rollout.Rollouts, "_advantages_and_buffer", late)
+    out = tmp_path_factory.mktemp("ckpt-race")
+    cfg = _config(out, name="race", steps=6)
+    cfg.tracking.checkpoint_every = 4
+    run = Run(cfg, spawn=engine_pool)
+    try:
+        loop.run_until_complete(run.start())
+        loop.run_until_complete(run.wait())
+    finally:
+        loop.run_until_complete(run.shutdown())
+    assert run.state == "finished" and delayed["seen"] == 1, (run.state, run.message, delayed)
+    state = json.loads((run.out_dir / "checkpoints" / "step_000004" / "controller.json").read_text())
+    held = sorted({e["group_id"] for e in state["buffer"]["episodes"]})
+    assert all(g in held for g in range(8, state["next_group_id"])), (state["next_group_id"], held)
+    delayed["on"] = False
+    resumed = Run(_config(out, name="race-resumed", steps=6), resume_from=str(run.out_dir / "checkpoints"),
+                  spawn=engine_pool)
+    try:
+        loop.run_until_complete(resumed.start())
+        loop.run_until_complete(resumed.wait())
+    finally:
+        loop.run_until_complete(resumed.shutdown())
+    a, b = pd.read_csv(run.out_dir / "metrics.csv"), pd.read_csv(resumed.out_dir / "metrics.csv")
+    assert list(b["step"][b["step"] > 4]) == [5, 6]  # the rows before the resume are the checkpoint's
+    assert compare_metrics(a[a["step"] > 4], b[b["step"] > 4]) == []

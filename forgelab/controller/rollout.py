@@ -311,6 +311,7 @@ class Rollouts:
         self.next_group_id = 0
         self.next_episode_id = 0
         self.ids_unused = 0  # ids admitted for episodes that were never generated (the rollout failed first)
+        self.playing = 0  # rollouts the workers admitted and have not released yet (a checkpoint waits for none)
         self.failure_log = RepeatLimiter(log)  # a respawn fails every retry the same way: one line and a count
         self.tokens = 0  # generated tokens not yet counted by a metrics row
         r = config.rollout
@@ -396,6 +397,7 @@ class Rollouts:
                 if self.gate.stopping:
                     return
                 self.buffer.admit(self.per_call, first_id=self.next_episode_id)  # ids bound the buffer's bookkeeping
+                self.playing += 1
                 admitted = self.admit()
             try:
                 await self.one(admitted)
@@ -415,6 +417,7 @@ class Rollouts:
             finally:
                 async with self.gate.changed:
                     self.buffer.release(self.per_call, first_id=admitted.first_episode)
+                    self.playing -= 1
                     self.gate.changed.notify_all()
 
     def _drop_unaccounted(self, admitted: Admitted, reason: str) -> int:

@@ -16,6 +16,7 @@ for the next rollouts (`buffer.served_version`), evaluates and checkpoints when 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -55,7 +56,10 @@ class WeightPusher(Protocol):
 
 
 class StepTokens(Protocol):
-    """What a step's metrics row reads of the rollouts (`forgelab.controller.rollout.Rollouts`)."""
+    """What a step reads of the rollouts (`forgelab.controller.rollout.Rollouts`): its row's counts, and whether
+    a rollout worker is playing one (a checkpoint waits for none)."""
+
+    playing: int
 
     def take_tokens(self) -> int: ...
     def zero_variance_count(self, config: RunConfig) -> int | None: ...
@@ -240,19 +244,28 @@ class TrainingLoop:
         self.step += 1
         self.version += 1
         t_train = time.time() - t0
-        report = await self.push_weights()
-        row = metrics_row(StepFacts(self.step, self.version, self.loss_name, self.rewards.names,
-                                    cfg.rollout.env is not None, self.rollouts.take_tokens(), self.buffer.counts(),
-                                    self.rollouts.zero_variance_count(cfg)),
-                          batch_eps, m, self.token_rate, t_train, report.sync_ms, time.time() - t0)
-        if meter is not None:
-            row.update(await meter.row(self.generators))
-        for source in self._row_sources:
-            row.update({k: float(v) for k, v in source().items()})
-        if cfg.eval.every and self.step % cfg.eval.every == 0:
-            row["heldout_accuracy"] = await self.evaluator.evaluate(self.step)
-        if cfg.tracking.checkpoint_every and self.step % cfg.tracking.checkpoint_every == 0:
-            await self.checkpoint()
+        due = bool(cfg.tracking.checkpoint_every) and self.step % cfg.tracking.checkpoint_every == 0
+        # A checkpoint keeps the data position and the next episode and group ids, and the buffered episodes; a
+        # rollout being played has taken its prompts and ids but is not in the buffer yet, so a resume would never
+        # play it. On a checkpoint step nothing new is admitted from this push until the checkpoint is written,
+        # and the rollouts already being played land in the buffer first (on a loaded machine they may not have
+        # landed while the trainer saved).
+        async with gate.hold() if due else contextlib.nullcontext():
+            report = await self.push_weights()
+            row = metrics_row(StepFacts(self.step, self.version, self.loss_name, self.rewards.names,
+                                        cfg.rollout.env is not None, self.rollouts.take_tokens(), self.buffer.counts(),
+                                        self.rollouts.zero_variance_count(cfg)),
+                              batch_eps, m, self.token_rate, t_train, report.sync_ms, time.time() - t0)
+            if meter is not None:
+                row.update(await meter.row(self.generators))
+            for source in self._row_sources:
+                row.update({k: float(v) for k, v in source().items()})
+            if cfg.eval.every and self.step % cfg.eval.every == 0:
+                row["heldout_accuracy"] = await self.evaluator.evaluate(self.step)
+            if due:
+                async with gate.changed:  # each rollout's release notifies; the agent door's sessions are not waited on
+                    await gate.changed.wait_for(lambda: gate.stopping or self.rollouts.playing == 0)
+                await self.checkpoint()
         self.tracker.log(row)
         self.records.step_done(self.step)  # closed episodes -> <run dir>/rollouts/*.parquet (rollout_log)
         self.bus.notify(row)
