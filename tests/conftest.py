@@ -72,13 +72,37 @@ _POOL: list = []
 """This worker's `engine_pool` and its loop, while the session has one (for the hook below)."""
 
 
+_POOLED_FILES: dict[str, bool] = {}
+"""File -> whether one of its tests takes `engine_pool` (computed once per file)."""
+
+
+def _pooled_file(item: pytest.Item) -> bool:
+    file = item.nodeid.split("::", 1)[0]
+    if file not in _POOLED_FILES:
+        _POOLED_FILES[file] = any("engine_pool" in getattr(i, "fixturenames", ())
+                                  for i in item.session.items if i.nodeid.split("::", 1)[0] == file)
+    return _POOLED_FILES[file]
+
+
+_LAST_GROUP: list[str | None] = [None]
+"""The engine group (root conftest's ENGINE_GROUPS) of the last pooled file this worker ran."""
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A file that needs the machine's memory to itself (the root conftest's EXCLUSIVE) starts with this worker's
-    idle pooled engines stopped."""
+    """This worker's idle pooled engines are stopped when it starts a file that will not take them: a file that
+    needs the machine's memory to itself (the root conftest's EXCLUSIVE), a file that does not use `engine_pool`,
+    or one of another engine group (the files sharing a set run one after the other, as one unit: after the last
+    of them the idle set would only hold memory beside the next file's own processes)."""
     root = item.config.pluginmanager.get_plugin(str(Path(__file__).resolve().parent.parent / "conftest.py"))
-    if _POOL and _POOL[0][0].idle and item.nodeid.split("::", 1)[0] in getattr(root, "EXCLUSIVE", ()):
+    file = item.nodeid.split("::", 1)[0]
+    pooled = _pooled_file(item)
+    group = getattr(root, "ENGINE_GROUPS", {}).get(file, file)
+    if _POOL and _POOL[0][0].idle and (file in getattr(root, "EXCLUSIVE", ()) or not pooled
+                                       or group != _LAST_GROUP[0]):
         pool, lp = _POOL[0]
         lp.run_until_complete(pool.close_idle())
+    if pooled:
+        _LAST_GROUP[0] = group
 
 
 @pytest.fixture(scope="module")
