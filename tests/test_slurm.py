@@ -228,20 +228,25 @@ def test_the_watcher_cancels_when_its_process_dies_and_leaves_when_the_job_ends(
 @integration
 def test_a_worker_that_never_listens_is_named_before_monarch_attaches(cluster, tmp_path):
     """The controller waits for every worker to listen before Monarch's attach (whose config push gives a
-    worker one minute, too little for one still importing torch on a loaded node); a worker that ends
-    instead is named with its mesh and address, and the job is cancelled."""
+    worker one minute, too little for one still importing torch on a loaded node); workers that run but never
+    listen are named with their mesh and address once `worker_start_timeout` has passed, and the job is
+    cancelled."""
+    never = tmp_path / "never_listens"
+    never.write_text("#!/bin/sh\nexec sleep 600\n")  # takes the worker's arguments and never opens its port
+    never.chmod(0o755)
     job = {"kind": "slurm", "meshes": {"gen": 1, "train": 1}, "nodes": 1, "cpus_per_task": 1,
-           "python_exe": "/bin/false", "monarch_port": _free_ports(2), "log_dir": str(tmp_path / "logs"),
-           "worker_start_timeout": 120}
+           "python_exe": str(never), "monarch_port": _free_ports(2), "log_dir": str(tmp_path / "logs"),
+           "worker_start_timeout": 3}
     (tmp_path / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(MAIN), "hold", str(tmp_path / "job.json")], env=_env(cluster),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and proc.stdout == "", proc.stdout
     err = proc.stderr
-    assert "gen at tcp://" in err and "train at tcp://" in err and "worker(s) ended" in err, err[-3000:]
+    assert "gen at tcp://" in err and "train at tcp://" in err, err[-3000:]
+    assert "not listening after 3 s" in err and "worker_start_timeout" in err, err[-3000:]
     assert str(tmp_path / "logs") in err, err[-3000:]
     job_id = err.split("Slurm job ", 1)[1].split(":", 1)[0]
-    assert _wait_gone(cluster, job_id, [])[0] is False
+    assert _wait_gone(cluster, job_id, [])[0] is False  # cancelled, its sleeping workers with it
 
 
 @integration
