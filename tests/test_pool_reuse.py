@@ -59,6 +59,16 @@ async def _state(parts) -> dict[str, object]:
             "completions": [(c.completion_ids, c.logprobs, c.policy_version) for c in groups[0]]}
 
 
+async def _read_set(pool, cfg) -> tuple[dict[str, object], dict[str, list[int]], tuple[int, int]]:
+    """A set acquired from `pool` for `cfg`: its state (`_state`), its process ids and the pool's (spawned,
+    reused) counts; then given back to the pool."""
+    parts = await pool.acquire(cfg)
+    try:
+        return await _state(parts), await pool.pids(parts), (pool.spawned, pool.reused)
+    finally:
+        await parts.shutdown()
+
+
 def _rss_mib(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -77,12 +87,11 @@ def handed_over(loop, tmp_path_factory):
     pool = ProcessPool(max_idle=1)  # its own pool: the first state must be a cold spawn's
     run = loop.run_until_complete
     try:
-        fresh_parts = run(pool.acquire(_config(out, "fresh")))
-        assert pool.spawned == 1 and pool.reused == 0
-        w = {"fresh": run(_state(fresh_parts)), "fresh_pids": run(pool.pids(fresh_parts))}
+        fresh, fresh_pids, counts = run(_read_set(pool, _config(out, "fresh")))  # back to the pool, idle
+        assert counts == (1, 0)
+        w = {"fresh": fresh, "fresh_pids": fresh_pids}
         w["rss_mib"] = _rss_mib([p for ps in w["fresh_pids"].values() for p in ps])
         print(f"\none pooled engine set (generator, trainer; no reference): {w['rss_mib']:.0f} MiB resident")
-        run(fresh_parts.shutdown())  # back to the pool, idle
 
         user = Run(_config(out, "user"), spawn=pool)
 
@@ -101,10 +110,7 @@ def handed_over(loop, tmp_path_factory):
         run(user.shutdown())
         assert pool.reused == 1 and len(pool.idle) == 1
 
-        next_parts = run(pool.acquire(_config(out, "next")))
-        w["next"], w["next_pids"] = run(_state(next_parts)), run(pool.pids(next_parts))
-        w["pool"] = (pool.spawned, pool.reused)
-        run(next_parts.shutdown())
+        w["next"], w["next_pids"], w["pool"] = run(_read_set(pool, _config(out, "next")))
         yield w
     finally:
         run(pool.shutdown())
@@ -141,9 +147,8 @@ def lora_handed_over(loop, tmp_path_factory):
     pool = ProcessPool(max_idle=1)  # its own pool: the first state must be a cold spawn's
     run = loop.run_until_complete
     try:
-        fresh_parts = run(pool.acquire(_config(out, "lora-fresh", lora=True)))
-        w = {"fresh": run(_state(fresh_parts)), "fresh_pids": run(pool.pids(fresh_parts))}
-        run(fresh_parts.shutdown())
+        fresh, fresh_pids, _ = run(_read_set(pool, _config(out, "lora-fresh", lora=True)))
+        w = {"fresh": fresh, "fresh_pids": fresh_pids}
 
         def synchronous(name: str) -> pd.DataFrame:
             r = Run(_config(out, name, steps=2, lora=True), spawn=pool)
@@ -172,10 +177,7 @@ def lora_handed_over(loop, tmp_path_factory):
                      "info": run(user.trainer.call("info"))[0], "versions": run(user.parts.generators.versions())}
         run(user.shutdown())
         w["after"] = synchronous("lora-sync-after")
-        next_parts = run(pool.acquire(_config(out, "lora-next", lora=True)))
-        w["next"], w["next_pids"] = run(_state(next_parts)), run(pool.pids(next_parts))
-        w["pool"] = (pool.spawned, pool.reused)
-        run(next_parts.shutdown())
+        w["next"], w["next_pids"], w["pool"] = run(_read_set(pool, _config(out, "lora-next", lora=True)))
         yield w
     finally:
         run(pool.shutdown())
