@@ -7,6 +7,9 @@ env=arithmetic`` (its problems are generated locally), arguments only. The recip
 client asks for ``train_unembed=True`` (the SDK's default; rl/train.py passes no argument for it), which this server
 refuses (forgelab's LoRA does not adapt the output projection); its ``load_checkpoint_path`` argument starts it
 from a saved state instead, here the fresh adapter of a forgelab client (which adapts no unembedding).
+
+The same venv has torch, so the SDK's client-side ``forward_backward_custom`` and its ``RestClient`` checkpoint
+calls run here too (tests/tinker_custom_client.py), against the same server.
 """
 from __future__ import annotations
 
@@ -179,3 +182,97 @@ def test_recipe_checkpoint_loads_back_into_forgelab(loop: Any, served: Any, reci
           "the recipe's sampler vs its state loaded into a forgelab TrainingClient")
     if all(m["grad_norm:mean"] == 0.0 for m in recipe["metrics"] if "grad_norm:mean" in m):
         assert fwd == start
+
+
+# --------------------------------------------- forward_backward_custom and checkpoints through the SDK, with torch
+CUSTOM_CLIENT = Path(__file__).resolve().parent / "tinker_custom_client.py"
+CUSTOM_LR = 1e-2
+PROMPT = [1, 27, 28, 21, 29, 30, 39]  # bos "12+34="
+# two sequences (a prompt and its answer; weights 0 on the prompt's targets, 1 and 0.5 on the answers')
+CUSTOM_DATA = [(PROMPT + [30, 32, 24, 8], [0.0] * 6 + [1.0] * 4), ([1, 27, 21, 28, 8], [0.0, 0.0, 0.5, 0.5])]
+
+
+def _custom_loss(data: Any, logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+    """tests/tinker_custom_client.py's loss, in process: ``-sum_i sum_t w_it * exp(logp_it)``."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float32)
+    for d, lp in zip(data, logprobs):
+        total = total - (d.loss_fn_inputs["weights"].float() * torch.exp(lp)).sum()
+    return total, {"prob_sum": float(-total.detach())}
+
+
+@pytest.fixture(scope="module")
+def custom_run(loop: Any, served: Any) -> dict[str, Any]:
+    """tests/tinker_custom_client.py against the server; a directory ``victim`` the outside paths would name."""
+    api, server, _, out = served
+    victim = Path(api.primitives.root).parent / "state" / "victim"  # what <root>/../state/victim names
+    victim.mkdir(parents=True)
+    (victim / "keep").write_text("outside the checkpoint root")
+    spec = {"base_model": api.base_model, "rank": RANK, "lr": CUSTOM_LR, "data": CUSTOM_DATA,
+            "outside": ["tinker://../weights/victim", "tinker://%2E%2E/weights/victim"]}
+    env = {**os.environ, "TINKER_BASE_URL": api.base_url, "TINKER_API_KEY": server.secret, "TINKER_TELEMETRY": "0",
+           "HF_HUB_OFFLINE": "1"}
+
+    async def run() -> tuple[int, bytes, bytes]:
+        proc = await asyncio.create_subprocess_exec(str(SDK_PYTHON), str(CUSTOM_CLIENT), json.dumps(spec), env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout=240)
+        return proc.returncode or 0, stdout, stderr
+
+    rc, stdout, stderr = loop.run_until_complete(run())
+    assert rc == 0, stderr.decode()[-4000:]
+    return {**json.loads(stdout.decode().strip().splitlines()[-1]), "victim": victim}
+
+
+@integration
+def test_sdk_forward_backward_custom_equals_primitives(loop: Any, served: Any, custom_run: dict[str, Any]) -> None:
+    """The SDK's ``forward_backward_custom`` (torch in the client: a forward, the loss and its gradient there, then
+    ``cross_entropy`` with weights ``-dC/dlogp``) and `TrainingClient.forward_backward_custom` in process on a
+    fresh slot of the same engines are the same computation on the same numbers (float32 logprobs cross protobuf
+    exactly; the loss and its gradient are the same torch ops on the same CPU build; the trainer runs the same
+    batch): the forward's logprobs and the custom loss are bit-equal, and after one ``optim_step`` the adapter and
+    AdamW state (`TrainingClient.fingerprint`, SHA-256) are identical."""
+    from forgelab.experiments.primitive_types import AdamParams, Datum, ModelInput
+
+    api, _, _, _ = served
+
+    async def reference() -> tuple[Any, dict[str, object], dict[str, object]]:
+        client = await api.primitives.create_lora_training_client("custom-reference")
+        sdk_state = await api.primitives.create_lora_training_client("custom-sdk-state")
+        try:
+            data = [Datum(model_input=ModelInput.from_ints(t[:-1]), loss_fn_inputs={"target_tokens": t[1:],
+                                                                                      "weights": w})
+                    for t, w in CUSTOM_DATA]
+            out = await client.forward_backward_custom(data, _custom_loss)
+            await client.optim_step(AdamParams(learning_rate=CUSTOM_LR))
+            await sdk_state.load_state(api.local_path(custom_run["state"], "weights"), with_optimizer=True)
+            return out, await client.fingerprint(), await sdk_state.fingerprint()
+        finally:
+            await client.close()
+            await sdk_state.close()
+
+    ref, fp_ref, fp_sdk = loop.run_until_complete(reference())
+    assert custom_run["loss_fn_outputs"] == [o["logprobs"].tolist() for o in ref.loss_fn_outputs]
+    assert custom_run["metrics"]["loss:sum"] == ref.metrics["loss:sum"] < 0.0
+    assert fp_sdk == fp_ref, (fp_sdk, fp_ref)
+
+
+@integration
+def test_sdk_lists_and_deletes_checkpoints(custom_run: dict[str, Any]) -> None:
+    """``RestClient.list_checkpoints(model_id)`` shows the client's ``save_state`` and ``save_weights_for_sampler``
+    checkpoints (type, ``tinker://`` path, size); ``delete_checkpoint_from_tinker_path`` removes the sampler's,
+    which then is no longer listed, cannot be deleted again nor sampled from; a path that would leave the
+    checkpoint root (``..``, plain or percent-encoded) is refused and the directory it names is still there."""
+    listed = {c[0]: c for c in custom_run["listed"]}
+    assert set(listed) == {"weights/custom", "sampler_weights/custom-sampler"}, custom_run["listed"]
+    assert listed["weights/custom"][1:3] == ["training", custom_run["state"]]
+    assert listed["sampler_weights/custom-sampler"][1:3] == ["sampler", custom_run["sampler"]]
+    assert all(c[3] > 0 for c in custom_run["listed"])
+    assert custom_run["after"] == [custom_run["state"]]
+    errors = custom_run["errors"]
+    assert "no checkpoint" in (errors["delete_again"] or ""), errors
+    assert "no checkpoint" in (errors["sample_deleted"] or ""), errors
+    outside = [v for k, v in errors.items() if ".." in k or "%2E" in k]
+    assert len(outside) == 4 and all(e is not None for e in outside), errors
+    assert (custom_run["victim"] / "keep").read_text() == "outside the checkpoint root"
