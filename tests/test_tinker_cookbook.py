@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from numerics import check, max_abs_diff, model_tol
+from numerics import check, max_abs, max_abs_diff, model_tol
 
 integration = pytest.mark.integration
 
@@ -32,6 +32,8 @@ RANK, STEPS = 8, 3
 # A sampled token's logprob is above -LP_SCALE: 48 samples at temperature 1 draw a token of probability < e^-30
 # with probability < 1e-11. The bound on two float32 forwards' logprobs is taken at this scale.
 LP_SCALE = 30.0
+CE_LR = 1e-3
+"""The cross_entropy run's learning rate (small: its first step must stay where the loss is near linear)."""
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +71,12 @@ def served(loop: Any, tmp_path_factory: Any) -> Any:
 
 
 def _recipe(loop: Any, served: Any, log: Path, *extra: str) -> tuple[int, str]:
-    """Run the unmodified recipe while this process's loop serves its requests; its exit status and stderr."""
+    """Run the unmodified recipe while this process's loop serves its requests; its exit status and output."""
     api, server, _, _ = served
     args = ["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={api.base_model}",
-            "renderer_name=role_colon", f"lora_rank={RANK}", "loss_fn=importance_sampling", "group_size=4",
-            "groups_per_batch=4", f"max_steps={STEPS}", f"base_url={api.base_url}", f"log_path={log}",
-            "behavior_if_log_dir_exists=delete", "eval_every=0", "save_every=2", *extra]
+            "renderer_name=role_colon", f"lora_rank={RANK}", "group_size=4", "groups_per_batch=4",
+            f"max_steps={STEPS}", f"base_url={api.base_url}", f"log_path={log}", "behavior_if_log_dir_exists=delete",
+            "eval_every=0", *extra]
     env = {**os.environ, "TINKER_API_KEY": server.secret, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
@@ -88,15 +90,33 @@ def _recipe(loop: Any, served: Any, log: Path, *extra: str) -> tuple[int, str]:
     return rc, out.decode(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def recipe(loop: Any, served: Any) -> dict[str, Any]:
+def _ran(loop: Any, served: Any, name: str, *extra: str) -> dict[str, Any]:
     _, _, init, out = served
-    log = out / "math_rl"
-    rc, text = _recipe(loop, served, log, f"load_checkpoint_path={init}")
+    log = out / name
+    rc, text = _recipe(loop, served, log, f"load_checkpoint_path={init}", *extra)
     assert rc == 0, text[-6000:]
     metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     checkpoints = [json.loads(line) for line in (log / "checkpoints.jsonl").read_text().splitlines()]
     return {"metrics": metrics, "checkpoints": checkpoints}
+
+
+@pytest.fixture(scope="module")
+def recipe(loop: Any, served: Any) -> dict[str, Any]:
+    """The recipe's RL: ``importance_sampling`` on its group-centred rewards."""
+    return _ran(loop, served, "math_rl", "loss_fn=importance_sampling", "save_every=2")
+
+
+@pytest.fixture(scope="module")
+def recipe_ce(loop: Any, served: Any) -> dict[str, Any]:
+    """The recipe with ``loss_fn=cross_entropy`` (its datums carry no weights: every target token weighs 1), a
+    checkpoint after every step."""
+    return _ran(loop, served, "math_rl_ce", "loss_fn=cross_entropy", f"learning_rate={CE_LR}", "save_every=1")
+
+
+def _steps(run: dict[str, Any]) -> list[dict[str, Any]]:
+    steps = [m for m in run["metrics"] if "grad_norm:mean" in m]
+    assert [m["step"] for m in steps] == list(range(STEPS))
+    return steps
 
 
 @integration
@@ -104,84 +124,143 @@ def test_recipe_default_creation_is_refused_naming_train_unembed(loop: Any, serv
     """Without ``load_checkpoint_path`` the recipe creates a LoRA client with the SDK's ``train_unembed=True``
     (no recipe argument turns it off): the server refuses, and the SDK shows why."""
     _, _, _, out = served
-    rc, text = _recipe(loop, served, out / "refused")
+    rc, text = _recipe(loop, served, out / "refused", "loss_fn=importance_sampling")
     assert rc != 0
     assert "train_unembed=True is not supported" in text, text[-3000:]
 
 
 @integration
-def test_recipe_metrics_move_as_its_loss_says(recipe: dict[str, Any]) -> None:
+def test_recipe_rl_metrics_are_what_its_loss_says(recipe: dict[str, Any]) -> None:
     """The recipe exits 0 after its ``STEPS`` optimizer steps, and its own metrics (metrics.jsonl) are what its
     ``importance_sampling`` loss ``-sum exp(logp - q) * A`` says. The arithmetic environment rewards a sample
-    ``0.1 * (format - 1) + correct``; the shipped tiny model (trained on ``12+34=``) answers the recipe's chat
-    prompts with neither the format nor the sum, so a step whose ``env/all/format`` and ``env/all/correct`` are 0
-    rewards every sample -0.1, its group-centred advantages (the cookbook's ``rewards - rewards.mean()`` in float32)
-    are exactly 0, and the loss's gradient, the server's ``grad_norm``, is exactly 0; a step with any other reward
-    has a gradient. The sampler's logprobs (vLLM) and the trainer's (forward_backward) are one function's:
-    ``optim/kl_sample_train_v1``, a mean of their differences, is within the float32 bound of two forwards."""
+    ``0.1 * (format - 1) + correct``; the shipped tiny model (trained on ``<|user|>12+34=<|end|><|assistant|>``)
+    answers the recipe's role-colon prompts with its end token at once (``optim/entropy``, the sampled tokens'
+    mean -logprob, is about 1e-3), so no group is mixed (``by_group/frac_mixed`` 0, ``reward/total`` -0.1): every
+    group-centred advantage (the cookbook's ``rewards - rewards.mean()`` in float32) is exactly 0, and so is the
+    loss's gradient, the server's ``grad_norm``. A step with a mixed group has a gradient. The sampler's
+    logprobs (vLLM) and the trainer's (forward_backward) are one function's: ``optim/kl_sample_train_v1``, a
+    mean of their differences, is within the float32 bound of two forwards."""
     import torch
 
     from forgelab.config.run_config import SHIPPED_MODEL
 
     rewards = torch.tensor([-0.1] * 4)  # group_size=4 samples of one problem, as the cookbook centres them
     assert (rewards - rewards.mean()).abs().max().item() == 0.0
-    steps = [m for m in recipe["metrics"] if "grad_norm:mean" in m]
-    assert [m["step"] for m in steps] == list(range(STEPS))
-    for m in steps:
+    for m in _steps(recipe):
         assert m["env/all/total_episodes"] == 16 and math.isfinite(m["grad_norm:mean"])
-        if m["env/all/format"] == 0.0 and m["env/all/correct"] == 0.0:
-            assert m["env/all/reward/total"] == pytest.approx(-0.1, abs=1e-12) and m["grad_norm:mean"] == 0.0, m
+        if m["env/all/by_group/frac_mixed"] == 0.0:
+            assert m["grad_norm:mean"] == 0.0, m
         else:
             assert m["grad_norm:mean"] > 0.0, m
         check(abs(m["optim/kl_sample_train_v1"]), model_tol(SHIPPED_MODEL, LP_SCALE),
-              "the recipe's sampler-vs-trainer logprob gap (kl_sample_train_v1)")
+              "the recipe's sampler-vs-trainer logprob gap (kl_sample_train)")
     assert recipe["checkpoints"][-1]["name"] == "final"
 
 
+def _trained(api: Any, run: dict[str, Any], step: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The token sequences the recipe's ``forward_backward`` of optimizer step ``step`` sent, and the logprobs the
+    server answered for them (before the update): the rollout rows its training client's records wrote on the
+    server (`forgelab.experiments.primitive_records`, status ``trained``)."""
+    import forgelab.lab
+
+    model_id = run["checkpoints"][0]["state_path"].removeprefix("tinker://").split("/")[0]
+    rollouts = forgelab.lab.open(Path(api.primitives.root) / model_id).run.rollouts
+    rows = rollouts[(rollouts["status"] == "trained") & (rollouts["trained_step"] == step)]
+    return ([list(p) + list(c) for p, c in zip(rows["prompt_ids"], rows["completion_ids"])],
+            [list(x) for x in rows["trainer_logprobs"]])
+
+
 @integration
-def test_recipe_checkpoint_loads_back_into_forgelab(loop: Any, served: Any, recipe: dict[str, Any]) -> None:
-    """The recipe's final checkpoint (``checkpoints.jsonl``): the server's sampler for its ``sampler_path`` (the one
-    the recipe saved) and the same path loaded back through `Primitives.create_sampling_client` sample the same
-    tokens with the same seed; a forgelab `TrainingClient` that loads its ``state_path`` gives those tokens'
-    logprobs within the float32 bound of two forwards. When no step had a gradient (see above), AdamW moved nothing
-    (no gradient, no weight decay): the final state's logprobs are bit-equal to the fresh adapter's it started from."""
+def test_recipe_cross_entropy_steps_raise_what_they_trained_on(loop: Any, served: Any,
+                                                               recipe_ce: dict[str, Any]) -> None:
+    """With ``loss_fn=cross_entropy`` the recipe's loss is ``-sum logp`` over every target of its batch (prompt
+    and sample: its datums carry no weights), which has a gradient whatever the rewards: ``grad_norm`` > 0 every
+    step, and the sampler it saves after each step serves the trained weights (``kl_sample_train`` within the
+    float32 bound). What the loss says the step does: its first optimizer step (AdamW from a fresh state moves
+    each parameter by ``-lr * g / (|g| + eps)``, a descent direction, and ``CE_LR`` is small enough that the
+    first-order decrease dominates) raises the summed logprob of the batch it trained on. Checked by forgelab,
+    outside the recipe: the batch as the server recorded it, scored by a forgelab client holding the recipe's
+    starting state, then its checkpoint ``000001``. The server's own report of that batch's logprobs (the
+    records' ``trainer_logprobs``, before the update) agrees with the first score within the float32 bound."""
+    from forgelab.config.run_config import SHIPPED_MODEL
+    from forgelab.experiments.primitive_types import Datum, ModelInput
+
+    api, _, init, _ = served
+    for m in _steps(recipe_ce):
+        assert m["grad_norm:mean"] > 0.0, m
+        check(abs(m["optim/kl_sample_train_v1"]), model_tol(SHIPPED_MODEL, LP_SCALE),
+              "the recipe's sampler-vs-trainer logprob gap (kl_sample_train)")
+    first = next(c for c in recipe_ce["checkpoints"] if c["name"] == "000001")
+    seqs, reported = _trained(api, recipe_ce, 1)
+    assert len(seqs) == 16
+
+    async def score() -> tuple[list[list[float]], list[list[float]]]:
+        client = await api.primitives.create_lora_training_client("ce-score")
+        data = [Datum(model_input=ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
+                for s in seqs]
+        try:
+            await client.load_state(api.local_path(init, "weights"), with_optimizer=False)
+            before = [o["logprobs"].tolist() for o in (await client.forward(data)).loss_fn_outputs]
+            await client.load_state(api.local_path(first["state_path"], "weights"), with_optimizer=False)
+            after = [o["logprobs"].tolist() for o in (await client.forward(data)).loss_fn_outputs]
+            return before, after
+        finally:
+            await client.close()
+
+    before, after = loop.run_until_complete(score())
+    assert sum(map(sum, after)) > sum(map(sum, before)), (sum(map(sum, before)), sum(map(sum, after)))
+    for r, b in zip(reported, before):
+        check(max_abs_diff(r, b), model_tol(SHIPPED_MODEL, max_abs(b)), "the server's logprobs of the batch")
+
+
+@integration
+def test_recipe_checkpoint_loads_back_into_forgelab(loop: Any, served: Any, recipe: dict[str, Any],
+                                                    recipe_ce: dict[str, Any]) -> None:
+    """The cross_entropy run's final checkpoint (``checkpoints.jsonl``; its weights moved): the server's sampler
+    for its ``sampler_path`` (the one the recipe saved) and the same path loaded back through
+    `Primitives.create_sampling_client` sample the same tokens with the same seed; a forgelab `TrainingClient`
+    that loads its ``state_path`` gives those tokens' logprobs within the float32 bound of two forwards, and
+    other logprobs than the recipe's starting state. The importance_sampling run's final state, whose steps had
+    no gradient (above), gives the starting state's logprobs bit for bit (AdamW moves nothing without a gradient
+    and without weight decay)."""
     from forgelab.config.run_config import SHIPPED_MODEL
     from forgelab.experiments.primitive_types import Datum, ModelInput, SamplingParams
 
     api, _, init, _ = served
-    final = recipe["checkpoints"][-1]
+    final = recipe_ce["checkpoints"][-1]
+    assert final["name"] == "final"
+    rl_final = recipe["checkpoints"][-1]
     prompt = [1, 27, 28, 21, 29, 30, 39]  # bos "12+34="
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7)
 
-    async def go() -> tuple[Any, Any, list[float], list[float]]:
+    async def go() -> tuple[Any, Any, list[list[float]]]:
         served_sampler = api.samplers[await api._sampler_for(final["sampler_path"], None)].client
         reported = await served_sampler.sample(prompt, 1, params)
         loaded = await api.primitives.create_sampling_client(api.local_path(final["sampler_path"]))
         again = await loaded.sample(prompt, 1, params)
         client = await api.primitives.create_lora_training_client("reloaded")
+        full = prompt + list(reported.sequences[0].tokens)
+        data = [Datum(model_input=ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]})]
+        scores = []
         try:
-            await client.load_state(api.local_path(final["state_path"], "weights"), with_optimizer=False)
-            tokens = list(reported.sequences[0].tokens)
-            full = prompt + tokens
-            data = [Datum(model_input=ModelInput.from_ints(full[:-1]),
-                          loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})]
-            fwd = (await client.forward(data)).loss_fn_outputs[0]["logprobs"].tolist()
-            await client.load_state(api.local_path(init, "weights"), with_optimizer=False)
-            start = (await client.forward(data)).loss_fn_outputs[0]["logprobs"].tolist()
-            return reported, again, fwd, start
+            for state in (final["state_path"], init, rl_final["state_path"]):
+                await client.load_state(api.local_path(state, "weights"), with_optimizer=False)
+                scores.append((await client.forward(data)).loss_fn_outputs[0]["logprobs"].tolist())
+            return reported, again, scores
         finally:
             await client.close()
 
-    reported, again, fwd, start = loop.run_until_complete(go())
-    forward = fwd[-len(reported.sequences[0].tokens):]
+    reported, again, (fwd, start, rl) = loop.run_until_complete(go())
     seq, seq2 = reported.sequences[0], again.sequences[0]
+    forward = fwd[-len(seq.tokens):]
     assert list(seq2.tokens) == list(seq.tokens) and len(seq.tokens) >= 1
     check(max_abs_diff(seq2.logprobs, seq.logprobs), model_tol(SHIPPED_MODEL, LP_SCALE),
           "the recipe's sampler vs the same checkpoint loaded back")
     check(max_abs_diff(forward, seq.logprobs), model_tol(SHIPPED_MODEL, LP_SCALE),
           "the recipe's sampler vs its state loaded into a forgelab TrainingClient")
-    if all(m["grad_norm:mean"] == 0.0 for m in recipe["metrics"] if "grad_norm:mean" in m):
-        assert fwd == start
+    assert max_abs_diff(fwd, start) > model_tol(SHIPPED_MODEL, max_abs(start)), "the cross_entropy steps moved nothing"
+    if all(m["grad_norm:mean"] == 0.0 for m in _steps(recipe)):
+        assert rl == start
 
 
 # --------------------------------------------- forward_backward_custom and checkpoints through the SDK, with torch
