@@ -28,6 +28,7 @@ integration = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 SDK_PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
+COOKBOOK_STAMP = ROOT / ".venv-tinker" / ".forgelab-cookbook"  # `make tinker-cookbook` writes it last
 RANK, STEPS = 8, 3
 # A sampled token's logprob is above -LP_SCALE: 48 samples at temperature 1 draw a token of probability < e^-30
 # with probability < 1e-11. The bound on two float32 forwards' logprobs is taken at this scale.
@@ -38,8 +39,9 @@ CE_LR = 1e-3
 
 @pytest.fixture(scope="module")
 def served(loop: Any, tmp_path_factory: Any) -> Any:
-    if not SDK_PYTHON.exists():
-        pytest.skip(f"{SDK_PYTHON} is missing: `make tinker-cookbook` builds it (make test does)")
+    if not COOKBOOK_STAMP.exists():
+        pytest.skip(f"{COOKBOOK_STAMP} is missing: `make tinker-cookbook` installs the cookbook into .venv-tinker "
+                    "(make test does)")
     from forgelab.config.components import LoraConfig
     from forgelab.config.run_config import EvalConfig, RunConfig, TrackingConfig
     from forgelab.experiments.primitives import Primitives
