@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.forgelab-setup
 TINKER_VENV := .venv-tinker
 TINKER_STAMP := $(TINKER_VENV)/.forgelab-setup
+COOKBOOK_STAMP := $(TINKER_VENV)/.forgelab-cookbook
 PY311 ?= python3.11
 UV := $(BIN)/uv pip install --python $(BIN)/python --quiet --compile-bytecode
 
@@ -17,7 +18,7 @@ export WANDB_SILENT ?= true
 export TOKENIZERS_PARALLELISM ?= false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup tinker-venv browser sshd slurm demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
+.PHONY: setup tinker-venv tinker-cookbook browser sshd slurm demo docs screenshot typecheck test durations test-fast test-unit test-integration test-notebooks test-numerics bench model clean
 
 setup: $(STAMP) browser sshd slurm
 
@@ -43,6 +44,18 @@ $(TINKER_STAMP): requirements-tinker.lock | $(STAMP)
 	$(BIN)/uv pip install --python $(TINKER_VENV)/bin/python --quiet --compile-bytecode -r requirements-tinker.lock
 	$(TINKER_VENV)/bin/python -c "import tinker; assert tinker.__version__ == '0.38.0', tinker.__version__"
 	@touch $(TINKER_STAMP)
+
+# tinker-cookbook 0.6.1 (with its math-rl extra) beside the SDK in .venv-tinker, from
+# requirements-tinker-cookbook.lock with --no-deps (the cookbook's tml-renderers>=0.4.1 is not on the package
+# index; the lock's header says why it is not needed and how the lock is made). torch is the CPU wheel, by pip
+# first as `setup` does. tests/test_tinker_cookbook.py runs recipes/math_rl/train.py in it against the server.
+tinker-cookbook: $(COOKBOOK_STAMP)
+
+$(COOKBOOK_STAMP): requirements-tinker-cookbook.lock $(TINKER_STAMP)
+	$(TINKER_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps torch==2.13.0
+	$(BIN)/uv pip install --python $(TINKER_VENV)/bin/python --quiet --compile-bytecode --no-deps -r requirements-tinker-cookbook.lock
+	$(TINKER_VENV)/bin/python -c "import importlib.metadata as m, tinker_cookbook.recipes.math_rl.train; v = m.version('tinker-cookbook'); assert v == '0.6.1', v"
+	@touch $(COOKBOOK_STAMP)
 
 # Debian's Chromium for the live-lab browser test (Playwright drives it; no
 # browser download). Needs root and apt; without it that one test skips.
@@ -93,7 +106,7 @@ typecheck: setup
 TEST_WORKERS ?= 2
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: setup tinker-venv docs
+test: setup tinker-venv tinker-cookbook docs
 	FORGELAB_DURATIONS_OUT=artifacts/test_durations.json $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_PAR) --durations=25 --nbval-lax tests tutorials notebooks
 
 # Refresh the record the scheduler orders files by: the whole suite, then its per-file times.

@@ -92,7 +92,11 @@ class ClientRecords:
         episodes = []
         for fields, ids, lp in zip(data, inputs, trainer_logprobs):
             targets = [int(t) for t in fields["target_tokens"].tolist()]
-            weights = fields.get("weights", fields.get("advantages"))
+            # the positions the loss trains: its weights; without them, cross_entropy trains every target (weight 1),
+            # the other losses where the advantages are not 0
+            weights = fields.get("weights")
+            if weights is None and loss_name not in ("cross_entropy", "custom"):
+                weights = fields.get("advantages")
             on = [1] * len(targets) if weights is None else [int(x != 0) for x in weights.tolist()]
             first = on.index(1) if 1 in on else len(on)  # the prompt: the inputs up to the first trained target
             w.tokens += sum(on)

@@ -22,7 +22,9 @@ engines' targets; ``seed`` None or the engines' seed: every slot starts from the
 runs it client-side as a forward then a weighted ``cross_entropy``), AdamW with per-call hyperparameters,
 ``save_state`` / ``load_state`` (with or without the optimizer, also into a new client: a
 ``tinker://<model_id>/weights/<name>`` path), ``save_weights_for_sampler`` (named: a ``tinker://<model_id>/sampler_weights/<name>`` path under the primitives'
-root; unnamed: an ephemeral sampler), sampling from the base model or a saved adapter with prompt logprobs.
+root; unnamed: an ephemeral sampler), sampling from the base model or a saved adapter with prompt logprobs, and
+the ``RestClient``'s ``list_checkpoints`` / ``delete_checkpoint`` of a training run's checkpoints (plain names
+only: nothing outside the root).
 Refused with an error naming what is supported: another base model, full fine-tuning, ``train_unembed`` (forgelab's
 LoRA cannot target the output projection), another rank, the ``dro``/``gspo``/``stable_reinforce`` losses,
 top-k logprobs, images, ``inflight`` samplers, non-Adam optimizers. Sessions whose heartbeats stop for
@@ -34,10 +36,12 @@ import asyncio
 import itertools
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -158,6 +162,9 @@ class TinkerAPI:
         r.add_api_route("/samplers/{sampler_id}", self.get_sampler, methods=["GET"])
         r.add_api_route("/asample", self.asample, methods=["POST"])
         r.add_api_route("/retrieve_future", self.retrieve_future, methods=["POST"])
+        r.add_api_route("/training_runs/{run_id}/checkpoints", self.list_checkpoints, methods=["GET"])
+        r.add_api_route("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", self.delete_checkpoint,
+                        methods=["DELETE"])
         for name in ("create_custom_loss", "retrieve_futures", "unload_model",
                      "join_sampling_session", "save_weights_external", "copy_weights"):
             r.add_api_route(f"/{name}", self._unsupported(name), methods=["POST"])
@@ -440,6 +447,53 @@ class TinkerAPI:
         if not os.path.isdir(local):
             raise UserError(f"no checkpoint {tinker_path!r} on this server")
         return local
+
+    # --- checkpoints (the SDK's RestClient) ----------------------------------------------------------
+    _TYPES = {"weights": "training", "sampler_weights": "sampler"}
+    """A ``tinker://`` path's kind -> the SDK's ``checkpoint_type``."""
+
+    async def list_checkpoints(self, run_id: str) -> dict[str, Any]:
+        """``RestClient.list_checkpoints(run_id)``: every ``save_state`` and named ``save_weights_for_sampler``
+        checkpoint of the training run (a model id, or any client name under the primitives' root), oldest
+        first."""
+        try:
+            run_dir = self.primitives.path(run_id)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from e
+        if not os.path.isdir(run_dir):
+            raise HTTPException(404, f"no training run {run_id!r} on this server (nothing under its checkpoint root)")
+        found = []
+        for kind, folder in self._KINDS.items():
+            base = os.path.join(run_dir, folder)
+            for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+                path = os.path.join(base, name)
+                if not os.path.isdir(path):
+                    continue
+                size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+                mtime = os.path.getmtime(path)
+                found.append((mtime, {"checkpoint_id": f"{kind}/{name}", "checkpoint_type": self._TYPES[kind],
+                                      "time": datetime.fromtimestamp(mtime, timezone.utc).isoformat(),
+                                      "tinker_path": self.tinker_path(run_id, name, kind), "size_bytes": size}))
+        return {"checkpoints": [c for _, c in sorted(found, key=lambda x: x[0])], "cursor": None}
+
+    async def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> Response:
+        """``RestClient.delete_checkpoint(run_id, "weights/<name>" | "sampler_weights/<name>")`` (and
+        ``delete_checkpoint_from_tinker_path``): removes the checkpoint's directory under the primitives' root.
+        A sampler already serving it keeps its loaded copy; a new sampler or ``load_state`` of it is refused."""
+        path = f"tinker://{run_id}/{checkpoint_id}"
+        kind, _, name = checkpoint_id.partition("/")
+        if kind not in self._KINDS:
+            raise HTTPException(400, f"checkpoint {checkpoint_id!r} is not one of this server's: weights/<name> "
+                                     "(save_state) or sampler_weights/<name> (save_weights_for_sampler)")
+        try:
+            local = self.primitives.path(run_id, self._KINDS[kind], name)  # plain names only: inside the root
+        except ValueError as e:
+            raise HTTPException(400, f"checkpoint {path!r}: {e}") from e
+        if not os.path.isdir(local):
+            raise HTTPException(404, f"no checkpoint {path!r} on this server")
+        shutil.rmtree(local)
+        log.info("deleted checkpoint %s (%s)", path, local)
+        return Response(status_code=204)
 
     # --- training state -------------------------------------------------------------------------------
     async def save_weights(self, request: Request) -> dict[str, Any]:
