@@ -2,8 +2,9 @@
 
     python tests/slurm_job_main.py run CONFIG.yaml     -> a Run placed over the Slurm job; prints one JSON line
     python tests/slurm_job_main.py hold JOB.json       -> applies the job, spawns one actor per mesh, prints one
-                                                          JSON line (job id, pids); on "lost" from stdin prints
-                                                          the lost workers the job reported; waits to be killed
+                                                          JSON line (job id, pids); on "lost" / "time_limit"
+                                                          from stdin prints the lost workers and time-limit
+                                                          notice the job reported; waits to be killed
 
 Constructing a Slurm job switches the process's Monarch transport to TCP for good, so the tests run it here, not
 in the pytest process. SLURM_CONF in the environment points the Slurm commands at the test's cluster.
@@ -103,16 +104,22 @@ async def hold(job_path: str) -> None:
     for name in job.config.meshes:
         procs = getattr(state, name).spawn_procs(per_host={"procs": 1})
         pids[name] = await procs.spawn("pid", Pid).pid.call_one()
+    heard: list[str] = []
+    job.add_listener(lambda notice: heard.append(f"{type(notice).__name__}: {notice}"))  # as a Run listens
     print(json.dumps({"job_id": job.job_id, "watcher": job.watcher_pid, "workers": workers(), "actors": pids,
                       "pid": os.getpid()}), flush=True)
-    # "lost": the test killed a worker; report what the job's watch of srun's reports learned (within 60 s)
-    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    if line.strip() == "lost":
+    # "lost": the test killed a worker; "time_limit": the test signalled the batch shell as --signal does; report
+    # what the job's watch of its stderr learned (within 60 s), and what its listener heard
+    while True:
+        line = (await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)).strip()
+        if line not in ("lost", "time_limit"):
+            break
         deadline = time.monotonic() + 60
-        while not job.lost and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)  # the job's thread fills job.lost; a condition, bounded
-        print(json.dumps({"lost": [dataclasses.asdict(w) for w in job.lost], "text": [str(w) for w in job.lost]}),
-              flush=True)
+        while not (job.lost if line == "lost" else job.time_limit) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # the job's thread reads srun's and the script's reports; a condition, bounded
+        print(json.dumps({"lost": [dataclasses.asdict(w) for w in job.lost], "text": [str(w) for w in job.lost],
+                          "time_limit": None if job.time_limit is None else str(job.time_limit),
+                          "heard": heard}), flush=True)
     while True:
         await asyncio.sleep(3600)  # held until the test kills this process
 
