@@ -1,6 +1,7 @@
 """Run as a script: forgelab's Slurm job against a test cluster, in a process of its own.
 
-    python tests/slurm_job_main.py run CONFIG.yaml     -> a Run placed over the Slurm job; prints one JSON line
+    python tests/slurm_job_main.py run CONFIG.yaml [N] -> a Run placed over the Slurm job (after step N: Slurm's
+                                                          time-limit signal to the job); prints one JSON line
     python tests/slurm_job_main.py hold JOB.json       -> applies the job, spawns one actor per mesh, prints one
                                                           JSON line (job id, pids); on "lost" / "time_limit"
                                                           from stdin prints the lost workers and time-limit
@@ -49,29 +50,42 @@ def workers() -> list[int]:
     return found
 
 
-async def run(config: str) -> dict:
+async def run(config: str, signal_after: int | None) -> dict:
+    """The Run over the Slurm job; `signal_after`: once that step is done, USR1 to the job's batch shell, as
+    Slurm's `--signal=B:USR1` does before the time limit (`scancel --batch --signal=USR1`: the same delivery)."""
+    import subprocess
+
     from forgelab.config import RunConfig
     from forgelab.run import Run
 
     run = Run(RunConfig.from_yaml(config))
     t0 = time.time()
+    signalled_at = None
     try:
         await run.start()
         job = run.parts.job
+        job_id, watcher = job.job_id, job.watcher_pid  # the job forgets them once cancelled
         gen = {p: chain(p) for p in (s.pid for s in run.parts.generators.status())}
         trainer = {p: chain(p) for p in await run.parts.trainer.pids()}
         found = workers()
         first_step = None
-        async for _ in _steps(run):
+        async for step in _steps(run):
             if first_step is None:
                 first_step = time.time() - t0
-        df = run.metrics
-        out = {"state": run.state, "message": run.message, "version": run.version, "steps": list(df["step"]),
-               "loss": list(df["loss"]), "grad_norm": list(df["grad_norm"]), "job_id": job.job_id,
-               "watcher": job.watcher_pid, "workers": found, "generator": gen, "trainer": trainer,
-               "seconds_to_first_step": first_step}
+            if signal_after is not None and signalled_at is None and step >= signal_after:
+                signalled_at = step
+                subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=60)
     finally:
         await run.shutdown()
+    df = run.metrics
+    reports = run.job_reports
+    out = {"state": run.state, "message": run.message, "version": run.version, "steps": list(df["step"]),
+           "loss": list(df["loss"]), "grad_norm": list(df["grad_norm"]), "job_id": job_id,
+           "watcher": watcher, "workers": found, "generator": gen, "trainer": trainer,
+           "seconds_to_first_step": first_step, "signalled_at_step": signalled_at,
+           "checkpoint": str(reports.checkpoint) if reports and reports.checkpoint else None,
+           "events": [{k: v for k, v in e.items() if k in ("kind", "step", "path", "job_id")} for e in run.events],
+           "out_dir": str(run.out_dir)}
     _, alive = psutil.wait_procs([psutil.Process(p) for p in found if psutil.pid_exists(p)], timeout=60)
     out["alive_after_shutdown"] = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     return out
@@ -125,7 +139,7 @@ async def hold(job_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        print(json.dumps(asyncio.run(run(sys.argv[2]))))
+    if sys.argv[1] == "run":  # run CONFIG [SIGNAL_AFTER_STEP]
+        print(json.dumps(asyncio.run(run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None))))
     else:
         asyncio.run(hold(sys.argv[2]))

@@ -172,6 +172,7 @@ def test_the_time_limit_signal_is_slurms_to_set():
     ({"meshes": {"gen": 1}, "account": "rl", "slurm_args": ["--account=ml"]}, "repeats hosts.job.account"),
     ({"meshes": {"gen": 1}, "sbatch_args": [], "slurm_args": []}, "not both"),
     ({"meshes": {"gen": 1}, "partiton": "gpu"}, "partiton"),
+    ({"meshes": {"gen": 1}, "time_limit": "5"}, "signal_before_limit 300 s is not less than time_limit '5'"),
 ])
 def test_bad_config_is_named(bad, names):
     with pytest.raises(SlurmConfigError, match=names.replace("[", r"\[")):
@@ -488,9 +489,13 @@ def _run_config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def slurm_run(cluster, tmp_path_factory):
-    """A Run whose generator and trainer run on the Slurm job's workers (tests/slurm_job_main.py run)."""
+    """A Run whose generator and trainer run on the Slurm job's workers (tests/slurm_job_main.py run); once it
+    has trained 3 steps its job's batch shell gets Slurm's time-limit signal (USR1, as `--signal=B:` sends it)."""
     path = _run_config(tmp_path_factory.mktemp("slurmrun"))
-    out = subprocess.run([sys.executable, str(MAIN), "run", str(path)], env=_env(cluster), capture_output=True,
+    data = yaml.safe_load(path.read_text())
+    data["train"]["steps"] = 1000  # ended by the signal after step 3, not by the step count
+    path.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, str(MAIN), "run", str(path), "3"], env=_env(cluster), capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -499,12 +504,27 @@ def slurm_run(cluster, tmp_path_factory):
 @integration
 def test_a_run_on_slurm_workers_trains_three_steps(slurm_run):
     res = slurm_run
-    assert res["state"] == "finished", res["message"]
-    assert res["steps"] == [1, 2, 3]
+    k = res["steps"][-1]
+    assert res["steps"] == list(range(1, k + 1)) and k >= 3, res["steps"]
     # a step whose groups all scored alike has zero advantages and a zero gradient; not all three can
     assert all(x == x for x in res["loss"]) and any(g > 0 for g in res["grad_norm"])
-    assert res["version"] == 3  # weights crossed from the trainer's worker to the generator's after every step
+    assert res["version"] == k  # weights crossed from the trainer's worker to the generator's after every step
     print(f"slurm: sbatch to first trained step {res['seconds_to_first_step']:.1f} s")
+
+
+@integration
+def test_interactive_the_time_limit_signal_checkpoints_and_stops_the_run(slurm_run):
+    """The controller outside the allocation learns of Slurm's signal (the batch shell's trap writes it to the
+    job's stderr, which the controller reads) and the run stops after its step with a checkpoint, saying so."""
+    res = slurm_run
+    k = res["steps"][-1]
+    assert res["state"] == "stopped" and k < 1000, (res["state"], res["message"])
+    ckpt = str(Path(res["out_dir"]) / "checkpoints" / f"step_{k:06d}")
+    assert res["checkpoint"] == ckpt and ckpt in res["message"] and "time limit" in res["message"], res["message"]
+    kinds = [e["kind"] for e in res["events"]]
+    assert kinds.index("time_limit") < kinds.index("stopped") < kinds.index("time_limit_checkpoint"), kinds
+    assert next(e for e in res["events"] if e["kind"] == "time_limit")["job_id"] == res["job_id"]
+    assert (Path(ckpt) / "controller.json").is_file()
 
 
 @integration

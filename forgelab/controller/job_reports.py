@@ -86,8 +86,12 @@ class JobReports:
         return reports
 
     def hear(self, notice: object) -> None:
-        """A notice from the job's thread: handled on the run's loop."""
-        self._loop.call_soon_threadsafe(self.handle, notice)
+        """A notice from the job's thread: handled on the run's loop (dropped once that loop has closed: the run
+        is over)."""
+        try:
+            self._loop.call_soon_threadsafe(self.handle, notice)
+        except RuntimeError:  # "Event loop is closed"
+            log.info("forgelab: the run's loop has closed; job notice dropped: %s", notice)
 
     def handle(self, notice: object) -> None:
         if isinstance(notice, LostWorker):

@@ -137,11 +137,37 @@ class SlurmConfig:
                 raise SlurmConfigError(f"hosts.job.sbatch_args: {flag} repeats hosts.job.{twin}; keep one of them")
         cfg["sbatch_args"] = tuple(extra)
         out = cls(**cfg)  # type: ignore[arg-type]  # every key checked above
+        limit_s = time_limit_seconds(out.time_limit) if out.time_limit is not None else None
+        if limit_s is not None and out.signal_before_limit >= limit_s:
+            raise SlurmConfigError(f"hosts.job.signal_before_limit {out.signal_before_limit} s is not less than "
+                                   f"time_limit {out.time_limit!r} ({limit_s} s): the run would checkpoint and stop "
+                                   "as soon as it starts; lower signal_before_limit (0: off) or raise time_limit")
         nodes = out.nodes or out.workers
         if out.workers % nodes:
             raise SlurmConfigError(f"hosts.job: {out.workers} workers (meshes {out.meshes}) do not spread evenly over "
                                    f"{nodes} nodes; set nodes to a divisor of {out.workers}")
         return out
+
+
+def time_limit_seconds(limit: str) -> int | None:
+    """A Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds; None: UNLIMITED/INFINITE.
+
+    >>> [time_limit_seconds(t) for t in ("30", "1:30", "04:00:00", "1-02", "1-02:30", "1-00:00:10", "UNLIMITED")]
+    [1800, 90, 14400, 93600, 95400, 86410, None]
+    """
+    if limit in ("UNLIMITED", "INFINITE"):
+        return None
+    days, sep, rest = limit.partition("-")
+    if not sep:
+        rest, days = days, "0"
+    parts = [int(p) for p in rest.split(":")]
+    if sep:  # D-HH[:MM[:SS]]
+        h, m, sec = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, sec = parts
+    else:  # MM[:SS]
+        h, m, sec = 0, parts[0], (parts + [0])[1]
+    return ((int(days) * 24 + h) * 60 + m) * 60 + sec
 
 
 @dataclass(frozen=True)
