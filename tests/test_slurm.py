@@ -151,6 +151,19 @@ def test_the_batch_scripts_trap_reports_slurms_signal_and_keeps_the_exit_status(
     assert time_limit_signalled(err) and "signal_before_limit 120 s" in err, err
 
 
+def test_resuming_with_no_checkpoint_is_refused_by_name(tmp_path, capsys):
+    """`forgelab run --resume latest` (what a resubmitted batch job runs) with no checkpoint in the run directory,
+    and `submit --resume` with a path that is not there, fail before anything runs, naming what is missing."""
+    from forgelab.cli import main
+    from forgelab.runtime.slurm import submit_batch
+
+    path = _run_config(tmp_path)
+    assert main(["run", str(path), "--resume", "latest"]) == 2
+    assert "two-hosts/checkpoints holds no checkpoint" in capsys.readouterr().err
+    with pytest.raises(SlurmConfigError, match="not a directory"):
+        submit_batch(str(path), (), str(tmp_path / "nowhere"))
+
+
 def test_the_time_limit_signal_is_slurms_to_set():
     with pytest.raises(SlurmConfigError, match="signal_before_limit"):
         SlurmConfig.from_dict({"kind": "slurm", "meshes": {"gen": 1}, "sbatch_args": ["--signal=USR1@60"]})
