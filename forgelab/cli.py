@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p_run = sub.add_parser("run", help="train from a YAML config")
     p_run.add_argument("config")
     p_run.add_argument("--set", action="append", default=[], help="override a field: train.steps=20")
-    p_run.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    p_run.add_argument("--resume", default=None, help="checkpoint directory to resume from; 'latest': this run's "
+                       "own latest checkpoint (RUN_DIR/checkpoints), e.g. after a Slurm time limit")
     p_chk = sub.add_parser("check", help="validate a config without spawning anything")
     p_chk.add_argument("config")
     p_chk.add_argument("--set", action="append", default=[])
@@ -159,12 +160,21 @@ def _provenance(args) -> int:
 
 
 async def _run(cfg, resume: str | None) -> int:
+    from pathlib import Path
+
     from forgelab.progress import follow_run
     from forgelab.run import Run
 
+    if resume == "latest":  # the run's own checkpoints: what a resubmitted Slurm job resumes from
+        resume = str(Path(cfg.tracking.out_dir) / cfg.name / "checkpoints")
+        if not (Path(resume) / "LATEST").is_file():
+            print(f"forgelab run --resume latest: {resume} holds no checkpoint (no LATEST file); run without "
+                  "--resume, or pass a checkpoint directory", file=sys.stderr)
+            return 2
     run = Run(cfg, resume_from=resume)
     summary = await follow_run(run, started_at=time.time(), start=True)
-    print(json.dumps({"name": cfg.name, **summary, "out_dir": str(run.out_dir)}))
+    print(json.dumps({"name": cfg.name, **summary, "state": run.state, "message": run.message,
+                      "out_dir": str(run.out_dir)}))
     return 0 if run.state in ("finished", "stopped") else 1
 
 

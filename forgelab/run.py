@@ -54,6 +54,7 @@ from forgelab.controller.controls import LossSwapRefused, RewardChangeRefused, R
 from forgelab.controller.buffer import EpisodeCounts
 from forgelab.controller.evaluate import Evaluator
 from forgelab.controller.facade import RunHook
+from forgelab.controller.job_reports import JobReports, parts_on_meshes
 from forgelab.controller.events import EventBus, EventLog, as_int
 from forgelab.controller.lifecycle import Lifecycle
 from forgelab.controller.reward_runner import RewardRunner, configured_rewards
@@ -135,6 +136,8 @@ class Run:
         self.door: AgentDoor | None = None  # while the run serves the agent door (door.enabled; docs/agents.md)
         self.watchdog = Watchdog(cfg.watchdog, out_dir=self.out_dir, emit=self.bus.emit)
         """Declares a stuck call or weight push and dumps every process's stacks (`forgelab.runtime.watchdog`)."""
+        self.job_reports: JobReports | None = None
+        """The hosts job's lost workers and time limit, as the run's events and message (a Slurm job)."""
 
     # the parts' state, read here and written by its owner (forgelab/controller/*.py)
     step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")
@@ -266,6 +269,8 @@ class Run:
     async def shutdown(self) -> None:
         """Stop training and free every process."""
         await self.stop()
+        if self.job_reports is not None:  # a checkpoint before the time limit needs the parts
+            await self.job_reports.settled()
         if self.door is not None:
             await self.door.close()
             self.door = None
@@ -344,6 +349,9 @@ class Run:
             self.emit("config_note", message=note)
         if self.resume_from is not None:
             await checkpoint.restore(ckpt, self.resume_from)
+        self.job_reports = JobReports.attach(getattr(parts, "job", None), self.lifecycle, self.bus,
+                                             parts_on=parts_on_meshes(cfg.hosts), stop=self.stop,
+                                             save=self.save_checkpoint)
 
     async def _run_main(self) -> None:
         try:
@@ -361,7 +369,10 @@ class Run:
             self.lifecycle.set("stopped")
             raise
         except Exception as e:
-            self.lifecycle.set("failed", f"{type(e).__name__}: {e}")
+            lost = self.job_reports.failure_note() if self.job_reports is not None else ""
+            if lost:  # a worker the job lost is likely why: the error names its host, parts and reason
+                e.add_note(lost.removeprefix("; "))
+            self.lifecycle.set("failed", f"{type(e).__name__}: {e}{lost}")
             self.emit("failed", message=self.message)
             log.exception("forgelab: run failed")
             raise

@@ -10,6 +10,7 @@
     EventLog       events.py       the run's history of live changes (one owner); EventBus: log + listeners
     Tracker        tracking.py     metrics.csv, wandb
     RunFacade      facade.py       what experiments and the lab may use of a run (a Protocol)
+    JobReports     job_reports.py  a hosts job's lost workers and time limit as the run's events, message, checkpoint
     checkpoint, provenance, rollout_log, timeline, view: one module each
 """
 from forgelab.lazy import lazy_exports

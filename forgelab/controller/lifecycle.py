@@ -47,6 +47,12 @@ class Lifecycle:
         if message is not None:
             self.message = message
 
+    def note(self, message: str) -> None:
+        """Say something about the run in its message without changing its state (a lost worker, a checkpoint
+        before the time limit); logged as a warning."""
+        self.message = message
+        log.warning("forgelab: %s", message)
+
     def pause(self, message: str | None = None) -> None:
         """Finish the current step, then hold rollouts and training (`message` says why, for people)."""
         if self.state == "running":

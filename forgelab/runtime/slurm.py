@@ -21,12 +21,16 @@ What differs from Monarch 0.6.0's `SlurmJob` (its issue #2330: it fails on Slurm
   run's shutdown) cancels the job at once.
 - A worker that ends while the job runs is named (mesh, host, task, reason) from srun's own report in the job's
   stderr file (`job.lost`, and a warning in the log); the other workers run on (`--kill-on-bad-exit=0`).
+- The time limit: `--signal=B:USR1@signal_before_limit`; the job's script traps it and writes `TIME_LIMIT_LINE`
+  to the same stderr file (`job.time_limit`). Listeners (`add_listener`: a Run's
+  forgelab/controller/job_reports.py) hear of both; the run checkpoints and stops before the limit.
 - Config is validated up front (`SlurmConfig`), with errors that name the key; Monarch's `slurm_args` is
   accepted as `sbatch_args`.
 
-Batch mode (the whole run in one allocation): `python -m forgelab.runtime.slurm submit CONFIG.yaml`
+Batch mode (the whole run in one allocation): `python -m forgelab.runtime.slurm submit CONFIG.yaml [--resume]`
 (`submit_batch`): the batch script starts the workers and runs `forgelab run CONFIG` beside them; that
-controller's job adopts `$SLURM_JOB_ID` instead of submitting. docs/clusters.md has the whole story.
+controller's job adopts `$SLURM_JOB_ID` instead of submitting. `--resume` (after a time limit) continues from the
+run's latest checkpoint. docs/clusters.md has the whole story.
 
 Constructing the job switches this process's Monarch transport to TCP, as Monarch's own does.
 """
@@ -38,7 +42,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from monarch.job import JobState, SlurmJob
 
@@ -48,23 +52,32 @@ from forgelab.runtime.slurm_spec import (
     SlurmConfig,
     SlurmConfigError,
     SqueueJob,
+    TimeLimitNear,
     batch_run_script,
     batch_script,
     parse_squeue,
     parse_srun_errors,
+    time_limit_signalled,
     worker_addresses,
     worker_of_task,
 )
 
-__all__ = ["BATCH_ENV", "ForgelabSlurmJob", "LostWorker", "SlurmConfig", "SlurmConfigError", "SqueueJob",
+__all__ = ["BATCH_ENV", "ForgelabSlurmJob", "JobNotice", "LostWorker", "SlurmConfig", "SlurmConfigError", "SqueueJob",
+           "TimeLimitNear",
            "batch_run_script", "batch_script", "expand_hostlist", "parse_squeue", "parse_srun_errors",
            "slurm_job_from_config", "start_watcher", "submit_batch", "worker_addresses", "worker_of_task"]
 
 log = logging.getLogger(__name__)
 
-def submit_batch(config_path: str, overrides: Sequence[str] = ()) -> str:
+JobNotice = LostWorker | TimeLimitNear
+"""What the job tells its listeners while it runs (`ForgelabSlurmJob.add_listener`)."""
+
+def submit_batch(config_path: str, overrides: Sequence[str] = (), resume: str | None = None) -> str:
     """Submit a whole run (`forgelab run CONFIG`) as one Slurm batch job; its `hosts.job` (kind slurm) sizes the
-    allocation and places the parts. Returns the job id; the run's summary line ends the job's stdout file."""
+    allocation and places the parts. Returns the job id; the run's summary line ends the job's stdout file.
+
+    `resume`: a checkpoint directory, or "latest" (the run's own latest checkpoint: what a run stopped by the
+    time limit wrote), passed to `forgelab run --resume`."""
     import yaml
 
     try:
@@ -81,7 +94,9 @@ def submit_batch(config_path: str, overrides: Sequence[str] = ()) -> str:
     cfg = SlurmConfig.from_dict(job)
     log_dir = os.path.abspath(cfg.log_dir or os.getcwd())
     os.makedirs(log_dir, exist_ok=True)
-    script = batch_run_script(cfg, log_dir, f"{cfg.job_name}_batch", config_path, overrides)
+    if resume is not None and resume != "latest" and not os.path.isdir(resume):
+        raise SlurmConfigError(f"--resume {resume!r}: not a directory; pass a checkpoint directory or 'latest'")
+    script = batch_run_script(cfg, log_dir, f"{cfg.job_name}_batch", config_path, overrides, resume)
     return _sbatch(script)
 
 
@@ -133,6 +148,27 @@ class ForgelabSlurmJob(SlurmJob):
         """The job's stderr file (srun reports lost tasks there)."""
         self.lost: list[LostWorker] = []
         """Workers srun reported ended so far (a thread reads its reports every 2 s while the job runs)."""
+        self.time_limit: TimeLimitNear | None = None
+        """Set once the job's script reported Slurm's time-limit signal (read with the lost workers)."""
+        self._listeners: list[Callable[[JobNotice], None]] = []
+
+    def add_listener(self, fn: Callable[[JobNotice], None]) -> None:
+        """Call `fn(notice)` for each lost worker and for the time-limit signal, from the job's watch thread;
+        the notices seen before this call are passed at once (a run attaches after the workers started)."""
+        self._listeners.append(fn)
+        notices: list[JobNotice] = [*self.lost]
+        if self.time_limit is not None:
+            notices.append(self.time_limit)
+        for notice in notices:
+            fn(notice)
+
+    def _notify(self, notice: JobNotice) -> None:
+        log.warning("forgelab: %s", notice)
+        for fn in list(self._listeners):
+            try:
+                fn(notice)
+            except Exception:  # noqa: BLE001 -- one listener's bug must not end the watch
+                log.exception("forgelab: a Slurm job listener failed on %s", notice)
 
     @property
     def job_id(self) -> str | None:
@@ -162,7 +198,8 @@ class ForgelabSlurmJob(SlurmJob):
         return job_id
 
     def lost_workers(self) -> list[LostWorker]:
-        """Workers srun reported ended so far (host, mesh, reason), read from the job's stderr file."""
+        """Workers srun reported ended so far (host, mesh, reason), read from the job's stderr file; the
+        script's report of Slurm's time-limit signal is read there too (`time_limit`). Listeners hear each once."""
         job_id = self._slurm_job_id
         if job_id is None or self.err_path is None:
             return list(self.lost)
@@ -176,7 +213,10 @@ class ForgelabSlurmJob(SlurmJob):
             worker = LostWorker(mesh, index, host, task, reason, job_id)
             if worker not in self.lost:
                 self.lost.append(worker)
-                log.warning("forgelab: %s", worker)
+                self._notify(worker)
+        if self.time_limit is None and time_limit_signalled(text):
+            self.time_limit = TimeLimitNear(job_id, self.config.signal_before_limit)
+            self._notify(self.time_limit)
         return list(self.lost)
 
     def _watch_lost(self, job_id: str, every: float = 2.0) -> None:
@@ -341,8 +381,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p_sub = sub.add_parser("submit", help="batch mode: submit a whole run (hosts.job kind slurm) as one sbatch job")
     p_sub.add_argument("config")
     p_sub.add_argument("--set", action="append", default=[], help="override a field: train.steps=20")
+    p_sub.add_argument("--resume", nargs="?", const="latest", default=None,
+                       help="resume from a checkpoint directory; alone: the run's latest checkpoint (after a time "
+                            "limit)")
     args = parser.parse_args(argv)
-    print(submit_batch(args.config, args.set), flush=True)
+    print(submit_batch(args.config, args.set, args.resume), flush=True)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ class SlurmConfig:
     """Seconds from the job running until every worker listens on its port (a worker's Python starts, imports
     torch and Monarch, then listens: on a loaded node that can take minutes). Monarch's attach is given one
     minute per worker after that, so it waits for listening workers first."""
+    signal_before_limit: int = 300
+    """Seconds before the time limit at which Slurm signals the job (`--signal=B:USR1@N`; Slurm may send it up to
+    60 s earlier). The job's script writes `TIME_LIMIT_LINE` to the job's stderr file, the controller reads it
+    there, checkpoints after the current step and stops (docs/clusters.md). Leave enough for a step, a
+    checkpoint and the shutdown; 0 turns it off."""
 
     @property
     def workers(self) -> int:
@@ -88,6 +93,10 @@ class SlurmConfig:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise SlurmConfigError(f"hosts.job.meshes.{name} must be a positive number of workers, got {n!r}")
         cfg["meshes"] = {str(k): int(v) for k, v in meshes.items()}
+        v = cfg.get("signal_before_limit")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 65535):
+            raise SlurmConfigError(f"hosts.job.signal_before_limit must be seconds from 0 (off) to 65535 (Slurm's "
+                                   f"limit), got {v!r}")
         for key in ("nodes", "cpus_per_task", "gpus_per_node", "job_start_timeout", "monarch_port", "worker_start_timeout"):
             v = cfg.get(key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -117,6 +126,9 @@ class SlurmConfig:
             if not a.startswith("-"):
                 raise SlurmConfigError(f"hosts.job.sbatch_args: {a!r} is not a flag; write each as '--flag=value'")
             flag = a.split("=", 1)[0]
+            if flag == "--signal":
+                raise SlurmConfigError("hosts.job.sbatch_args: --signal is set by forgelab (B:USR1 before the time "
+                                       "limit, so the run checkpoints); set hosts.job.signal_before_limit instead")
             if flag in _OWN_FLAGS:
                 raise SlurmConfigError(f"hosts.job.sbatch_args: {flag} is set by forgelab from meshes and nodes "
                                        "(workers per mesh, nodes to spread them over); set those instead")
@@ -125,11 +137,37 @@ class SlurmConfig:
                 raise SlurmConfigError(f"hosts.job.sbatch_args: {flag} repeats hosts.job.{twin}; keep one of them")
         cfg["sbatch_args"] = tuple(extra)
         out = cls(**cfg)  # type: ignore[arg-type]  # every key checked above
+        limit_s = time_limit_seconds(out.time_limit) if out.time_limit is not None else None
+        if limit_s is not None and out.signal_before_limit >= limit_s:
+            raise SlurmConfigError(f"hosts.job.signal_before_limit {out.signal_before_limit} s is not less than "
+                                   f"time_limit {out.time_limit!r} ({limit_s} s): the run would checkpoint and stop "
+                                   "as soon as it starts; lower signal_before_limit (0: off) or raise time_limit")
         nodes = out.nodes or out.workers
         if out.workers % nodes:
             raise SlurmConfigError(f"hosts.job: {out.workers} workers (meshes {out.meshes}) do not spread evenly over "
                                    f"{nodes} nodes; set nodes to a divisor of {out.workers}")
         return out
+
+
+def time_limit_seconds(limit: str) -> int | None:
+    """A Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) in seconds; None: UNLIMITED/INFINITE.
+
+    >>> [time_limit_seconds(t) for t in ("30", "1:30", "04:00:00", "1-02", "1-02:30", "1-00:00:10", "UNLIMITED")]
+    [1800, 90, 14400, 93600, 95400, 86410, None]
+    """
+    if limit in ("UNLIMITED", "INFINITE"):
+        return None
+    days, sep, rest = limit.partition("-")
+    if not sep:
+        rest, days = days, "0"
+    parts = [int(p) for p in rest.split(":")]
+    if sep:  # D-HH[:MM[:SS]]
+        h, m, sec = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        h, m, sec = parts
+    else:  # MM[:SS]
+        h, m, sec = 0, parts[0], (parts + [0])[1]
+    return ((int(days) * 24 + h) * 60 + m) * 60 + sec
 
 
 @dataclass(frozen=True)
@@ -219,6 +257,18 @@ class LostWorker:
                 f"{self.task}) ended: {self.reason}")
 
 
+@dataclass(frozen=True)
+class TimeLimitNear:
+    """Slurm signalled the job `signal_before_limit` seconds (or up to 60 s more) before its time limit."""
+
+    job_id: str
+    lead_s: int
+    """The job's `signal_before_limit`."""
+
+    def __str__(self) -> str:
+        return f"Slurm job {self.job_id} reaches its time limit in about {self.lead_s} s (Slurm's --signal)"
+
+
 _SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? ([0-9,\-]+): (.+)$", re.M)
 
 
@@ -265,12 +315,45 @@ def _directives(cfg: SlurmConfig, log_dir: str, job_name: str) -> list[str]:
             lines.append(f"#SBATCH {flag}={value}")
     if cfg.exclusive:
         lines.append("#SBATCH --exclusive")
+    if cfg.signal_before_limit:  # B: the batch shell alone (a worker's Python would die of USR1)
+        lines.append(f"#SBATCH --signal=B:USR1@{cfg.signal_before_limit}")
     return lines + [f"#SBATCH {a}" for a in cfg.sbatch_args]
 
 
+TIME_LIMIT_LINE = "forgelab: time limit near: Slurm sent USR1"
+"""What a job's script writes to the job's stderr file when Slurm signals it before the time limit (`--signal`);
+the controller's job reads that file (`time_limit_signalled`)."""
+
+
+def _trap(cfg: SlurmConfig) -> list[str]:
+    """The batch shell's USR1 trap. Bash runs a trap only between commands, so the script runs its work in the
+    background and `wait`s for it (a trapped signal interrupts `wait`, not a foreground command)."""
+    if not cfg.signal_before_limit:
+        return []
+    return [f"trap 'echo \"{TIME_LIMIT_LINE} ($(date -u +%FT%TZ), signal_before_limit "
+            f"{cfg.signal_before_limit} s)\" >&2' USR1"]
+
+
+def _wait_for(var: str, rc: str | None = None) -> str:
+    """Wait for background process `$var` to end, through any trapped signal (`wait` returns 128+N then)."""
+    status = f"; {rc}=$?" if rc else ""
+    return f"while kill -0 ${var} 2>/dev/null; do wait ${var}{status}; done"
+
+
+def time_limit_signalled(text: str) -> bool:
+    """Whether a job's stderr holds the script's report of Slurm's time-limit signal (`TIME_LIMIT_LINE`).
+
+    >>> time_limit_signalled("srun: error: vm: task 0: Killed\\n" + TIME_LIMIT_LINE + " (2026-11-27T23:50:01Z)")
+    True
+    """
+    return any(line.startswith(TIME_LIMIT_LINE) for line in text.splitlines())
+
+
 def batch_script(cfg: SlurmConfig, log_dir: str, job_name: str) -> str:
-    """The `sbatch` script that starts every worker of `cfg` (one `srun` step, one task per worker)."""
-    return "\n".join([*_directives(cfg, log_dir, job_name), _worker_command(cfg), ""])
+    """The `sbatch` script that starts every worker of `cfg` (one `srun` step, one task per worker), and reports
+    Slurm's time-limit signal to the controller (`TIME_LIMIT_LINE` in the job's stderr)."""
+    return "\n".join([*_directives(cfg, log_dir, job_name), *_trap(cfg), _worker_command(cfg) + " &", "workers=$!",
+                      _wait_for("workers"), ""])
 
 
 BATCH_ENV = "FORGELAB_SLURM_BATCH"
@@ -278,21 +361,26 @@ BATCH_ENV = "FORGELAB_SLURM_BATCH"
 
 
 def batch_run_script(cfg: SlurmConfig, log_dir: str, job_name: str, config_path: str,
-                     overrides: Sequence[str] = ()) -> str:
+                     overrides: Sequence[str] = (), resume: str | None = None) -> str:
     """The `sbatch` script of batch mode: the workers (one `srun` step, in the background) and the controller
-    (`forgelab run CONFIG` in the batch step, on the first node) in one allocation; the workers stop when the
-    controller exits, and the job's exit status is the controller's."""
+    (`forgelab run CONFIG [--resume CHECKPOINT]` in the batch step, on the first node) in one allocation; the
+    workers stop when the controller exits, and the job's exit status is the controller's. Slurm's time-limit
+    signal reaches the controller as `TIME_LIMIT_LINE` in the job's stderr file."""
     err = os.path.join(log_dir, f"slurm_${{SLURM_JOB_ID}}_{job_name}.err")
     run = [cfg.python_exe, "-m", "forgelab.cli", "run", os.path.abspath(config_path)]
     for o in overrides:
         run += ["--set", o]
+    if resume is not None:
+        run += ["--resume", resume if resume == "latest" else os.path.abspath(resume)]
     return "\n".join([
         *_directives(cfg, log_dir, job_name),
         f'export {BATCH_ENV}="{err}"',
+        *_trap(cfg),
         _worker_command(cfg) + " &",
         "workers=$!",
-        " ".join(shlex.quote(a) for a in run),
-        "rc=$?",
+        " ".join(shlex.quote(a) for a in run) + " &",
+        "controller=$!",
+        _wait_for("controller", "rc"),
         "kill $workers 2>/dev/null; wait $workers 2>/dev/null",
         "exit $rc",
         "",
