@@ -216,7 +216,7 @@ def busy(loop, tmp_path_factory):
     """A second run under tight deadlines (`BUSY_WATCH`): about 1,000 episodes in flight whose turns take long
     (an environment that thinks 4.5 s per step, turns queued behind a thousand others in one small generator), and a
     large batch (512 episodes a step), on a machine made busy by a process burning a core beside this suite. It
-    trains 2 steps; then its trainer is SIGSTOPped, in the same configuration, and the run must end in
+    trains a step; then its trainer is SIGSTOPped, in the same configuration, and the run must end in
     `StuckError`: the watchdog can still fire here, so its silence before means something."""
     import subprocess
     import sys
@@ -251,7 +251,7 @@ def busy(loop, tmp_path_factory):
             assert time.monotonic() < deadline and run.state == "running", (run.state, run.message)
             await asyncio.sleep(0.05)
         out["in_flight"] = run.buffer.reserved
-        await run.until(step=2, timeout=600)
+        await run.until(step=1, timeout=600)
         out["live_s"] = time.monotonic() - t0
         out["stuck_while_live"] = list(run.watchdog.stuck)
         out["events_while_live"] = [e for e in run.events if e["kind"] in ("stuck", "replica_failed")]
@@ -299,7 +299,7 @@ def test_slow_but_live_at_scale_is_not_flagged(busy):
           f"p99 {latencies[int(len(latencies) * 0.99)]:.1f} s, train_time_s {list(run.metrics['train_time_s'])}, "
           f"live for {out['live_s']:.1f} s; {err_text(out['error'])}")
     assert latencies[len(latencies) // 2] > BUSY_WATCH["no_progress_s"], latencies[len(latencies) // 2]
-    # and the 512-episode steps, the trainer holding its event loop, outlasted the unresponsive deadline
+    # and the 512-episode step, the trainer holding its event loop, outlasted the unresponsive deadline
     assert run.metrics["train_time_s"].max() > BUSY_WATCH["unresponsive_s"], list(run.metrics["train_time_s"])
     # and the same configuration still catches a hang: the SIGSTOPped trainer's call ends in StuckError
     err = out["error"]

@@ -14,6 +14,9 @@ with its progress counters, to a small JSON file ``<dir>/<pid>.json`` that the c
   generator), ``weight_bytes_received`` / ``weights_loaded`` (a weight push), ``train_steps`` (the trainer).
   A busy process moves them; one waiting forever (an awaited event nobody sets) does not.
 
+A process on another host (given the controller's heartbeat sink, `forgelab.runtime.beat_sink`) also sends each
+record there as a signed UDP datagram, and its heartbeat thread answers the sink's request for a stack dump.
+
 The process also registers `faulthandler` on `DUMP_SIGNAL` (SIGUSR2), writing every thread's Python stack to
 ``<dir>/<pid>.stacks``: the stack dump where py-spy cannot attach (ptrace denied, as on many clusters).
 
@@ -149,7 +152,7 @@ def _sender(sink: tuple[list[str], int, str], stacks: Path) -> Callable[[dict[st
 
     def send(record: dict[str, object]) -> None:
         datagram = pack(key, {"kind": "beat", **record})
-        for address in addresses:  # every address the controller may be reached at; the sink drops repeats
+        for address in addresses:  # every address the controller may be reached at; a repeat overwrites the same record
             try:
                 sock.sendto(datagram, (address, port))
             except OSError:
