@@ -307,6 +307,9 @@ class Run:
                     parts.trainer):
             if svc is not None and hasattr(svc, "watchdog"):
                 svc.watchdog = self.watchdog  # its calls' deadlines (forgelab.runtime.watchdog)
+        if parts.envs is not None and hasattr(parts.envs, "progress_from"):  # a rollout waits on the generators
+            gens = parts.generators
+            parts.envs.progress_from = lambda: [pid for st in gens.status() for pid in st.pids]
         for svc in (parts.generators, parts.reference, None if teacher is parts.reference else teacher):
             if svc is not None and hasattr(svc, "add_listener"):
                 svc.add_listener(lambda ev: self.bus.emit(str(getattr(ev, "kind", "service")),

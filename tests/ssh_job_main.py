@@ -40,10 +40,16 @@ async def main(config: str, port: int, hosts: list[str]) -> dict:
         trainer = {p: parents(p) for p in await run.parts.trainer.pids()}
         worker_parents = {h: parents(pid) for h, pid in found.items()}
         await run.wait()
+        from forgelab.runtime.beat_sink import running_sink
+
+        sink = running_sink()  # the parts' heartbeats, sent over the network to the controller (docs/hangs.md)
+        heard = {} if sink is None else {p: sink.record(p) for p in [*gen, *trainer]}
         df = run.metrics
         out = {"state": run.state, "message": run.message, "version": run.version, "steps": list(df["step"]),
                "loss": list(df["loss"]), "grad_norm": list(df["grad_norm"]), "workers": found,
-               "worker_parents": worker_parents, "generator": gen, "trainer": trainer}
+               "worker_parents": worker_parents, "generator": gen, "trainer": trainer,
+               "heard": {str(p): None if r is None else {"beat": r["beat"], "counters": r["counters"]}
+                         for p, r in heard.items()}}
     finally:
         await run.shutdown()
     procs = []

@@ -76,6 +76,20 @@ def test_the_run_trains_across_hosts(multihost):
     assert run.version == run.config.train.steps
 
 
+def test_the_parts_heartbeats_reach_the_controller_over_the_network(multihost):
+    """Parts on a job's hosts send their heartbeats to the controller's UDP sink (docs/hangs.md, "Processes on
+    other hosts"), which the watchdog reads where their heartbeat files are on another disk."""
+    from forgelab.runtime.beat_sink import running_sink
+
+    run, job, workers, gen_pids, trainer_pids = multihost
+    sink = running_sink()
+    assert sink is not None, "no heartbeat sink started for parts on a job's hosts"
+    for pid in gen_pids + trainer_pids:
+        rec = sink.record(pid)
+        assert rec is not None and rec["pid"] == pid and rec["beat"] >= 1 and rec["counters"], (pid, rec)
+    assert sink.dropped == 0
+
+
 def test_shutdown_kills_the_job_hosts(multihost, loop):
     run, job, workers, *_ = multihost
     loop.run_until_complete(run.shutdown())

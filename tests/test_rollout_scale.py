@@ -140,6 +140,16 @@ def test_each_part_runs_under_its_ssh_host(ssh_run):
     assert {_host_of(int(p), res, res["trainer"]) for p in res["trainer"]} == {HOSTS[1]}
 
 
+def test_the_parts_heartbeats_reach_the_controller_over_the_network(ssh_run):
+    """The parts on the ssh hosts send their heartbeats to the controller's UDP sink (docs/hangs.md, "Processes on
+    other hosts"), signed with the key their spawn message carried over the job's channel."""
+    res, _ = ssh_run
+    pids = set(res["generator"]) | set(res["trainer"])
+    assert set(res["heard"]) == pids, res["heard"]
+    for pid, rec in res["heard"].items():
+        assert rec is not None and rec["beat"] >= 1 and rec["counters"], (pid, rec)
+
+
 def test_shutdown_stops_the_ssh_workers(ssh_run):
     res, _ = ssh_run
     assert res["workers"] and res["alive_after_shutdown"] == [], f"ssh workers still running: {res}"

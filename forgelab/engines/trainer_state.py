@@ -293,6 +293,7 @@ class TrainerState:
                     lp.sum().backward()  # type: ignore[no-untyped-call]  # torch: unannotated; zero-valued: keeps this rank in the FSDP reduce-scatter
                 else:
                     lp.backward(grad_B_T[mb].to(dev))  # type: ignore[no-untyped-call]  # torch: unannotated
+            liveness.bump("trainer_backwards")  # progress the watchdog sees inside a long step
         del graphs
 
         grad_norm, self._total_norm = global_grad_norm(self.params, self.device, self.world)

@@ -46,6 +46,7 @@ from forgelab.envs.registry import make_env
 from forgelab.envs.episode import ChatFormat, EpisodeLimits, run_episode
 from forgelab.envs.env_service import EnvService
 from forgelab.generation import EnvGroupsRequest, EnvStats, GenerateRequest, GeneratorMesh, SamplingSettings, generate_on
+from forgelab.runtime import liveness
 from forgelab.runtime.component import Component, answer_in_task
 from forgelab.runtime.gc_timer import freeze_startup_objects, gc_stats
 from forgelab.types import Episode
@@ -135,8 +136,11 @@ class _Generators:
             self.in_flight[index] += 1
             try:
                 if co is not None:
-                    return await co.generate(ids, sampling)
-                return (await generate_on(mesh, GenerateRequest(prompts_P=[ids], n=1, sampling=sampling)))[0][0]
+                    out = await co.generate(ids, sampling)
+                else:
+                    out = (await generate_on(mesh, GenerateRequest(prompts_P=[ids], n=1, sampling=sampling)))[0][0]
+                liveness.bump("env_turns")  # progress the watchdog sees (forgelab.runtime.watchdog)
+                return out
             finally:
                 self.in_flight[index] -= 1
 
@@ -169,6 +173,7 @@ async def run_groups_local(
             else:
                 ep = await run_episode(e, task, generate_for(), fmt, sampling, limits)
             ep.info["latency_s"] = time.perf_counter() - t0
+            liveness.bump("env_episodes")
             return ep
 
     flat = await asyncio.gather(*(one(t) for t in tasks for _ in range(n)))

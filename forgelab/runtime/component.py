@@ -113,9 +113,11 @@ class Component(Actor):
         return os.getpid()
 
     @endpoint
-    async def _forgelab_liveness(self, directory: str, label: str, interval_s: float) -> int:
-        """Start this process's heartbeat and faulthandler dump (`forgelab.runtime.liveness`); `spawn` calls it."""
-        liveness.start(directory, label, interval_s)
+    async def _forgelab_liveness(self, directory: str, label: str, interval_s: float,
+                                 sink: tuple[list[str], int, str] | None = None) -> int:
+        """Start this process's heartbeat and faulthandler dump (`forgelab.runtime.liveness`); `spawn` calls it,
+        with the controller's heartbeat sink for a process on a job's hosts (`forgelab.runtime.beat_sink`)."""
+        liveness.start(directory, label, interval_s, sink)
         return os.getpid()
 
     @endpoint

@@ -349,7 +349,12 @@ async def spawn(
         await setup.call()
         if hasattr(cls, "_forgelab_liveness"):  # a Component: heartbeat and stack dumps (forgelab.runtime.liveness)
             beats: _NamedEndpoint = getattr(actor, "_forgelab_liveness")
-            ranks = await beats.call(str(liveness.liveness_dir()), actor_name, liveness.HEARTBEAT_S[0])
+            sink = None
+            if placement.job is not None:  # another host: its heartbeat files are on its own disk
+                from forgelab.runtime.beat_sink import beat_sink
+
+                sink = beat_sink().address
+            ranks = await beats.call(str(liveness.liveness_dir()), actor_name, liveness.HEARTBEAT_S[0], sink)
             pids = [int(str(pid)) for _, pid in ranks.items()]
     except BaseException as err:
         try:

@@ -184,6 +184,9 @@ class ReplicaPool(Generic[C]):
         self._closed = False
         self.watchdog: Watchdog | None = None
         """Declares a call stuck (`forgelab.runtime.watchdog`); None: the controller's default one."""
+        self.progress_from: Callable[[], list[int]] | None = None
+        """The pids of other processes this service's calls wait on, whose progress counters count as the calls'
+        progress (an environment's rollout waits on the generators' engine steps); None: only its own."""
 
     @classmethod
     async def start(cls, component: type[C], placement: Placement, args: tuple[object, ...],
@@ -270,7 +273,8 @@ class ReplicaPool(Generic[C]):
                         pass
 
         return await wd.watch(call, pids=list(handle.pids_list or rep.pids), what=f"{endpoint}()",
-                              part=f"service {self.name!r} replica {rep.index}", on_stuck=stuck)
+                              part=f"service {self.name!r} replica {rep.index}", on_stuck=stuck,
+                              progress_pids=self.progress_from() if self.progress_from is not None else ())
 
     @staticmethod
     async def _timed(rep: Replica[C], call: Awaitable[object]) -> object:

@@ -9,7 +9,8 @@ A call (a service's routed call, a weight push) runs while the watchdog reads it
 
 - a process **stopped answering**: its heartbeat thread has not beaten for ``unresponsive_s`` (SIGSTOPped, host
   gone, GIL held forever), or its event loop has not beaten for ``unresponsive_s`` while its progress counters
-  stood still too (an endpoint blocking the loop: a deadlock);
+  stood still and the loop's thread used no CPU (an endpoint blocking the loop: a deadlock; a long forward pass
+  holding the loop uses CPU);
 - or **no progress**: none of the call's processes moved a progress counter (engine steps, tokens, weight bytes,
   train steps) for ``no_progress_s``.
 
@@ -19,8 +20,9 @@ process; where py-spy is missing or ptrace is denied, the `faulthandler` dump ea
 `liveness.DUMP_SIGNAL`) into ``<out_dir>/stacks/``, emits a ``stuck`` event and raises `StuckError` naming the
 part, the call, how long it waited and the dump file.
 
-Processes whose heartbeat file the controller cannot see (another host without a shared filesystem) are not
-judged by their heartbeat; only the calls' own progress deadline then applies to them through local processes.
+A process on another host (an ssh or Slurm job's worker) also sends each heartbeat record to the controller's
+UDP sink (`forgelab.runtime.beat_sink`), so it is judged by the same rules; its stacks come from its own
+heartbeat thread's `faulthandler` dump, sent to the sink when asked.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import asyncio
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from forgelab.runtime.beat_sink import running_sink
 from forgelab.runtime.liveness import DUMP_SIGNAL, liveness_dir, read_beats
 from forgelab.runtime.errors import ReplicaFailedError
 
@@ -123,6 +127,11 @@ def _state(pid: int) -> str:
         return "?"
 
 
+def _local(rec: dict[str, object]) -> bool:
+    """Whether a heartbeat record comes from a process of this host (its pid means something in /proc here)."""
+    return rec.get("via") != "sink" or rec.get("host") == socket.gethostname()
+
+
 def _section(p: ProcessStack) -> str:
     return f"===== pid {p.pid} ({p.label}) via {p.how} =====\n{p.text.rstrip()}\n"
 
@@ -142,21 +151,26 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------------- watching
     async def watch(self, call: Awaitable[T], *, pids: Sequence[int], part: str, what: str,
-                    progress: Sequence[str] | None = None,
+                    progress: Sequence[str] | None = None, progress_pids: Sequence[int] = (),
                     on_stuck: Callable[[StuckError], None] | None = None) -> T:
         """Await `call`; raise `StuckError` (after dumping stacks) if `pids` stop answering or progressing.
         `progress`: the counters that count as this call's progress (None: any counter of its processes; a
         weight push counts only weight bytes, since the generators' engines step for other calls meanwhile).
+        `progress_pids`: other processes the call waits on, whose counters count as its progress but whose
+        liveness is judged by their own calls (an environment's rollout waits on the generators' engine steps).
         `on_stuck` runs before the error is raised (a service marks the replica failed there)."""
         task = asyncio.ensure_future(call)
         if not self.config.enabled or not pids:
             return await task
         cfg = self.config
         t0 = time.monotonic()
-        seen: dict[int, tuple[object, object, object]] = {}
+        seen: dict[int, tuple[object, object, object, object]] = {}
         beat_at: dict[int, float] = {}
         loop_at: dict[int, float] = {}
+        cpu_at: dict[int, float] = {}  # when the loop's thread last used CPU (busy computing, not deadlocked)
         progress_at = t0
+        helpers = [p for p in progress_pids if p not in pids]
+        helper_seen: dict[int, object] = {}
         poll = min(cfg.heartbeat_s, cfg.unresponsive_s / 4)
         try:
             while True:
@@ -166,12 +180,13 @@ class Watchdog:
                 now = time.monotonic()
                 verdict: tuple[str, list[int]] | None = None
                 for pid in pids:
-                    rec = read_beats(liveness_dir(), pid)
+                    rec = self.beats(pid)
                     if rec is None:
-                        continue  # no heartbeat visible here (another host): judged by progress only
-                    if _state(pid) in ("?", "Z", "X"):
+                        continue  # no heartbeat heard yet (it is starting): judged by the others
+                    if _local(rec) and _state(pid) in ("?", "Z", "X"):
                         continue  # it died: Monarch's supervision reports that (and a service retries the call)
                     beat, loop_beat, counters = rec.get("beat"), rec.get("loop_beat"), rec.get("counters")
+                    cpu = rec.get("loop_cpu")
                     if progress is not None and isinstance(counters, dict):
                         counters = {k: v for k, v in counters.items() if k in progress}
                     old = seen.get(pid)
@@ -181,17 +196,28 @@ class Watchdog:
                         loop_at[pid] = now
                     if old is not None and old[2] != counters:
                         progress_at = now
-                    seen[pid] = (beat, loop_beat, counters)
+                    if old is None or (cpu is not None and old[3] != cpu):  # unknown (not Linux): no evidence
+                        cpu_at[pid] = now
+                    seen[pid] = (beat, loop_beat, counters, cpu)
                     label = str(rec.get("label", "?"))
                     if now - beat_at[pid] > cfg.unresponsive_s:
                         verdict = (f"process {pid} ({label}) stopped answering: no heartbeat for "
                                    f"{now - beat_at[pid]:.1f} s (stopped, frozen, or its host is gone)", [pid])
-                    elif now - loop_at[pid] > cfg.unresponsive_s and now - progress_at > cfg.unresponsive_s:
+                    elif min(now - loop_at[pid], now - progress_at, now - cpu_at[pid]) > cfg.unresponsive_s:
                         verdict = (f"process {pid} ({label}) is alive but its event loop has not run for "
-                                   f"{now - loop_at[pid]:.1f} s and it made no progress (an endpoint blocks it: "
-                                   "a deadlock?)", [pid])
+                                   f"{now - loop_at[pid]:.1f} s, its thread used no CPU and it made no progress "
+                                   "(an endpoint blocks it: a deadlock?)", [pid])
                     if verdict:
                         break
+                for pid in helpers if verdict is None else ():
+                    rec = self.beats(pid)
+                    if rec is not None:
+                        counters = rec.get("counters")
+                        if progress is not None and isinstance(counters, dict):
+                            counters = {k: v for k, v in counters.items() if k in progress}
+                        if pid in helper_seen and helper_seen[pid] != counters:
+                            progress_at = now
+                        helper_seen[pid] = counters
                 if verdict is None and seen and now - progress_at > cfg.no_progress_s:
                     verdict = (f"none of its processes {sorted(seen)} made progress (engine steps, tokens, weight "
                                f"bytes, train steps) for {now - progress_at:.1f} s", sorted(seen))
@@ -219,14 +245,34 @@ class Watchdog:
                       pids=list(pids), path=str(dump) if dump else None)
         return err
 
+    def beats(self, pid: int) -> dict[str, object] | None:
+        """Process `pid`'s newest heartbeat record: its file in this controller's heartbeat directory, else what
+        it sent to the heartbeat sink (a process on another host; the record then has ``via`` "sink")."""
+        rec = read_beats(liveness_dir(), pid)
+        if rec is not None:
+            return rec
+        sink = running_sink()
+        heard = sink.record(pid) if sink is not None else None
+        if heard is not None:
+            heard["via"] = "sink"
+        return heard
+
     # -------------------------------------------------------------------------------------------- stacks
     def processes(self) -> dict[int, str]:
-        """Every live forgelab process of this controller (pid -> its label), from the heartbeat files."""
+        """Every live forgelab process of this controller (pid -> its label), from the heartbeat files and the
+        heartbeat sink (processes on other hosts heard from in the last 2 x ``unresponsive_s`` + 10 s)."""
         out: dict[int, str] = {}
         for f in sorted(liveness_dir().glob("*.json")):
             rec = read_beats(liveness_dir(), int(f.stem)) if f.stem.isdigit() else None
             if rec is not None and _state(int(f.stem)) not in ("?", "Z", "X"):
                 out[int(f.stem)] = str(rec.get("label", "?"))
+        sink = running_sink()
+        if sink is not None:
+            recent = time.monotonic() - 2 * self.config.unresponsive_s - 10
+            for pid, rec in list(sink.records.items()):
+                if pid not in out and sink.heard_at.get(pid, 0.0) > recent and (
+                        not _local(rec) or _state(pid) not in ("?", "Z", "X")):
+                    out[pid] = f"{rec.get('label', '?')} on {rec.get('host', '?')}"
         return out
 
     def stacks(self, reason: str = "on demand", first: Sequence[int] = ()) -> StackDump:
@@ -250,6 +296,9 @@ class Watchdog:
         return StackDump(path, found)
 
     def _stack(self, pid: int, label: str) -> ProcessStack:
+        rec = None if (liveness_dir() / f"{pid}.json").exists() else self.beats(pid)
+        if rec is not None and not _local(rec):
+            return self._remote_stack(pid, label)
         stopped = _state(pid) == "T"
         spy = self._py_spy()
         why = "py-spy not found"
@@ -266,6 +315,19 @@ class Watchdog:
             return ProcessStack(pid, label, "none", f"process is stopped (SIGSTOP): a faulthandler dump is written "
                                                     f"only once it runs again; {why}")
         return self._faulthandler(pid, label, why)
+
+    def _remote_stack(self, pid: int, label: str) -> ProcessStack:
+        """A process on another host: py-spy and signals cannot reach it from here; its heartbeat thread sends
+        its `faulthandler` dump to the sink when asked (a stopped process cannot)."""
+        sink = running_sink()
+        wait_s = 2 * self.config.heartbeat_s + 2.0
+        text = sink.stacks(pid, wait_s) if sink is not None else None
+        if not text:
+            return ProcessStack(pid, label, "none", f"process on another host sent no faulthandler dump within "
+                                                    f"{wait_s:.1f} s: it is stopped (SIGSTOP) or frozen, or its "
+                                                    "host is gone; a stopped process can dump only once it runs "
+                                                    "again (py-spy cannot reach another host from here)")
+        return ProcessStack(pid, label, "faulthandler", "(another host: sent by its heartbeat thread)\n" + text)
 
     def _faulthandler(self, pid: int, label: str, why: str) -> ProcessStack:
         """Ask the process for its faulthandler dump (`liveness.DUMP_SIGNAL`) and read what it appended."""
