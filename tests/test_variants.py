@@ -87,6 +87,98 @@ def test_interleaved_slots_step_exactly_as_separate_trainers(tmp_path):
         table.activate("nope")
 
 
+def test_a_slot_step_is_one_call_and_swaps_only_when_the_slot_changes(tmp_path):
+    """`train_export` in a slot (`slot_call`, as `SlotTrainer.in_slot` runs it) is the whole controller step in
+    one call: it equals `train_step` then `token_values` then the adapter export of a trainer stepping alone
+    (SHA-256 of the state; the adapter and token values tensor for tensor); calls in the slot already active
+    swap nothing, a call in another slot swaps once. A skipped step exports nothing and keeps the version."""
+    import torch
+    import torch.distributed as dist
+
+    from forgelab.config.components import LoraConfig, TrainerConfig
+    from forgelab.engines.contracts import SlotStep
+    from forgelab.engines.trainer_slots import SlotTrainer, slot_call
+    from forgelab.engines.trainer_state import TrainerState
+
+    created = not dist.is_initialized()
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = tiny_model_dir(str(tmp_path))
+    cx = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", warmup_steps=1, total_steps=6, loss="dapo", lora=lora)
+    cn = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", lora=lora,
+                       loss=lambda lp, **kw: (lp.sum() * float("nan"), {}))
+    b = random_batches(105, 3, B=4, seed=2, with_ref=False)
+    try:
+        actor = SlotTrainer(cx)
+        actor.state = TrainerState.create(cx, 0, 1)
+        table = actor.slot_table()
+        table.new("x", cx), table.new("y", cx), table.new("n", cn)
+
+        async def go():
+            out = [await slot_call(actor, "x", "train_export", (b[0], 1), {}),
+                   await slot_call(actor, "x", "train_export", (b[1], 2), {})]
+            swaps_same = table.swaps
+            out.append(await slot_call(actor, "y", "train_export", (b[0], 1), {}))
+            skipped = await slot_call(actor, "n", "train_export", (b[0], 1), {})
+            return out, swaps_same, skipped
+
+        (x1, x2, y1), swaps_same, skipped = asyncio.run(go())
+        got = _fingerprints(table, "x")
+        alone = TrainerState.create(cx, 0, 1)
+        alone.train_step(b[0])
+        alone.train_step(b[1])
+        values, adapter = alone.token_values, alone.push_state_dict()
+        want = alone.fingerprint()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    assert all(isinstance(o, SlotStep) for o in (x1, x2, y1, skipped))
+    assert swaps_same == 1 and table.swaps == 4  # x (first; its second call none), y, n, x again (fingerprint)
+    assert table.calls == {"train_export": 4}
+    assert got == want and x2.version == 2 and x2.metrics.step == 2
+    assert x2.adapter.keys() == adapter.keys() and all(torch.equal(x2.adapter[k], adapter[k]) for k in adapter)
+    assert torch.equal(x2.token_values.trainer_logprobs_B_T, values.trainer_logprobs_B_T)
+    assert skipped.metrics.skipped and skipped.adapter is None and skipped.version == 0
+
+
+def test_no_base_pass_when_the_loss_does_not_read_the_reference(tmp_path):
+    """A LoRA trainer's batch without reference logprobs gets the base's (adapters off) only when the loss reads
+    them: grpo at kl_coef 0.05 runs one base pass a step, dapo (kl_coef 0) none; and dapo's step is the same
+    (SHA-256 of the state) as when the batch carries the base's logprobs computed beforehand (the old path)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from forgelab.config.components import LoraConfig, TrainerConfig
+    from forgelab.engines.contracts import check_batch
+    from forgelab.engines.trainer_state import TrainerState
+
+    created = not dist.is_initialized()
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = tiny_model_dir(str(tmp_path))
+    cd = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", loss="dapo", lora=lora)
+    cg = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", loss_kwargs={"kl_coef": 0.05}, lora=lora)
+    b = random_batches(105, 2, B=4, seed=3, with_ref=False)
+    try:
+        dapo = TrainerState.create(cd, 0, 1)
+        for batch in b:
+            dapo.train_step(batch)
+        skipped_base = dapo.base_passes
+        grpo = TrainerState.create(cg, 0, 1)
+        for batch in b:
+            grpo.train_step(batch)
+        old = TrainerState.create(cd, 0, 1)
+        for batch in b:
+            batch = check_batch(batch)
+            ref = old.base_logprobs(batch.tokens_B_L, None) * (batch.mask_B_T != 0)
+            old.train_step(dataclasses.replace(batch, ref_logprobs_B_T=ref))
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    assert skipped_base == 0 and dapo.info()["base_passes"] == 0
+    assert grpo.base_passes == len(b)
+    assert dapo.fingerprint() == old.fingerprint()
+
+
 # ------------------------------------------------------------------------------------------- real processes
 def _config(name: str, out_dir: Path, steps: int = STEPS):
     from forgelab.config.components import LoraConfig
@@ -131,6 +223,7 @@ def swept(loop, engines):
 
     kids = loop.run_until_complete(go())
     runs = {"base": parent, **kids}
+    engines.swept_stats = loop.run_until_complete(engines.slot_stats())  # before the tests below add calls
     pids = loop.run_until_complete(engines.parts.trainer.pids())
     at = {json.loads((k.out_dir / "origin.json").read_text())["step"] for k in kids.values()}
     assert len(at) == 1  # the parent stayed paused through the sweep: one parent state for all
@@ -169,6 +262,24 @@ def test_four_variants_train_on_shared_engines_as_their_overrides_say(swept, eng
     for name, r in runs.items():
         versions = set(r.rollouts["policy_version"])  # a fork trains first on the parent's buffered episodes
         assert versions <= set(range(0 if name == "base" else fs, STEPS + 1)) and STEPS - 1 in versions, (name, versions)
+
+
+@integration
+def test_each_variant_step_is_one_trainer_call_and_swaps_stay_near_one_a_step(swept, engines):
+    """Four variants stepping at once on one trainer: every trained step was one `train_export` call (no
+    train_step, token_values or push_weights per step; a fork's restore pushes once); the trainer swapped slots
+    at most 1.1 times a step, plus two per fork (its calls in the parent's slot, then in the child's: checkpoint,
+    restore, overrides; 14 steps and 3 forks here: 21.4, where three calls a step would swap about 3 times a
+    step); the dapo variant (kl_coef 0) ran no base pass: the base passes are the grpo runs' steps."""
+    runs, _, fs = swept
+    t = engines.swept_stats["trainer"]
+    steps = sum(r.step - (0 if n == "base" else fs) for n, r in runs.items())
+    forks = len(runs) - 1
+    assert t["calls"]["train_export"] == steps, t["calls"]
+    assert not {"train_step", "token_values"} & set(t["calls"]), t["calls"]
+    assert t["calls"].get("push_weights", 0) <= forks, t["calls"]
+    assert t["swaps"] <= 1.1 * steps + 2 * forks, (t["swaps"], steps, t["calls"])
+    assert t["base_passes"] == steps - (STEPS - fs), (t["base_passes"], steps)
 
 
 @integration
