@@ -179,6 +179,82 @@ def test_no_base_pass_when_the_loss_does_not_read_the_reference(tmp_path):
     assert dapo.fingerprint() == old.fingerprint()
 
 
+def test_a_run_in_a_slot_makes_one_trainer_call_a_step_and_serves_a_version_once_the_generator_has_it(tmp_path):
+    """The controller's side, on fakes: a run whose weight sync serves a slot (its generators have one) and whose
+    trainer exports its step (`train_export`) makes exactly one trainer call per trained step (no train_step,
+    token_values or push_weights), hands each adapter to every generator replica itself, and opens admission
+    for version v (``buffer.served_version``) only after the replicas loaded v: every load sees v - 1 served,
+    and every rollout was generated at a version its replica had loaded."""
+    from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.engines.contracts import SlotStep, TrainBatch
+    from forgelab.run import Run
+    from forgelab.testing.fakes import FakeParts, FakeTrainer, fake_generators
+
+    class ExportingTrainer(FakeTrainer):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        async def train_step(self, batch):
+            self.calls.append("train_step")
+            return await super().train_step(batch)
+
+        async def token_values(self):
+            self.calls.append("token_values")
+            return None
+
+        async def push_weights(self, version, generators, transport=None):
+            self.calls.append("push_weights")
+            return await super().push_weights(version, generators, transport)
+
+        async def train_export(self, batch: TrainBatch, version: int) -> SlotStep:
+            self.calls.append("train_export")
+            m = await FakeTrainer.train_step(self, batch)
+            return SlotStep(metrics=m, adapter=None if m.skipped else {"a": __import__("torch").ones(2)},
+                            version=version)
+
+    served_at_load: list[tuple[int, int]] = []  # (version loaded, buffer.served_version at that moment)
+
+    class Loader:
+        def __init__(self, gen):
+            self.gen = gen
+
+        async def call(self, update):
+            await asyncio.sleep(0.01)  # a load takes a while: nothing may be served at v before it ends
+            served_at_load.append((update.version, run.buffer.served_version))
+            assert update.slot == "slot7" and set(update.tensors) == {"a"}
+            self.gen.version = update.version
+            self.gen.loaded.append(update.version)
+            return update.version
+
+    async def spawn(cfg):
+        gens = held["gens"] = fake_generators(cfg, 2)
+        gens.slot = "slot7"
+        for g in gens.replicas:
+            g.update_adapter_slot = Loader(g)
+        return FakeParts(generators=gens, trainer=trainer)
+
+    trainer, held = ExportingTrainer(), {}
+    cfg = RunConfig(name="slotted", rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=2,
+                                                         concurrency=2, max_tokens=6),
+                    train=TrainConfig(steps=5, batch_size=8, warmup_steps=1, max_policy_age=1),
+                    eval=EvalConfig(every=0, n=8), tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False))
+    run = Run(cfg, spawn=spawn)
+
+    async def go():
+        await run.start()
+        await asyncio.wait_for(run.wait(), 60)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.state == "finished" and run.step == run.version == 5, run.message
+    assert trainer.calls == ["train_export"] * 5
+    assert sorted(served_at_load) == sorted((v, v - 1) for v in range(1, 6) for _ in range(2))
+    assert [g.loaded for g in held["gens"].replicas] == [[1, 2, 3, 4, 5]] * 2
+    # a completion carries the version its replica had loaded when it took the request in (the fake's rule)
+    assert set(run.rollouts["policy_version"]) <= set(range(0, 6))
+
+
 # ------------------------------------------------------------------------------------------- real processes
 def _config(name: str, out_dir: Path, steps: int = STEPS):
     from forgelab.config.components import LoraConfig

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "with_completion_budget",
     "completion_budget",
     "without_reference",
+    "reads_reference",
     "reference_notes",
     "loss_label",
     "validate_loss_output",
@@ -174,6 +175,30 @@ def without_reference(loss: Any, kwargs: Mapping[str, Any] | None) -> tuple[dict
     return out, (f"loss {name!r} takes kl_coef={default} by default, but placement.reference is false: with no "
                  "reference model there is no KL term, so it trains with kl_coef 0. Set "
                  "train.loss_kwargs.kl_coef: 0 to say so, or placement.reference: true for the KL term")
+
+
+def reads_reference(fn: object, kwargs: Mapping[str, object] | None) -> bool:
+    """Whether ``fn`` called with ``kwargs`` needs ``ref_logprobs_B_T`` for its loss or gradient.
+
+    A built-in loss reads the reference only through its KL term (``kl_coef * k3``), and through the ``kl_ref``
+    metric, which is reported whenever reference logprobs are given; with ``kl_coef`` 0 (given, or the loss's
+    own default) neither loss nor gradient depends on them. Any other function may read them: True.
+
+    >>> from forgelab.algos.losses import dapo, grpo
+    >>> reads_reference(dapo, {}), reads_reference(dapo, {"kl_coef": 0.1}), reads_reference(grpo, {})
+    (False, True, True)
+    >>> reads_reference(grpo, {"kl_coef": 0.0}), reads_reference(lambda lp, **kw: (lp.sum(), {}), {"kl_coef": 0})
+    (False, True)
+    """
+    from forgelab.algos.losses import BUILTIN_LOSSES  # it imports this module
+
+    if not any(fn is f for f in BUILTIN_LOSSES.values()):
+        return True
+    kl = (kwargs or {}).get("kl_coef")
+    if kl is None:
+        default = inspect.signature(cast("Callable[..., object]", fn)).parameters["kl_coef"].default
+        kl = default
+    return not (isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl == 0)
 
 
 def reference_notes(loss: Any, kwargs: Mapping[str, Any] | None, reference: bool) -> list[str]:

@@ -52,9 +52,8 @@ over by a hot swap would be silently wrong.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping
-from typing import NamedTuple, cast
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -69,7 +68,6 @@ __all__ = [
     "LossError",
     "validate_loss_output",
     "check_loss_kwargs",
-    "reads_reference",
     "grpo",
     "dapo",
     "dr_grpo",
@@ -492,24 +490,3 @@ LOSSES.update({
 BUILTIN_LOSSES: dict[str, LossFn] = dict(LOSSES)
 """The losses every forgelab process knows by name. An entry added to (or replaced in) `LOSSES` in one process
 exists there only: it reaches the trainer by value (`forgelab.engines.loss_specs.shipped_loss`)."""
-
-
-def reads_reference(fn: object, kwargs: Mapping[str, object] | None) -> bool:
-    """Whether ``fn`` called with ``kwargs`` needs ``ref_logprobs_B_T`` for its loss or gradient.
-
-    A built-in loss reads the reference only through its KL term (``kl_coef * k3``), and through the ``kl_ref``
-    metric, which is reported whenever reference logprobs are given; with ``kl_coef`` 0 (given, or the loss's
-    own default) neither loss nor gradient depends on them. Any other function may read them: True.
-
-    >>> reads_reference(dapo, {}), reads_reference(dapo, {"kl_coef": 0.1}), reads_reference(grpo, {})
-    (False, True, True)
-    >>> reads_reference(grpo, {"kl_coef": 0.0}), reads_reference(lambda lp, **kw: (lp.sum(), {}), {"kl_coef": 0})
-    (False, True)
-    """
-    if not any(fn is f for f in BUILTIN_LOSSES.values()):
-        return True
-    kl = (kwargs or {}).get("kl_coef")
-    if kl is None:
-        default = inspect.signature(cast("Callable[..., object]", fn)).parameters["kl_coef"].default
-        kl = default
-    return not (isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl == 0)

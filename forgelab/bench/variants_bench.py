@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
          "ratio": r["four_over_one_cpu_floor"]},
         {"what": "trainer alone: 1 batch | 4 batches in one pass", "seconds": r["trainer_step_s_b"],
          "ratio": r["shared_pass_over_sequential"]},
-        *({"what": f"generator {k} share of wall, 1 variant | 4 variants", "seconds": r[f"{k}_frac_one"],
+        *({"what": f"{k.replace('_', ' ')} share of wall, 1 variant | 4 variants", "seconds": r[f"{k}_frac_one"],
            "ratio": r[f"{k}_frac_four"]} for k in ("generator_busy", "generator_idle", "generator_admission_wait",
                                                    "generator_intake", "adapter_load")),
         {"what": "trainer slot swaps | per step", "seconds": r["trainer_slot_swaps"],

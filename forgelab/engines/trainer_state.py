@@ -222,7 +222,8 @@ class TrainerState:
         Raises `SkipStep` (on every rank together) when the loss or the gradients are unusable.
         """
         from forgelab.algos.importance import truncated_is_weights
-        from forgelab.algos.losses import reads_reference, validate_loss_output
+        from forgelab.algos.loss_checks import reads_reference
+        from forgelab.algos.losses import validate_loss_output
         from forgelab.algos.packing import spans_from_mask
 
         dev = self.device
