@@ -38,6 +38,7 @@ __all__ = [
     "completion_budget",
     "without_reference",
     "reads_reference",
+    "KL_ONLY_REFERENCE",
     "reference_notes",
     "loss_label",
     "validate_loss_output",
@@ -55,6 +56,11 @@ LOSSES: dict[str, Callable[..., Any]] = {}
 """Losses by name (the built-in ones are registered by `forgelab.algos.losses`, which defines them). A user's
 own function with the same signature is a first-class entry. It lives here, below the losses, so that the
 checks can resolve a name without importing the module that defines the losses."""
+
+
+KL_ONLY_REFERENCE: list[Callable[..., Any]] = []
+"""Losses that read ``ref_logprobs_B_T`` only in their ``kl_coef`` term and the ``kl_ref`` metric (the built-ins,
+registered by `forgelab.algos.losses`): `reads_reference` is False for them at ``kl_coef`` 0."""
 
 
 def _resolve(loss: Any) -> tuple[str, Callable]:
@@ -180,9 +186,10 @@ def without_reference(loss: Any, kwargs: Mapping[str, Any] | None) -> tuple[dict
 def reads_reference(fn: object, kwargs: Mapping[str, object] | None) -> bool:
     """Whether ``fn`` called with ``kwargs`` needs ``ref_logprobs_B_T`` for its loss or gradient.
 
-    A built-in loss reads the reference only through its KL term (``kl_coef * k3``), and through the ``kl_ref``
-    metric, which is reported whenever reference logprobs are given; with ``kl_coef`` 0 (given, or the loss's
-    own default) neither loss nor gradient depends on them. Any other function may read them: True.
+    A loss in `KL_ONLY_REFERENCE` (the built-ins) reads the reference only through its KL term
+    (``kl_coef * k3``), and through the ``kl_ref`` metric, which is reported whenever reference logprobs are
+    given; with ``kl_coef`` 0 (given, or the loss's own default) neither loss nor gradient depends on them. Any
+    other function may read them: True.
 
     >>> from forgelab.algos.losses import dapo, grpo
     >>> reads_reference(dapo, {}), reads_reference(dapo, {"kl_coef": 0.1}), reads_reference(grpo, {})
@@ -190,9 +197,7 @@ def reads_reference(fn: object, kwargs: Mapping[str, object] | None) -> bool:
     >>> reads_reference(grpo, {"kl_coef": 0.0}), reads_reference(lambda lp, **kw: (lp.sum(), {}), {"kl_coef": 0})
     (False, True)
     """
-    from forgelab.algos.losses import BUILTIN_LOSSES  # it imports this module
-
-    if not any(fn is f for f in BUILTIN_LOSSES.values()):
+    if not any(fn is f for f in KL_ONLY_REFERENCE):
         return True
     kl = (kwargs or {}).get("kl_coef")
     if kl is None:
