@@ -7,7 +7,7 @@ re-tokenizes text to train on it.
 
 The trainer's contract (issue #38) follows: `TrainBatch` in (what
 `forgelab.algos.batching.collate` builds), `StepMetrics`, `LossReport`,
-`OptimReport`, `TokenValues`, `DryRunReport`, `WeightPush` out, `AdamParams` for
+`OptimReport`, `TokenValues`, `DryRunReport`, `WeightPush`, `SlotStep` out, `AdamParams` for
 one optimizer step. Every tensor's name carries its shape (``B`` rows, ``L``
 tokens, ``T = L - 1`` target positions: position ``t`` predicts
 ``tokens_B_L[:, t + 1]``) and its docstring the dtype. The trainer's endpoints
@@ -374,3 +374,21 @@ class WeightPush(_ByKey):
         names = {f.name for f in dataclasses.fields(cls)}
         fields_ = {"version": version, **{k: v for k, v in raw.items() if k in names}}
         return cls(**fields_)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotStep:
+    """One LoRA slot's step in one trainer call (`forgelab.engines.trainer_slots`, ``train_export``): the fused
+    step, the trained batch's token values, and the adapter after the step, exported for the generator (the
+    controller hands it over: `forgelab.weights.sync.WeightSync.deliver_adapter`), so the trainer is not held
+    while the generator loads it."""
+
+    metrics: StepMetrics
+    token_values: TokenValues | None = None
+    """The batch's per-token values (None when the step was skipped)."""
+    adapter: dict[str, torch.Tensor] | None = None
+    """The adapter after the step, PEFT names, CPU copies (None when the step was skipped)."""
+    version: int
+    """The policy version the adapter is (the trainer's ``policy_version`` after the call)."""
+    export_ms: float = 0.0
+    """Time the trainer spent gathering the adapter (milliseconds)."""

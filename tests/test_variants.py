@@ -87,6 +87,174 @@ def test_interleaved_slots_step_exactly_as_separate_trainers(tmp_path):
         table.activate("nope")
 
 
+def test_a_slot_step_is_one_call_and_swaps_only_when_the_slot_changes(tmp_path):
+    """`train_export` in a slot (`slot_call`, as `SlotTrainer.in_slot` runs it) is the whole controller step in
+    one call: it equals `train_step` then `token_values` then the adapter export of a trainer stepping alone
+    (SHA-256 of the state; the adapter and token values tensor for tensor); calls in the slot already active
+    swap nothing, a call in another slot swaps once. A skipped step exports nothing and keeps the version."""
+    import torch
+    import torch.distributed as dist
+
+    from forgelab.config.components import LoraConfig, TrainerConfig
+    from forgelab.engines.contracts import SlotStep
+    from forgelab.engines.trainer_slots import SlotTrainer, slot_call
+    from forgelab.engines.trainer_state import TrainerState
+
+    created = not dist.is_initialized()
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = tiny_model_dir(str(tmp_path))
+    cx = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", warmup_steps=1, total_steps=6, loss="dapo", lora=lora)
+    cn = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", lora=lora,
+                       loss=lambda lp, **kw: (lp.sum() * float("nan"), {}))
+    b = random_batches(105, 3, B=4, seed=2, with_ref=False)
+    try:
+        actor = SlotTrainer(cx)
+        actor.state = TrainerState.create(cx, 0, 1)
+        table = actor.slot_table()
+        table.new("x", cx), table.new("y", cx), table.new("n", cn)
+
+        async def go():
+            out = [await slot_call(actor, "x", "train_export", (b[0], 1), {}),
+                   await slot_call(actor, "x", "train_export", (b[1], 2), {})]
+            swaps_same = table.swaps
+            out.append(await slot_call(actor, "y", "train_export", (b[0], 1), {}))
+            skipped = await slot_call(actor, "n", "train_export", (b[0], 1), {})
+            return out, swaps_same, skipped
+
+        (x1, x2, y1), swaps_same, skipped = asyncio.run(go())
+        got = _fingerprints(table, "x")
+        alone = TrainerState.create(cx, 0, 1)
+        alone.train_step(b[0])
+        alone.train_step(b[1])
+        values, adapter = alone.token_values, alone.push_state_dict()
+        want = alone.fingerprint()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    assert all(isinstance(o, SlotStep) for o in (x1, x2, y1, skipped))
+    assert swaps_same == 1 and table.swaps == 4  # x (first; its second call none), y, n, x again (fingerprint)
+    assert table.calls == {"train_export": 4}
+    assert got == want and x2.version == 2 and x2.metrics.step == 2
+    assert x2.adapter.keys() == adapter.keys() and all(torch.equal(x2.adapter[k], adapter[k]) for k in adapter)
+    assert torch.equal(x2.token_values.trainer_logprobs_B_T, values.trainer_logprobs_B_T)
+    assert skipped.metrics.skipped and skipped.adapter is None and skipped.version == 0
+
+
+def test_no_base_pass_when_the_loss_does_not_read_the_reference(tmp_path):
+    """A LoRA trainer's batch without reference logprobs gets the base's (adapters off) only when the loss reads
+    them: grpo at kl_coef 0.05 runs one base pass a step, dapo (kl_coef 0) none; and dapo's step is the same
+    (SHA-256 of the state) as when the batch carries the base's logprobs computed beforehand (the old path)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from forgelab.config.components import LoraConfig, TrainerConfig
+    from forgelab.engines.contracts import check_batch
+    from forgelab.engines.trainer_state import TrainerState
+
+    created = not dist.is_initialized()
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = tiny_model_dir(str(tmp_path))
+    cd = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", loss="dapo", lora=lora)
+    cg = TrainerConfig(model_dir=model, lr=1e-3, device="cpu", loss_kwargs={"kl_coef": 0.05}, lora=lora)
+    b = random_batches(105, 2, B=4, seed=3, with_ref=False)
+    try:
+        dapo = TrainerState.create(cd, 0, 1)
+        for batch in b:
+            dapo.train_step(batch)
+        skipped_base = dapo.base_passes
+        grpo = TrainerState.create(cg, 0, 1)
+        for batch in b:
+            grpo.train_step(batch)
+        old = TrainerState.create(cd, 0, 1)
+        for batch in b:
+            batch = check_batch(batch)
+            ref = old.base_logprobs(batch.tokens_B_L, None) * (batch.mask_B_T != 0)
+            old.train_step(dataclasses.replace(batch, ref_logprobs_B_T=ref))
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+    assert skipped_base == 0 and dapo.info()["base_passes"] == 0
+    assert grpo.base_passes == len(b)
+    assert dapo.fingerprint() == old.fingerprint()
+
+
+def test_a_run_in_a_slot_makes_one_trainer_call_a_step_and_serves_a_version_once_the_generator_has_it(tmp_path):
+    """The controller's side, on fakes: a run whose weight sync serves a slot (its generators have one) and whose
+    trainer exports its step (`train_export`) makes exactly one trainer call per trained step (no train_step,
+    token_values or push_weights), hands each adapter to every generator replica itself, and opens admission
+    for version v (``buffer.served_version``) only after the replicas loaded v: every load sees v - 1 served,
+    and every rollout was generated at a version its replica had loaded."""
+    from forgelab.config.run_config import EvalConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+    from forgelab.engines.contracts import SlotStep, TrainBatch
+    from forgelab.run import Run
+    from forgelab.testing.fakes import FakeParts, FakeTrainer, fake_generators
+
+    class ExportingTrainer(FakeTrainer):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        async def train_step(self, batch):
+            self.calls.append("train_step")
+            return await super().train_step(batch)
+
+        async def token_values(self):
+            self.calls.append("token_values")
+            return None
+
+        async def push_weights(self, version, generators, transport=None):
+            self.calls.append("push_weights")
+            return await super().push_weights(version, generators, transport)
+
+        async def train_export(self, batch: TrainBatch, version: int) -> SlotStep:
+            self.calls.append("train_export")
+            m = await FakeTrainer.train_step(self, batch)
+            return SlotStep(metrics=m, adapter=None if m.skipped else {"a": __import__("torch").ones(2)},
+                            version=version)
+
+    served_at_load: list[tuple[int, int]] = []  # (version loaded, buffer.served_version at that moment)
+
+    class Loader:
+        def __init__(self, gen):
+            self.gen = gen
+
+        async def call(self, update):
+            await asyncio.sleep(0.01)  # a load takes a while: nothing may be served at v before it ends
+            served_at_load.append((update.version, run.buffer.served_version))
+            assert update.slot == "slot7" and set(update.tensors) == {"a"}
+            self.gen.version = update.version
+            self.gen.loaded.append(update.version)
+            return update.version
+
+    async def spawn(cfg):
+        gens = held["gens"] = fake_generators(cfg, 2)
+        gens.slot = "slot7"
+        for g in gens.replicas:
+            g.update_adapter_slot = Loader(g)
+        return FakeParts(generators=gens, trainer=trainer)
+
+    trainer, held = ExportingTrainer(), {}
+    cfg = RunConfig(name="slotted", rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=2,
+                                                         concurrency=2, max_tokens=6),
+                    train=TrainConfig(steps=5, batch_size=8, warmup_steps=1, max_policy_age=1),
+                    eval=EvalConfig(every=0, n=8), tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False))
+    run = Run(cfg, spawn=spawn)
+
+    async def go():
+        await run.start()
+        await asyncio.wait_for(run.wait(), 60)
+        await run.shutdown()
+
+    asyncio.run(go())
+    assert run.state == "finished" and run.step == run.version == 5, run.message
+    assert trainer.calls == ["train_export"] * 5
+    assert sorted(served_at_load) == sorted((v, v - 1) for v in range(1, 6) for _ in range(2))
+    assert [g.loaded for g in held["gens"].replicas] == [[1, 2, 3, 4, 5]] * 2
+    # a completion carries the version its replica had loaded when it took the request in (the fake's rule)
+    assert set(run.rollouts["policy_version"]) <= set(range(0, 6))
+
+
 # ------------------------------------------------------------------------------------------- real processes
 def _config(name: str, out_dir: Path, steps: int = STEPS):
     from forgelab.config.components import LoraConfig
@@ -131,6 +299,7 @@ def swept(loop, engines):
 
     kids = loop.run_until_complete(go())
     runs = {"base": parent, **kids}
+    engines.swept_stats = loop.run_until_complete(engines.slot_stats())  # before the tests below add calls
     pids = loop.run_until_complete(engines.parts.trainer.pids())
     at = {json.loads((k.out_dir / "origin.json").read_text())["step"] for k in kids.values()}
     assert len(at) == 1  # the parent stayed paused through the sweep: one parent state for all
@@ -169,6 +338,24 @@ def test_four_variants_train_on_shared_engines_as_their_overrides_say(swept, eng
     for name, r in runs.items():
         versions = set(r.rollouts["policy_version"])  # a fork trains first on the parent's buffered episodes
         assert versions <= set(range(0 if name == "base" else fs, STEPS + 1)) and STEPS - 1 in versions, (name, versions)
+
+
+@integration
+def test_each_variant_step_is_one_trainer_call_and_swaps_stay_near_one_a_step(swept, engines):
+    """Four variants stepping at once on one trainer: every trained step was one `train_export` call (no
+    train_step, token_values or push_weights per step; a fork's restore pushes once); the trainer swapped slots
+    at most 1.1 times a step, plus two per fork (its calls in the parent's slot, then in the child's: checkpoint,
+    restore, overrides; 14 steps and 3 forks here: 21.4, where three calls a step would swap about 3 times a
+    step); the dapo variant (kl_coef 0) ran no base pass: the base passes are the grpo runs' steps."""
+    runs, _, fs = swept
+    t = engines.swept_stats["trainer"]
+    steps = sum(r.step - (0 if n == "base" else fs) for n, r in runs.items())
+    forks = len(runs) - 1
+    assert t["calls"]["train_export"] == steps, t["calls"]
+    assert not {"train_step", "token_values"} & set(t["calls"]), t["calls"]
+    assert t["calls"].get("push_weights", 0) <= forks, t["calls"]
+    assert t["swaps"] <= 1.1 * steps + 2 * forks, (t["swaps"], steps, t["calls"])
+    assert t["base_passes"] == steps - (STEPS - fs), (t["base_passes"], steps)
 
 
 @integration

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,6 +37,8 @@ __all__ = [
     "with_completion_budget",
     "completion_budget",
     "without_reference",
+    "reads_reference",
+    "KL_ONLY_REFERENCE",
     "reference_notes",
     "loss_label",
     "validate_loss_output",
@@ -54,6 +56,11 @@ LOSSES: dict[str, Callable[..., Any]] = {}
 """Losses by name (the built-in ones are registered by `forgelab.algos.losses`, which defines them). A user's
 own function with the same signature is a first-class entry. It lives here, below the losses, so that the
 checks can resolve a name without importing the module that defines the losses."""
+
+
+KL_ONLY_REFERENCE: list[Callable[..., Any]] = []
+"""Losses that read ``ref_logprobs_B_T`` only in their ``kl_coef`` term and the ``kl_ref`` metric (the built-ins,
+registered by `forgelab.algos.losses`): `reads_reference` is False for them at ``kl_coef`` 0."""
 
 
 def _resolve(loss: Any) -> tuple[str, Callable]:
@@ -174,6 +181,29 @@ def without_reference(loss: Any, kwargs: Mapping[str, Any] | None) -> tuple[dict
     return out, (f"loss {name!r} takes kl_coef={default} by default, but placement.reference is false: with no "
                  "reference model there is no KL term, so it trains with kl_coef 0. Set "
                  "train.loss_kwargs.kl_coef: 0 to say so, or placement.reference: true for the KL term")
+
+
+def reads_reference(fn: object, kwargs: Mapping[str, object] | None) -> bool:
+    """Whether ``fn`` called with ``kwargs`` needs ``ref_logprobs_B_T`` for its loss or gradient.
+
+    A loss in `KL_ONLY_REFERENCE` (the built-ins) reads the reference only through its KL term
+    (``kl_coef * k3``), and through the ``kl_ref`` metric, which is reported whenever reference logprobs are
+    given; with ``kl_coef`` 0 (given, or the loss's own default) neither loss nor gradient depends on them. Any
+    other function may read them: True.
+
+    >>> from forgelab.algos.losses import dapo, grpo
+    >>> reads_reference(dapo, {}), reads_reference(dapo, {"kl_coef": 0.1}), reads_reference(grpo, {})
+    (False, True, True)
+    >>> reads_reference(grpo, {"kl_coef": 0.0}), reads_reference(lambda lp, **kw: (lp.sum(), {}), {"kl_coef": 0})
+    (False, True)
+    """
+    if not any(fn is f for f in KL_ONLY_REFERENCE):
+        return True
+    kl = (kwargs or {}).get("kl_coef")
+    if kl is None:
+        default = inspect.signature(cast("Callable[..., object]", fn)).parameters["kl_coef"].default
+        kl = default
+    return not (isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl == 0)
 
 
 def reference_notes(loss: Any, kwargs: Mapping[str, Any] | None, reference: bool) -> list[str]:

@@ -59,7 +59,9 @@ import torch
 
 from forgelab.algos.kl import add_kl, k3_kl
 from forgelab.algos.logprobs import masked_mean, masked_sum
-from forgelab.algos.loss_checks import LOSSES, LossError, check_loss_kwargs, strict_hparams, validate_loss_output
+from forgelab.algos.loss_checks import (
+    KL_ONLY_REFERENCE, LOSSES, LossError, check_loss_kwargs, strict_hparams, validate_loss_output,
+)
 
 __all__ = [
     "LOSSES",
@@ -490,3 +492,4 @@ LOSSES.update({
 BUILTIN_LOSSES: dict[str, LossFn] = dict(LOSSES)
 """The losses every forgelab process knows by name. An entry added to (or replaced in) `LOSSES` in one process
 exists there only: it reaches the trainer by value (`forgelab.engines.loss_specs.shipped_loss`)."""
+KL_ONLY_REFERENCE.extend(BUILTIN_LOSSES.values())  # each reads the reference in its kl_coef term only

@@ -24,6 +24,12 @@ costs; ``shared_pass_over_sequential`` (`shared_pass_bound`) what sharing the ba
 ``cpu_s_one`` / ``cpu_s_four``: the CPU seconds of every process (this one and the engines') in each phase;
 ``cpu_util_*`` the share of the cores they kept busy; ``four_over_one_cpu_floor`` (`cpu_floor`) the least
 ``four_over_one`` the four's CPU seconds allow on this machine's cores.
+Per phase (``_one``, ``_four``; `generator_clock`): the generator's time in engine steps, idle (no request
+unfinished), waiting for arriving calls (admission window) and in vLLM's intake, each in seconds
+(``generator_idle_s_four``, ...) and as a share of the phase's wall time (``generator_idle_frac_four``, ...);
+the adapters it loaded (``adapter_loads_four``) and the time that took (``adapter_load_s_four``, between its
+engine steps); the trainer's slot swaps and calls in the phase. Over the whole bench: ``trainer_slot_swaps``
+(goal <= ``trainer_steps`` x 1.1), ``trainer_calls`` by endpoint (one ``train_export`` per step).
 ``--quick``: 2 steps per phase (warmup 1) at batch 16 (2 prompts x 8); its numbers prove the code path only.
 Branches it runs: the engines' spawn, one variant trained on a slot, the sweep (4 forks: checkpoint, restore,
 push) with the four trained at once (slot swaps on the trainer), every row after the fork step timed
@@ -78,6 +84,50 @@ async def _busy(engines) -> float:
     return sum(float(s["busy_time_s"]) for s in stats)
 
 
+GENERATOR_TIMES = ("busy_time_s", "idle_time_s", "admission_wait_s", "intake_time_s")
+"""The generator's own clocks (`forgelab.engines.generator.VLLMEngine.stats`): in engine steps, with no request
+unfinished, waiting for arriving calls to join a step, and in vLLM's intake of new requests."""
+
+
+async def generator_clock(engines) -> dict[str, float]:
+    """The generators' time counters summed over replicas (`GENERATOR_TIMES`), their adapter loads
+    (``adapter_load_s``, ``adapter_loads``: `forgelab.weights.adapter_slots.AdapterSlots`) and the trainer's
+    slot swaps and steps' calls, read now; `clock_delta` of two reads is one phase's breakdown."""
+    stats = await engines.parts.generators.fanout("stats")
+    out = {k: sum(float(s[k]) for s in stats) for k in GENERATOR_TIMES}
+    slots = await engines.slot_stats()
+    gens = slots["generators"]
+    out["adapter_load_s"] = sum(float(g["push_ms"]) for g in gens) / 1e3
+    out["adapter_loads"] = float(sum(int(g["pushes"]) for g in gens))
+    out["trainer_slot_swaps"] = float(slots["trainer"]["swaps"])
+    out["trainer_calls"] = float(sum(slots["trainer"]["calls"].values()))
+    out["trainer_base_passes"] = float(slots["trainer"]["base_passes"])
+    return out
+
+
+def clock_delta(before: dict[str, float], after: dict[str, float], wall_s: float, phase: str) -> dict[str, float]:
+    """One phase's breakdown from two `generator_clock` reads: each time in seconds and as a share of the
+    phase's wall time (``generator_<time>_<phase>``, ``..._frac_<phase>``), the counts as they are.
+
+    >>> d = clock_delta({"idle_time_s": 1.0, "adapter_loads": 2.0}, {"idle_time_s": 3.0, "adapter_loads": 6.0}, 10.0, "four")
+    >>> d["generator_idle_s_four"], d["generator_idle_frac_four"], d["adapter_loads_four"]
+    (2.0, 0.2, 4.0)
+    """
+    out: dict[str, float] = {}
+    for k, v in after.items():
+        d = v - before.get(k, 0.0)
+        if k.endswith("_time_s") or k.endswith("_wait_s"):
+            name = "generator_" + k.replace("_time_s", "").replace("_s", "")
+            out[f"{name}_s_{phase}"] = round(d, 3)
+            out[f"{name}_frac_{phase}"] = round(d / wall_s, 3)
+        elif k == "adapter_load_s":
+            out[f"adapter_load_s_{phase}"] = round(d, 3)
+            out[f"adapter_load_frac_{phase}"] = round(d / wall_s, 3)
+        else:
+            out[f"{k}_{phase}"] = d
+    return out
+
+
 def tree_cpu() -> dict[int, float]:
     """CPU seconds (user + system) of this process and every live descendant (the engines' processes), by pid."""
     import psutil
@@ -119,13 +169,15 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
     spawn_s = time.perf_counter() - t0
     one = Run(bench_config("one", steps, out_dir, prompts), spawn=engines)
     try:
-        c0, t0 = tree_cpu(), time.perf_counter()
+        g0, c0, t0 = await generator_clock(engines), tree_cpu(), time.perf_counter()
         await one.start()
         await one.wait()
         one_s = time.perf_counter() - t0
         cpu_one = cpu_between(c0, tree_cpu())
+        breakdown = clock_delta(g0, await generator_clock(engines), one_s, "one")
         assert one.state == "finished", one.message
 
+        g0 = await generator_clock(engines)
         busy0, c0, t0 = await _busy(engines), tree_cpu(), time.perf_counter()
         kids = await engines.sweep(one, {n: {**o, "steps": 2 * steps} for n, o in VARIANTS.items()})
         sweep_s = time.perf_counter() - t0
@@ -133,12 +185,14 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
         four_s = time.perf_counter() - t0
         cpu_four = cpu_between(c0, tree_cpu())
         busy_four = (await _busy(engines) - busy0) / four_s
+        breakdown.update(clock_delta(g0, await generator_clock(engines), four_s, "four"))
         for n, k in kids.items():
             assert k.state == "finished", (n, k.message)
         stats = await engines.slot_stats()
         last_batch = next(iter(kids.values())).last_batch
         trainer_four = statistics.median(_trainer_s(k, steps) for k in kids.values())
         trainer_one = _trainer_s(one)
+        trained = one.step + sum(k.step - steps for k in kids.values())  # every step the shared trainer took
         for k in kids.values():
             await k.shutdown()
     finally:
@@ -164,7 +218,9 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
             "generator_busy_four": busy_four, "trainer_s_per_step_one": trainer_one,
             "trainer_s_per_step_four": trainer_four, **cpu_floor(cpu_one, one_s, cpu_four, four_s),
             "trainer_slot_swaps": stats["trainer"]["swaps"],
-            "trainer_slot_swap_s": stats["trainer"]["swap_s"], "last_batch": last_batch}
+            "trainer_slot_swap_s": stats["trainer"]["swap_s"], "trainer_steps": trained,
+            "trainer_slot_swaps_per_step": stats["trainer"]["swaps"] / max(1, trained),
+            "trainer_calls": stats["trainer"]["calls"], **breakdown, "last_batch": last_batch}
 
 
 def cpu_floor(cpu_one: float, one_s: float, cpu_four: float, four_s: float, cores: int | None = None) -> dict:
@@ -250,6 +306,11 @@ def main(argv: list[str] | None = None) -> dict:
          "ratio": r["four_over_one_cpu_floor"]},
         {"what": "trainer alone: 1 batch | 4 batches in one pass", "seconds": r["trainer_step_s_b"],
          "ratio": r["shared_pass_over_sequential"]},
+        *({"what": f"{k.replace('_', ' ')} share of wall, 1 variant | 4 variants", "seconds": r[f"{k}_frac_one"],
+           "ratio": r[f"{k}_frac_four"]} for k in ("generator_busy", "generator_idle", "generator_admission_wait",
+                                                   "generator_intake", "adapter_load")),
+        {"what": "trainer slot swaps | per step", "seconds": r["trainer_slot_swaps"],
+         "ratio": round(r["trainer_slot_swaps_per_step"], 3)},
     ], ["what", "seconds", "ratio"])
     result = {"suite": "variants", "quick": args.quick, **r,
               "goals": {"four_over_one": "<= 1.6", "four_over_separate": "<= 0.4", "fork_s": "<= 2",

@@ -12,7 +12,10 @@ fresh-enough episodes (`ReplayBuffer.ready`: the staleness bound on the training
 ``step_skipped`` and, after `train.max_consecutive_failures` in a row, pauses the run with a message. A
 trained step bumps `version`, pushes the weights (`forgelab.weights.sync.WeightSync`), which frees admission
 for the next rollouts (`buffer.served_version`), evaluates and checkpoints when due, and logs one metrics row
-(`metrics_row`) that goes to the tracker and the listeners (`EventBus.notify`).
+(`metrics_row`) that goes to the tracker and the listeners (`EventBus.notify`). A run in a LoRA slot of shared
+engines makes one trainer call per step (`train_export`: the step, its token values and the adapter, a
+`SlotStep`) and its weight sync hands the adapter to the generators (`WeightSync.deliver_adapter`), so the
+trainer steps the other slots meanwhile; admission opens for the new version once the generators hold it.
 """
 from __future__ import annotations
 
@@ -21,16 +24,16 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping, Protocol, runtime_checkable
 
 from forgelab.algos.batching import collate
 from forgelab.controller.buffer import EpisodeCounts, ReplayBuffer
 from forgelab.controller.events import Event, EventBus
 from forgelab.controller.generator_meter import GeneratorMeter
 from forgelab.controller.lifecycle import Lifecycle
-from forgelab.engines.contracts import StepMetrics, TokenValues, TrainBatch
+from forgelab.engines.contracts import SlotStep, StepMetrics, TokenValues, TrainBatch
 from forgelab.engines.loss_specs import LossSpec
-from forgelab.engines.trainer_client import TrainerAPI
+from forgelab.engines.trainer_client import ExportsSteps, TrainerAPI
 from forgelab.generation import Generators
 from forgelab.types import Episode
 
@@ -53,6 +56,17 @@ class WeightPusher(Protocol):
     """Sends the trainer's weights to the generators (`forgelab.weights.sync.WeightSync`)."""
 
     async def push(self, version: int) -> PushReport: ...
+
+
+@runtime_checkable
+class AdapterDelivery(Protocol):
+    """A weight sync that hands a LoRA slot's exported adapter to the generators itself
+    (`forgelab.weights.sync.WeightSync` of a run on shared engines: ``adapter_slot`` set)."""
+
+    @property
+    def adapter_slot(self) -> str | None: ...
+
+    async def deliver_adapter(self, step: SlotStep) -> PushReport: ...
 
 
 class StepTokens(Protocol):
@@ -180,9 +194,22 @@ class TrainingLoop:
         self.loss_name = name
         return applies_at
 
-    async def push_weights(self) -> PushReport:
-        """Trainer -> every healthy generator replica, as version `self.version`; frees admission for it."""
-        report = await self.weights.push(self.version)
+    def _exporter(self) -> tuple[ExportsSteps, AdapterDelivery] | None:
+        """The trainer and weight sync when a step is one trainer call (a LoRA slot of shared engines: the
+        trainer exports the adapter, the weight sync delivers it); None: train_step, token_values, push."""
+        trainer, weights = self.trainer, self.weights
+        if isinstance(weights, AdapterDelivery) and weights.adapter_slot is not None and isinstance(trainer, ExportsSteps):
+            return trainer, weights
+        return None
+
+    async def push_weights(self, exported: SlotStep | None = None) -> PushReport:
+        """Trainer -> every healthy generator replica, as version `self.version`; frees admission for it.
+        ``exported``: the adapter a one-call step exported (`SlotStep`), handed to the generators from here."""
+        exporter = self._exporter() if exported is not None else None
+        if exported is not None and exporter is not None:
+            report = await exporter[1].deliver_adapter(exported)
+        else:
+            report = await self.weights.push(self.version)
         gate = self.lifecycle.gate
         async with gate.changed:
             self.buffer.served_version = self.version
@@ -219,11 +246,17 @@ class TrainingLoop:
         batch = collate(batch_eps, self.pad_id)
         self.last_batch = batch
         self.training_in_flight = True
+        exporter, exported = self._exporter(), None
         try:
-            m = await self.trainer.train_step(batch)
-            # the trainer's view of each token it trained; fetched while the step still counts as in flight, so
-            # a loss swap made meanwhile is promised to the step after this one (no await between here and step += 1)
-            token_values = None if m.skipped else await self.trainer.token_values()
+            if exporter is not None:  # one call: the step, its token values, the adapter as the next version
+                exported = await exporter[0].train_export(batch, self.version + 1)
+                m, token_values = exported.metrics, exported.token_values
+            else:
+                m = await self.trainer.train_step(batch)
+                # the trainer's view of each token it trained; fetched while the step still counts as in flight,
+                # so a loss swap made meanwhile is promised to the step after this one (no await between here
+                # and step += 1)
+                token_values = None if m.skipped else await self.trainer.token_values()
         finally:
             self.training_in_flight = False
         if m.skipped:
@@ -251,7 +284,7 @@ class TrainingLoop:
         # and the rollouts already being played land in the buffer first (on a loaded machine they may not have
         # landed while the trainer saved).
         async with gate.hold() if due else contextlib.nullcontext():
-            report = await self.push_weights()
+            report = await self.push_weights(exported)
             row = metrics_row(StepFacts(self.step, self.version, self.loss_name, self.rewards.names,
                                         cfg.rollout.env is not None, self.rollouts.take_tokens(), self.buffer.counts(),
                                         self.rollouts.zero_variance_count(cfg)),

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 import torch
 
 from forgelab.types import (
-    REQUIRED_BATCH_KEYS, AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch,
-    WeightPush,
+    REQUIRED_BATCH_KEYS, AdamParams, DryRunReport, LossReport, OptimReport, SlotStep, StepMetrics, TokenValues,
+    TrainBatch, WeightPush,
 )
 
 __all__ = ["TrainBatch", "StepMetrics", "LossReport", "OptimReport", "AdamParams", "TokenValues", "DryRunReport",
-           "WeightPush", "token_values_of", "check_tokens", "check_spans", "check_batch", "REQUIRED_BATCH_KEYS"]
+           "WeightPush", "SlotStep", "token_values_of", "check_tokens", "check_spans", "check_batch", "REQUIRED_BATCH_KEYS"]
 
 
 def check_tokens(tokens_B_L: object) -> torch.Tensor:

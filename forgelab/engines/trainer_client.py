@@ -18,19 +18,19 @@ its shard).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Protocol, TypedDict, cast, runtime_checkable
 
 import torch
 
 from forgelab.engines.contracts import (
-    AdamParams, DryRunReport, LossReport, OptimReport, StepMetrics, TokenValues, TrainBatch, WeightPush,
+    AdamParams, DryRunReport, LossReport, OptimReport, SlotStep, StepMetrics, TokenValues, TrainBatch, WeightPush,
 )
 from forgelab.engines.loss_specs import LossSpec
 
 if TYPE_CHECKING:
     from forgelab.runtime.watchdog import Watchdog
 
-__all__ = ["TrainerAPI", "TrainerClient", "ReferenceAPI", "ReferenceClient", "EndpointHandle", "RoutedService",
+__all__ = ["TrainerAPI", "TrainerClient", "ExportsSteps", "ReferenceAPI", "ReferenceClient", "EndpointHandle", "RoutedService",
            "TrainerInfo", "Fingerprint", "SlotList", "LossComparison", "as_trainer"]
 
 
@@ -138,6 +138,16 @@ class TrainerAPI(Protocol):
         ...
 
 
+@runtime_checkable
+class ExportsSteps(Protocol):
+    """A trainer whose step can export the adapter in the same call (a LoRA slot of a
+    `forgelab.engines.trainer_slots.SlotTrainer`); the controller then hands the adapter to the generator."""
+
+    async def train_export(self, batch: TrainBatch, version: int) -> SlotStep:
+        """`train_step`, the batch's token values and (not skipped) the adapter as ``version``, in one call."""
+        ...
+
+
 class TrainerClient(TrainerAPI):
     """`TrainerAPI` over a trainer handle (`EndpointHandle`); anything else (``pids()``, ``alive``,
     ``shutdown()``) reaches the handle. ``call(name, *args)`` is kept for one release (callers that name an
@@ -164,6 +174,12 @@ class TrainerClient(TrainerAPI):
     async def train_step(self, batch: TrainBatch) -> StepMetrics:
         out = await self._one("train_step", batch)
         assert isinstance(out, StepMetrics), type(out)
+        return out
+
+    async def train_export(self, batch: TrainBatch, version: int) -> SlotStep:
+        """A LoRA slot's step in one call (`ExportsSteps`); only a `SlotTrainer`'s slot answers it."""
+        out = await self._one("train_export", batch, int(version))
+        assert isinstance(out, SlotStep), type(out)
         return out
 
     async def forward_backward(self, batch: TrainBatch, loss: LossSpec | None = None,

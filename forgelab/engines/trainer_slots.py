@@ -5,16 +5,25 @@
     table.copy("a", "b")                      # a fork: b starts from a's exact state (no disk)
     await slot_call(actor, "b", "train_step", (batch,), {})   # b's tensors in the model, then the step
     await TrainerClient(SlotTrainerHandle(handle, "b")).train_step(batch)   # the same, typed, from the controller
+    await TrainerClient(SlotTrainerHandle(handle, "b")).train_export(batch, 4)  # SlotStep: step, values, adapter
     table.free("b")
 
 What it really is: one model, one AdamW, one LR schedule (`TrainerState`); a slot is a saved copy of
 everything that belongs to one run: the adapter parameters (the base is frozen and shared), the AdamW
 moments and step counts, the schedule's position and its shape (lr, warmup, total steps), the loss (with a
 pending swap), step, policy version, the trainer config (seed, clipping, IS cap), the last step's token
-values, and the gradients a `forward_backward` accumulated (a slot's window stays open across other slots' calls). `activate` swaps a slot in: the active slot's tensors are copied out, the requested one's copied in
-(adapter-sized copies: 0.4 MiB per slot on the shipped model's rank-8 adapters). The trainer actor delivers
+values, and the gradients a `forward_backward` accumulated (a slot's window stays open across other slots' calls). `activate` swaps a slot in: the active slot's adapter values are copied out, the requested one's copied in
+(adapter-sized copies: 0.4 MiB per slot on the shipped model's rank-8 adapters); the AdamW moments and step
+counts, and the gradients, are not copied but handed over (each slot owns its tensors: the optimizer's
+per-parameter state entries are moved out of and into ``optimizer.state``, the update runs in place on them),
+and a call in the slot already active swaps nothing. The trainer actor delivers
 one call at a time, so a call runs entirely in its slot; a NaN loss or a raising loss skips that slot's step
 only (`TrainerState.train_step`'s fault rule), the others' state is untouched.
+
+A controller step is one call (``train_export``: the fused step, the batch's token values and the adapter
+exported, a `SlotStep`); the controller hands the adapter to the generator itself
+(`forgelab.weights.sync.WeightSync.deliver_adapter`), so no slot waits for another's adapter to load.
+`SlotTable.calls` counts the calls per endpoint, ``swaps`` the swaps.
 
 Steps run one slot after another (N slots: N trainer steps); the base forward and backward are not shared
 between slots in one pass (mLoRA-style per-row adapters are not implemented here).
@@ -23,13 +32,14 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, SupportsFloat, SupportsInt, TypedDict, cast
 
 import torch
 from monarch.actor import endpoint
 
-from forgelab.engines.contracts import TrainBatch, WeightPush
+from forgelab.engines.contracts import SlotStep, TrainBatch, WeightPush
 from forgelab.engines.trainer import Trainer
 from forgelab.engines.trainer_client import SlotList
 from forgelab.engines.trainer_optim import set_schedule_peak
@@ -42,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["SlotTable", "SlotTrainer", "SavedSlot", "slot_call", "set_peak_lr", "SLOT_CALLS"]
 
 #: Trainer endpoints that run inside a slot (`Trainer.in_slot`); anything else is refused.
-SLOT_CALLS = frozenset({"train_step", "forward_backward", "optim_step", "forward_logprobs", "token_values", "set_loss", "dry_run_loss", "compare_losses", "logprobs",
+SLOT_CALLS = frozenset({"train_step", "train_export", "forward_backward", "optim_step", "forward_logprobs", "token_values", "set_loss", "dry_run_loss", "compare_losses", "logprobs",
                         "base_logprobs", "info", "fingerprint", "save", "load", "set_lr", "export_adapter",
                         "export_hf", "push_weights"})
 
@@ -54,8 +64,11 @@ class SavedSlot(TypedDict):
     """The adapter parameters, in ``TrainerState.params`` order."""
     grads: list[torch.Tensor | None]
     """Their accumulated gradients (None: none yet), an open ``forward_backward`` window's."""
-    optim: dict[str, object]
-    """``optimizer.state_dict()``: the AdamW moments, step counts and hyperparameters."""
+    optim: list[dict[str, object] | None]
+    """Per parameter (``TrainerState.params`` order), its ``optimizer.state`` entry: the AdamW moments and step
+    count, the slot's own tensors (None: no step yet)."""
+    groups: list[dict[str, object]]
+    """The optimizer's param groups without their params: lr, betas, eps, weight decay, initial lr."""
     sched: dict[str, object]
     """``scheduler.state_dict()``: the schedule's position and shape."""
     run: dict[str, object]
@@ -80,24 +93,53 @@ def _copy_run(run: Mapping[str, object]) -> dict[str, object]:
     return {**run, "loss_kwargs": dict(kwargs or {}), "config": copy.deepcopy(run["config"])}
 
 
+def _groups(state: TrainerState) -> list[dict[str, object]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in state.optimizer.param_groups]
+
+
 def _capture(state: TrainerState) -> SavedSlot:
-    """A deep copy of the active slot's tensors and run fields."""
+    """A deep copy of the active slot's tensors and run fields (the trainer keeps them)."""
     return {"params": [p.detach().clone() for p in state.params],
             "grads": [None if p.grad is None else p.grad.detach().clone() for p in state.params],
-            "optim": copy.deepcopy(state.optimizer.state_dict()),
+            "optim": [copy.deepcopy(state.optimizer.state[p]) if p in state.optimizer.state else None
+                      for p in state.params],
+            "groups": copy.deepcopy(_groups(state)),
             "sched": copy.deepcopy(state.scheduler.state_dict()),
             "run": _copy_run(state.swap_run_state(None))}
 
 
+def _take(state: TrainerState) -> SavedSlot:
+    """The active slot out of the trainer: its adapter values copied, its AdamW state entries and gradients
+    moved out (the next `_install` gives the trainer another slot's); no deep copy."""
+    opt = state.optimizer
+    saved: SavedSlot = {"params": [p.detach().clone() for p in state.params],
+                        "grads": [p.grad for p in state.params],
+                        "optim": [opt.state.pop(p, None) for p in state.params],
+                        "groups": _groups(state),
+                        "sched": copy.deepcopy(state.scheduler.state_dict()),  # a few numbers; lists it keeps
+                        "run": state.swap_run_state(None)}
+    for p in state.params:
+        p.grad = None
+    return saved
+
+
 def _install(state: TrainerState, saved: SavedSlot) -> None:
+    """``saved`` becomes the trainer's: adapter values copied in, AdamW state entries, gradients, hyperparameters,
+    schedule and run fields handed over (``saved`` is the slot's own: `SlotTable` drops it after)."""
     with torch.no_grad():
         for p, t in zip(state.params, saved["params"]):
             p.copy_(t)
-    state.optimizer.load_state_dict(saved["optim"])  # copies: the saved slot stays as it was
-    for p, g in zip(state.params, saved.get("grads") or [None] * len(state.params)):
-        p.grad = None if g is None else g.clone()  # an open forward_backward window goes on
-    state.scheduler.load_state_dict(copy.deepcopy(saved["sched"]))
-    state.swap_run_state(_copy_run(saved["run"]))
+    opt = state.optimizer
+    for p, entry in zip(state.params, saved["optim"]):
+        opt.state.pop(p, None)
+        if entry is not None:
+            opt.state[p] = entry
+    for group, hyper in zip(opt.param_groups, saved["groups"]):
+        group.update(hyper)
+    for p, grad in zip(state.params, saved.get("grads") or [None] * len(state.params)):
+        p.grad = grad  # an open forward_backward window goes on
+    state.scheduler.load_state_dict(saved["sched"])
+    state.swap_run_state(saved["run"])
 
 
 class SlotTable:
@@ -114,6 +156,8 @@ class SlotTable:
         self.active: str | None = None
         self.swaps = 0
         self.swap_s = 0.0
+        self.calls: Counter[str] = Counter()
+        """Calls run in a slot, by endpoint name (`slot_call`)."""
 
     @property
     def names(self) -> list[str]:
@@ -133,7 +177,11 @@ class SlotTable:
             return
         t0 = time.perf_counter()
         if self.active is not None:
-            self.saved[self.active] = _capture(self.state)
+            self.saved[self.active] = _take(self.state)
+        else:  # a freed slot's values may still be in the trainer: nothing of theirs may reach this one's
+            self.state.optimizer.state.clear()
+            for p in self.state.params:
+                p.grad = None
         _install(self.state, self.saved.pop(slot))
         self.active = slot
         self.swaps += 1
@@ -153,9 +201,7 @@ class SlotTable:
             torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=config.lr),
             WarmupCosine(config.warmup_steps, config.total_steps, config.min_lr_ratio))
         saved["sched"] = sched.state_dict()
-        groups = saved["optim"]["param_groups"]
-        assert isinstance(groups, list), type(groups)  # torch's Optimizer.state_dict: a list of dicts
-        for g in groups:
+        for g in saved["groups"]:
             g.update(lr=float(sched.get_last_lr()[0]), initial_lr=float(config.lr), betas=tuple(config.betas),
                      eps=config.eps, weight_decay=config.weight_decay)
         name, fn = resolve_loss(config.loss)
@@ -184,7 +230,8 @@ class SlotTable:
         return {"slot": slot, "slots": self.names}
 
     def stats(self) -> dict[str, object]:
-        return {"slots": self.names, "active": self.active, "swaps": self.swaps, "swap_s": self.swap_s}
+        return {"slots": self.names, "active": self.active, "swaps": self.swaps, "swap_s": self.swap_s,
+                "calls": dict(self.calls), "base_passes": self.state.base_passes}
 
 
 def _set_lr(state: TrainerState, lr: object) -> float:
@@ -244,6 +291,23 @@ async def _push_slot(actor: Trainer, slot: str, version: object, generators: obj
                       transport="message" if sent else "none", transports=transports)
 
 
+def _train_export(state: TrainerState, batch: object, version: object) -> SlotStep:
+    """One controller step of the active slot in one call: `TrainerState.train_step`, the batch's token values,
+    and (step not skipped) the adapter exported as ``version`` (an int), copied so the next slot's swap cannot
+    reach it."""
+    if not isinstance(version, SupportsInt) or not isinstance(batch, (TrainBatch, Mapping)):
+        raise TypeError(f"train_export: expected (batch: TrainBatch, version: int), got "
+                        f"({type(batch).__name__}, {type(version).__name__})")
+    m = state.train_step(batch)
+    if m.skipped:
+        return SlotStep(metrics=m, version=state.policy_version)
+    t0 = time.perf_counter()
+    adapter = {k: v.clone() for k, v in state.push_state_dict().items()}
+    state.policy_version = int(version)
+    return SlotStep(metrics=m, token_values=state.token_values, adapter=adapter, version=int(version),
+                    export_ms=(time.perf_counter() - t0) * 1e3)
+
+
 async def slot_call(actor: SlotTrainer, slot: str, name: str, args: tuple[object, ...], kwargs: dict[str, object]
                     ) -> object:
     """Trainer endpoint ``name`` run with ``slot`` active (`Trainer.in_slot`); ``actor`` is the Trainer actor.
@@ -252,8 +316,12 @@ async def slot_call(actor: SlotTrainer, slot: str, name: str, args: tuple[object
     sends them; here they are checked at run time (a call by name, as Monarch delivers it)."""
     if name not in SLOT_CALLS:
         raise ValueError(f"Trainer.in_slot: {name!r} does not run in a LoRA slot (those that do: {sorted(SLOT_CALLS)})")
-    actor.slot_table().activate(slot)
+    table = actor.slot_table()
+    table.activate(slot)
+    table.calls[name] += 1
     state = actor.state
+    if name == "train_export":
+        return _train_export(state, *args, **kwargs)
     if name == "token_values":
         return state.token_values
     if name == "set_lr":

@@ -88,6 +88,9 @@ class TrainerState:
     _accum_norm: float
     _total_norm: torch.Tensor | None
     """The accumulated gradients' global norm as the tensor clipping takes (set by `forward_loss_backward`)."""
+    base_passes: int
+    """Forward passes of the base with the adapters off (`base_logprobs`: the free reference of a LoRA run), in
+    this process since `create`; a loss that does not read the reference (kl_coef 0) runs none."""
 
     # -- construction ------------------------------------------------------------
 
@@ -134,6 +137,7 @@ class TrainerState:
         self.token_values = None
         self.accumulated = 0  # forward_backward calls whose gradients await optim_step
         self._accum_norm = float("nan")  # the accumulated gradients' global norm (also in _total_norm)
+        self.base_passes = 0
         return self
 
     # -- loss swapping -------------------------------------------------------------
@@ -218,6 +222,7 @@ class TrainerState:
         Raises `SkipStep` (on every rank together) when the loss or the gradients are unusable.
         """
         from forgelab.algos.importance import truncated_is_weights
+        from forgelab.algos.loss_checks import reads_reference
         from forgelab.algos.losses import validate_loss_output
         from forgelab.algos.packing import spans_from_mask
 
@@ -233,8 +238,11 @@ class TrainerState:
         micro = self._micro_batches(B)
         rows = torch.cat(micro)
         spans_B_2 = spans_from_mask(batch.mask_B_T.cpu())  # only masked positions enter the loss
-        ref_from_base = ref_B_T is None and self.lora is not None and self.lora.reference == "base"
-        if ref_from_base:  # LoRA: a batch without reference logprobs gets the base model's (adapters off)
+        # LoRA: a batch without reference logprobs gets the base model's (adapters off), unless the loss's value
+        # and gradient do not read them (a built-in loss at kl_coef 0: dapo's default); no kl_ref metric then
+        ref_from_base = (ref_B_T is None and self.lora is not None and self.lora.reference == "base"
+                         and reads_reference(fn, kwargs))
+        if ref_from_base:
             ref_B_T = self.base_logprobs(tokens, spans_B_2).to(dev)
 
         # Pass 1: this rank's logprobs (keeping the graph when there is one micro-batch).
@@ -314,6 +322,7 @@ class TrainerState:
         if self.lora is None:
             raise ValueError("base_logprobs: this trainer has no LoRA adapters; its base is its policy "
                              "(use a ReferenceModel for a frozen copy)")
+        self.base_passes += 1
         with adapters_disabled(self.model):
             return self.logprobs(tokens_B_L, spans_B_2)
 
@@ -544,4 +553,5 @@ class TrainerState:
         return {"rank": self.rank, "world": self.world, "device": str(self.device), "step": self.step,
                 "policy_version": self.policy_version, "loss": self.loss_name, "loss_kwargs": dict(self.loss_kwargs),
                 "family": self.ckpt.family, "params": int(n_params),
-                "trainable_params": int(sum(p.numel() for p in self.params)), "lora": self.lora is not None}
+                "trainable_params": int(sum(p.numel() for p in self.params)), "lora": self.lora is not None,
+                "base_passes": self.base_passes}

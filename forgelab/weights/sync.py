@@ -2,6 +2,7 @@
 
     report = await WeightSync(trainer, generators, emit).push(version)   # PushReport
     generators.on_respawn = sync.catch_up                                 # a respawned replica gets the weights
+    report = await sync.deliver_adapter(slot_step)     # a LoRA slot's adapter the trainer exported (SlotStep)
 
 The trainer's `push_weights(version, meshes)` endpoint gathers the HF state dict
 and sends it through a transport from `forgelab.weights.sender` (shared
@@ -9,14 +10,21 @@ memory on the same host, messages otherwise); the generator's
 `update_weights` / `update_weights_shared` endpoints load it. This module is the
 controller's view of that: which replicas got which version, what failed, how
 long each part took.
+
+A run in a slot of shared engines (`forgelab.experiments.variants.SharedEngines`) steps and exports its
+adapter in one trainer call (`forgelab.engines.trainer_slots`, a `SlotStep`); `deliver_adapter` then sends
+that adapter to each generator replica's ``update_adapter_slot`` from here, so the trainer goes on with the
+other slots' steps while the generators load it (between their own engine steps).
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from forgelab.types import WeightPush
+from forgelab.types import SlotStep, WeightPush
 
 if TYPE_CHECKING:
     from forgelab.runtime.watchdog import Watchdog
@@ -110,6 +118,50 @@ class WeightSync:
             else:
                 self.generators.set_replica_info(i, version=version)
         return report
+
+    @property
+    def adapter_slot(self) -> str | None:
+        """The LoRA slot the generators serve this run in (a `forgelab.engines.shared_parts.SlotGenerators`), or
+        None: the run has its own generators and pushes through the trainer (`push`)."""
+        slot = getattr(self.generators, "slot", None)
+        return slot if isinstance(slot, str) and slot else None
+
+    async def deliver_adapter(self, step: SlotStep) -> PushReport:
+        """Send the adapter ``step`` exported to every healthy replica as this run's slot's ``step.version``
+        (``update_adapter_slot``; the replica loads it between two engine steps); a replica that fails is
+        respawned and caught up later, as with `push`."""
+        from forgelab.generation import AdapterUpdate
+
+        slot = self.adapter_slot
+        if slot is None or step.adapter is None:
+            raise RuntimeError(f"WeightSync.deliver_adapter: {'no slot' if slot is None else 'no adapter'} "
+                               f"(version {step.version}); a run on its own generators pushes through push()")
+        version = int(step.version)
+        update = AdapterUpdate(slot=slot, version=version, tensors=step.adapter)
+        live = [(i, h) for i, h in enumerate(self.generators.handles()) if h is not None]
+        t0 = time.perf_counter()
+        sends = asyncio.gather(*(getattr(h, "actor", h).update_adapter_slot.call(update) for _, h in live),
+                               return_exceptions=True)
+        if self.watchdog is None:
+            results = await sends
+        else:
+            pids = [pid for _, h in live for pid in (getattr(h, "pids_list", None) or [])]
+            results = await self.watchdog.watch(sends, pids=pids, progress=PUSH_PROGRESS,
+                                                part=f"adapter of slot {slot} to generator replicas "
+                                                     f"{[i for i, _ in live]}", what=f"adapter push v{version}")
+        send_ms = (time.perf_counter() - t0) * 1e3
+        failed = {i: f"{type(r).__name__}: {str(r)[-800:]}" for (i, _), r in zip(live, results)
+                  if isinstance(r, BaseException)}
+        for i, _ in live:
+            if i in failed:
+                self.emit("weight_push_failed", replica=i, version=version, error=failed[i][:300])
+            else:
+                self.generators.set_replica_info(i, version=version)
+        sent = len(live) - len(failed)
+        return PushReport(version=version, gather_ms=step.export_ms, send_ms=send_ms,
+                          bytes=sum(v.numel() * v.element_size() for v in step.adapter.values()), sent=sent,
+                          transport="message" if sent else "none", failed=failed,
+                          replicas=tuple(i for i, _ in live))
 
     async def catch_up(self, handle: Any) -> None:
         """`on_respawn` hook: a fresh replica starts from the checkpoint on disk; give it the current weights
