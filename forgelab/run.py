@@ -364,8 +364,8 @@ class Run:
             await self.loop.run()
             if not self.evaluator.history or self.evaluator.history[-1][0] != self.step:
                 acc = await self.evaluate()
-                if self.tracker and self.tracker.rows:
-                    self.tracker.rows[-1]["heldout_accuracy"] = acc
+                if self.tracker and self.tracker.rows:  # through annotate: a new column reaches metrics.csv
+                    self.tracker.annotate(as_int(self.tracker.rows[-1]["step"]), {"heldout_accuracy": acc})
             self.lifecycle.set("stopped" if self.gate.stopping else "finished")
             self.emit(self.state, message=self.message)
         except asyncio.CancelledError:

@@ -63,6 +63,8 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
     "inflight": {"inflight_over_drain_time_to_target": at_most(0.75), "generator_idle_drain": info(),
                  "generator_idle_inflight": info()},
     "primitives": {"primitives_over_fused": at_most(1.15), "rest_over_python": at_most(1.3)},
+    "agent_lift": {"door_lift_points": at_least(15), "door_minus_native_points": ("|.| <= 5", lambda v: abs(v) <= 5),
+                   "native_lift_points": info()},
 }
 
 

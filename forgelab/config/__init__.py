@@ -9,9 +9,9 @@ component's config, `value_types` the type checks an unknown or wrong value meet
 """
 from forgelab.config.components import (EnvActorConfig, GeneratorConfig, LoraConfig, ReferenceConfig,
                                         SamplingConfig, TeacherConfig, TrainerConfig)
-from forgelab.config.run_config import (SHIPPED_MODEL, ConfigError, EvalConfig, HostsConfig, ModelConfig, PlacementConfig,
+from forgelab.config.run_config import (SHIPPED_MODEL, ConfigError, DoorConfig, EvalConfig, HostsConfig, ModelConfig, PlacementConfig,
                                         ReasoningGymConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig)
 
-__all__ = ["SHIPPED_MODEL", "ConfigError", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "LoraConfig", "ModelConfig",
+__all__ = ["SHIPPED_MODEL", "ConfigError", "DoorConfig", "EnvActorConfig", "EvalConfig", "GeneratorConfig", "HostsConfig", "LoraConfig", "ModelConfig",
            "PlacementConfig", "ReasoningGymConfig", "ReferenceConfig", "RolloutConfig", "RunConfig", "SamplingConfig", "TeacherConfig",
            "TrackingConfig", "TrainConfig", "TrainerConfig"]

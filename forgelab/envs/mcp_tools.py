@@ -43,7 +43,10 @@ def calculator_server() -> Any:
     """The calculator as an mcp 2.3 `MCPServer` with one tool, ``calculator(expression: str) -> str``."""
     from mcp.server import MCPServer
 
-    server = MCPServer("forgelab-calculator", instructions="Integer arithmetic: + - * and brackets.")
+    # log_level: MCPServer runs logging.basicConfig at it; at mcp's default (INFO) a process without a root handler
+    # (a notebook's kernel) then prints every library's INFO lines, one per HTTP request through the door
+    server = MCPServer("forgelab-calculator", instructions="Integer arithmetic: + - * and brackets.",
+                       log_level="WARNING")
     server.tool(name="calculator", description="Evaluate an integer arithmetic expression (+, -, * and brackets); "
                                                "returns the result, or 'error'.")(calculator)
     return server

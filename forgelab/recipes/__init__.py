@@ -14,6 +14,7 @@ _LAZY = {
     "SHAPES": "forgelab.recipes.real_shapes",
     "real_shape_checkpoint": "forgelab.recipes.real_shapes",
     "real_shape_config": "forgelab.recipes.real_shapes",
+    "TOOL_WARMSTART": "forgelab.recipes.tool_warmstart",
 }
 __all__ = sorted(_LAZY)
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

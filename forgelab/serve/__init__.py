@@ -10,6 +10,8 @@ _LAZY = {
     "LoopbackServer": "forgelab.serve.http",
     "TinkerAPI": "forgelab.serve.tinker_api",
     "serve_primitives": "forgelab.serve.tinker_api",
+    "ADDITION_TASKS": "forgelab.serve.lm_eval_door",
+    "write_addition_tasks": "forgelab.serve.lm_eval_door",
 }
 __all__ = sorted(_LAZY)
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
