@@ -63,6 +63,8 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
     "inflight": {"inflight_over_drain_time_to_target": at_most(0.75), "generator_idle_drain": info(),
                  "generator_idle_inflight": info()},
     "primitives": {"primitives_over_fused": at_most(1.15), "rest_over_python": at_most(1.3)},
+    "agent_door": {"door_over_native_s_per_episode": at_most(1.15), "generator_busy_1k": at_least(0.9),
+                   "native_generator_busy_1k": info()},
 }
 
 

@@ -57,13 +57,15 @@ class AgentRunner:
         sessions: the door's sessions (rewards, failures, groups).
         base_url: the door's OpenAI base URL; key: the run's door key (a session's key is ``f"{key}.{session}"``).
         emit: the run's event emitter (``agent_error`` events).
-        client: ``client(base_url, api_key)`` -> an ``openai.AsyncOpenAI`` (default: the SDK's, no retries).
+        client: ``client(base_url, api_key)`` -> an ``openai.AsyncOpenAI`` (default: the SDK's, no retries, all the
+            sessions of one `play` over one shared HTTP connection pool: a new ``httpx`` client per session would
+            build a TLS context each time, ~50 ms of CPU, even for plain http).
     """
 
     def __init__(self, sessions: AgentSessions, *, base_url: str, key: str, emit: Emit,
                  client: Callable[[str, str], object] | None = None):
         self.sessions, self.base_url, self.key, self.emit = sessions, base_url, key, emit
-        self._client = client or _openai_client
+        self._client = client
         self._nonce = secrets.token_hex(4)  # session ids of two `play` calls never collide
         self._plays = 0
 
@@ -81,11 +83,14 @@ class AgentRunner:
         prefix = f"agent-{self._nonce}-{self._plays}"
         report = AgentReport()
         slots = asyncio.Semaphore(concurrency)
+        shared = _SharedClients(concurrency) if self._client is None else None
+        make = shared.client if shared is not None else self._client
+        assert make is not None
 
         async def one(t: int, task: object, g: int) -> None:
             sid, group = f"{prefix}-t{t}-s{g}", f"{prefix}:{task_key(task) if task_key else t}"
             async with slots:
-                client = self._client(self.base_url, f"{self.key}.{sid}")
+                client = make(self.base_url, f"{self.key}.{sid}")
                 try:
                     try:
                         reward = float(await asyncio.wait_for(agent(client, task), timeout_s))
@@ -110,10 +115,14 @@ class AgentRunner:
                     report.episodes += ids
                 finally:
                     close = getattr(client, "close", None)
-                    if close is not None:
+                    if shared is None and close is not None:  # the shared pool is closed once, below
                         await close()
 
-        await asyncio.gather(*(one(t, task, g) for t, task in enumerate(tasks) for g in range(g_size)))
+        try:
+            await asyncio.gather(*(one(t, task, g) for t, task in enumerate(tasks) for g in range(g_size)))
+        finally:
+            if shared is not None:
+                await shared.aclose()
         return report
 
     async def _fail(self, report: AgentReport, sid: str, group: str, g_size: int, reason: str, error: str) -> None:
@@ -125,7 +134,23 @@ class AgentRunner:
         self.emit("agent_error", session=sid, reason=reason, error=error[-2000:], episodes=ids)
 
 
-def _openai_client(base_url: str, api_key: str) -> object:
-    import openai
+class _SharedClients:
+    """``openai.AsyncOpenAI`` clients (one per session: the key names it, no retries) over one HTTP connection pool
+    of at least ``concurrency`` connections."""
 
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    def __init__(self, concurrency: int):
+        import importlib
+
+        import openai
+
+        self._openai = openai
+        # the SDK's HTTP package (httpx, or the httpx2 fork openai 3.x ships with): its own Limits type
+        http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+        n = max(concurrency, 100)
+        self.http = openai.DefaultAsyncHttpxClient(limits=http_pkg.Limits(max_connections=n, max_keepalive_connections=n))
+
+    def client(self, base_url: str, api_key: str) -> object:
+        return self._openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self.http)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
