@@ -31,8 +31,9 @@ from forgelab.controller.events import Emit
 
 __all__ = ["AgentFn", "AgentReport", "AgentRunner"]
 
-AgentFn = Callable[[object, object], Awaitable[float]]
-"""``async def agent(client: openai.AsyncOpenAI, task) -> reward``."""
+AgentFn = Callable[[object, object], Awaitable[float | str]]
+"""``async def agent(client: openai.AsyncOpenAI, task) -> reward``: a number, or a string: the target the door's
+reward functions (``door.rewards``) score the session's final transcript against."""
 
 
 @dataclass
@@ -93,7 +94,9 @@ class AgentRunner:
                 client = make(self.base_url, f"{self.key}.{sid}")
                 try:
                     try:
-                        reward = float(await asyncio.wait_for(agent(client, task), timeout_s))
+                        got = await asyncio.wait_for(agent(client, task), timeout_s)
+                        target = got if isinstance(got, str) else None
+                        reward = 0.0 if target is not None else float(got)
                         if not math.isfinite(reward):
                             raise ValueError(f"the agent returned reward {reward!r}; return a finite number")
                     except asyncio.TimeoutError:
@@ -105,8 +108,25 @@ class AgentRunner:
                                          f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
                         return
                     try:
-                        ids = await self.sessions.reward(sid, reward, group, group_size=g_size)
-                    except (UnknownSession, DoorRefused):
+                        if target is not None:
+                            ids, scored, dropped = await self.sessions.reward_transcript(sid, target, group,
+                                                                                         group_size=g_size)
+                            if dropped is not None:  # a reward function failed: the session failed (counted)
+                                report.failed += 1
+                                report.failed_episodes += ids
+                                report.errors.append(f"{sid}: {dropped}")
+                                return
+                            reward = float(scored or 0.0)
+                        else:
+                            ids = await self.sessions.reward(sid, reward, group, group_size=g_size)
+                    except DoorRefused as e:
+                        if target is not None and self.sessions.scorer is None:
+                            await self._fail(report, sid, group, g_size, "agent_error", str(e))
+                            return
+                        await self._fail(report, sid, group, g_size, "agent_error", "the agent returned a reward "
+                                         "without a call recorded through its client (no call, or none admitted)")
+                        return
+                    except UnknownSession:
                         await self._fail(report, sid, group, g_size, "agent_error", "the agent returned a reward "
                                          "without a call recorded through its client (no call, or none admitted)")
                         return
