@@ -238,6 +238,8 @@ def test_agent_runner_trains_a_grpo_step(tool_run, loop):
 
     async def body():
         await run.start()
+        # the step-0 held-out evaluation holds rollouts (the door answers 429 meanwhile): play once it is done
+        await run.until(predicate=lambda r: len(r.accuracy_history) >= 1, timeout=300)
         report = await run.play_agents(agent, ["12+34=", "(2+3)*4="], group_size=2, concurrency=4, timeout_s=120)
         await asyncio.wait_for(run.wait(), 300)
         return report

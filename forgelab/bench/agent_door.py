@@ -170,7 +170,7 @@ async def _steady_door(run, sessions: int, total: int, timeout_s: float) -> dict
     wall = time.perf_counter() - t_start
     await asyncio.wait_for(mon, 60)
     return {"busy": round(_busy(marks["s0"], marks["s1"]), 3), "window_s": round(marks["t1"] - marks["t0"], 1),
-            "sessions": total, "wall_s": round(wall, 1), "failed": report.failed,
+            "sessions": total, "wall_s": round(wall, 1), "failed": report.failed, "errors": report.errors[:3],
             "episodes_per_s": round(report.rewarded / wall, 1)}
 
 

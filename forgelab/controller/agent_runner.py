@@ -156,7 +156,8 @@ class AgentRunner:
 
 class _SharedClients:
     """``openai.AsyncOpenAI`` clients (one per session: the key names it, no retries) over one HTTP connection pool
-    of at least ``concurrency`` connections."""
+    of at least ``concurrency`` connections. Connecting may wait up to 60 s (the SDK's 5 s fails sessions when a
+    thousand connect at once to a loop that is busy serving them); reads keep the SDK's 600 s."""
 
     def __init__(self, concurrency: int):
         import importlib
@@ -167,7 +168,8 @@ class _SharedClients:
         # the SDK's HTTP package (httpx, or the httpx2 fork openai 3.x ships with): its own Limits type
         http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
         n = max(concurrency, 100)
-        self.http = openai.DefaultAsyncHttpxClient(limits=http_pkg.Limits(max_connections=n, max_keepalive_connections=n))
+        self.http = openai.DefaultAsyncHttpxClient(limits=http_pkg.Limits(max_connections=n, max_keepalive_connections=n),
+                                                   timeout=http_pkg.Timeout(600.0, connect=60.0))
 
     def client(self, base_url: str, api_key: str) -> object:
         return self._openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self.http)
