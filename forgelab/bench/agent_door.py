@@ -45,10 +45,13 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forgelab.bench._stats import bootstrap_median_ci
 from forgelab.bench.common import emit_json, print_machine, print_table
+
+if TYPE_CHECKING:
+    from forgelab.run import Run
 
 GROUP = 8
 """Sessions (episodes) per task: one GRPO group."""
@@ -75,7 +78,7 @@ def _config(out_dir: str, concurrency: int):
                         idle_timeout_s=600.0)).validate()
 
 
-async def _gen_stats(run) -> Any:
+async def _gen_stats(run: Run) -> Any:
     return (await run.generators.engine_stats())[0]
 
 
@@ -87,7 +90,7 @@ def _busy(s0, s1) -> float:
 class Native:
     """The rollout worker's path, driven here: admit, `Rollouts.one` (env actor episodes), release."""
 
-    def __init__(self, run):
+    def __init__(self, run: Run):
         self.run = run
 
     async def call(self, prompts: int) -> None:
@@ -121,26 +124,26 @@ def _agent(model: str):
     return agent
 
 
-def _tasks(run, k: int) -> list[str]:
+def _tasks(run: Run, k: int) -> list[str]:
     from forgelab.envs.base import task_prompt
 
     return [task_prompt(p) for p in run.rollout.stream.next(k)]
 
 
-async def _door_wave(run, c: int, timeout_s: float) -> tuple[float, Any]:
+async def _door_wave(run: Run, c: int, timeout_s: float) -> tuple[float, Any]:
     t0 = time.perf_counter()
     report = await run.play_agents(_agent(run.door.model_name), _tasks(run, c // GROUP), group_size=GROUP,
                                    concurrency=c, timeout_s=timeout_s)
     return time.perf_counter() - t0, report
 
 
-def _gen_tokens(run, first_id: int) -> list[int]:
+def _gen_tokens(run: Run, first_id: int) -> list[int]:
     """Generated tokens of the episodes with id >= first_id still readable (buffered)."""
     return [sum(ep.loss_mask) if ep.loss_mask is not None else len(ep.completion_ids)
             for ep in run.buffer.buffered() if ep.id >= first_id]
 
 
-async def _steady_door(run, sessions: int, total: int, timeout_s: float) -> dict:
+async def _steady_door(run: Run, sessions: int, total: int, timeout_s: float) -> dict:
     """``total`` door sessions, ``sessions`` at once (module docstring): busy over the steady window."""
     started = 0
     marks: dict[str, Any] = {}
@@ -174,7 +177,7 @@ async def _steady_door(run, sessions: int, total: int, timeout_s: float) -> dict
             "episodes_per_s": round(report.rewarded / wall, 1)}
 
 
-async def _steady_native(run, c: int, seconds: float) -> dict:
+async def _steady_native(run: Run, c: int, seconds: float) -> dict:
     """About ``c`` native episodes in flight (calls of `PER_CALL`, a new one when one returns) for ``seconds``
     after the first returned: busy over that window."""
     native = Native(run)

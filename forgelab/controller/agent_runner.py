@@ -168,8 +168,10 @@ class _SharedClients:
         # the SDK's HTTP package (httpx, or the httpx2 fork openai 3.x ships with): its own Limits type
         http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
         n = max(concurrency, 100)
-        self.http = openai.DefaultAsyncHttpxClient(limits=http_pkg.Limits(max_connections=n, max_keepalive_connections=n),
-                                                   timeout=http_pkg.Timeout(600.0, connect=60.0))
+        # keep-alive 30 s, under the door server's 75 s: a pooled connection is never the one the server closes
+        self.http = openai.DefaultAsyncHttpxClient(
+            limits=http_pkg.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=30.0),
+            timeout=http_pkg.Timeout(600.0, connect=60.0))
 
     def client(self, base_url: str, api_key: str) -> object:
         return self._openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self.http)

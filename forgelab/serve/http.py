@@ -139,7 +139,10 @@ class LoopbackServer:
         sock.bind((LOOPBACK, self.port))
         self.port = int(sock.getsockname()[1])
         self._sock = sock
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        # keep-alive 75 s (uvicorn's default is 5 s): a client pooling connections (the agent runner, keep-alive
+        # 30 s) must not reuse one the server is closing at that moment ("Server disconnected", a failed session)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=75)
         server = _Uvicorn(config)
         self._server = server
         self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
