@@ -8,7 +8,8 @@ Routes (all on the run's `forgelab.serve.http.LoopbackServer`, all needing the r
 
 - ``GET /v1/models``; ``POST /v1/chat/completions`` (``stream`` too); ``POST /v1/completions`` (text or token-id
   prompts, ``echo`` with prompt logprobs);
-- ``POST /v1/forgelab/sessions/{id}/reward`` ``{"reward": r, "group": key, "choice": k}``: close the session;
+- ``POST /v1/forgelab/sessions/{id}/reward`` ``{"reward": r, "group": key, "choice": k}`` (or ``"target"``, scored
+  by ``door.rewards`` over the final transcript): close the session;
   ``GET /v1/forgelab/sessions/{id}/episodes``: the episodes it would close with now; ``GET /v1/forgelab/stats``.
 
 Every call goes through the run's generator service with a typed `GenerateRequest` (the same admission, replica
@@ -16,7 +17,9 @@ choice and policy versions as native rollouts: no second engine). A call whose k
 (``<key>.<session>`` or ``X-Session-ID``) is recorded (`forgelab.controller.agent_sessions`); one without a
 session is served and not recorded (evaluations). A parameter the door does not implement is a 400 naming it.
 Streaming sends the finished completion as one chunk per token (the engine returns whole completions), so a
-streamed call returns exactly the tokens of the same call unstreamed.
+streamed call returns exactly the tokens of the same call unstreamed; with ``tools`` a tool-call choice is streamed
+as OpenAI's ``tool_calls`` deltas. A client that disconnects mid-generation has its samples aborted in the engines
+(`Generators.abort` with the call's ``abort_key``).
 """
 from __future__ import annotations
 
