@@ -96,6 +96,9 @@ class GenerateRequest:
     lora_slot: str | None = None
     """Serve the request with this LoRA slot's adapter and version (a `SlotGenerator` engine shared by runs);
     None: the generator's own weights."""
+    abort_key: str | None = None
+    """A key `Generators.abort` cancels this request's samples by, in the engine (the agent door's calls: a client
+    that disconnects mid-generation); None: it cannot be aborted."""
 
     @classmethod
     def coerce(cls, request: GenerateRequest | Sequence[Prompt], n: int = 1, sampling: SamplingSettings | None = None,
@@ -146,6 +149,8 @@ class EngineStats(_ItemAccess):
     """Engine steps run."""
     requests: int
     """Requests (samples) finished."""
+    aborted_requests: int
+    """Requests (samples) aborted before they finished (`Generators.abort`)."""
     tokens_generated: int
     prompt_tokens: int
     cached_prompt_tokens: int
@@ -236,6 +241,11 @@ class Generators(Protocol):
 
     async def engine_stats(self) -> list[EngineStats]:
         """Every healthy replica's engine counters, in replica order."""
+        ...
+
+    async def abort(self, abort_key: str) -> list[int]:
+        """Abort, in the engines, the unfinished samples of the requests sent with ``abort_key`` (their calls fail);
+        how many each healthy replica aborted."""
         ...
 
     def handles(self) -> Sequence[ReplicaActor | None]:

@@ -4,7 +4,9 @@ model, spawned and not started (no native rollouts, no training: the door's call
 (a) a two-turn chat gives the native episode loop's tokens, mask and versions; (b) an edited history starts a new
 segment, counted; (c) 64 concurrent interleaved sessions each export only their own calls; (h) streaming returns the
 non-streaming tokens; a wrong key is 401, an unsupported parameter 400 naming it; (j) posted rewards put the
-episodes in the buffer and the accounting identity holds.
+episodes in the buffer and the accounting identity holds; (k) an expired session's episode is dropped and counted,
+and a client that disconnects mid-generation has its samples aborted in the engine; a reward given as a target is
+the door's reward functions over the final transcript.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def door_run(loop, tmp_path_factory, engine_pool):
                     train=TrainConfig(steps=2, batch_size=8, max_policy_age=8, warmup_steps=0, seed=0),
                     eval=EvalConfig(every=0, n=4), placement=PlacementConfig(reference=False),
                     tracking=TrackingConfig(out_dir=str(tmp_path_factory.mktemp("door")), wandb=False),
-                    door=DoorConfig(enabled=True, group_size=2, max_n=4))
+                    door=DoorConfig(enabled=True, group_size=2, max_n=4, rewards={"exact_answer": 1.0}))
     run = Run(cfg, spawn=engine_pool)  # the worker's warm processes when an earlier module left a set
     loop.run_until_complete(run.spawn())
     yield run
@@ -232,3 +234,132 @@ def test_rewarded_sessions_enter_the_buffer(door_run, loop):
     assert view.loc[ids[0], "status"] == "buffered" and list(view.loc[ids[0], "loss_mask"]) == buffered[ids[0]].loss_mask
     c = run.buffer.check_accounting()
     assert c["generated"] == c["trained"] + c["evicted"] + c["dropped"] + c["buffered"] + c["in_flight"]
+
+
+async def _until(predicate, timeout=60.0, what="the condition"):
+    """Wait until ``predicate()`` holds (re-checked every 10 ms), at most ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _accounting_holds(run):
+    c = run.buffer.check_accounting()
+    return c["generated"] == c["trained"] + c["evicted"] + c["dropped"] + c["buffered"] + c["in_flight"]
+
+
+def test_expired_session_is_dropped_and_counted(door_run, loop):
+    """(k) A session idle past door.idle_timeout_s expires on the run: its episode is dropped as session_expired
+    (in the buffer's accounting), the counter moves, and the session is gone (its reward is a 404)."""
+    import httpx
+
+    run = door_run
+
+    async def body():
+        await _chat(door_client(run, "k-old"), [{"role": "user", "content": FIRST}], seed=3)
+        ep, = run.door.sessions.export("k-old")
+        before = run.door.counters()["agent/expired_sessions"]
+        # the session's clock set back by the idle timeout (instead of waiting door.idle_timeout_s = 600 s);
+        # the sweep is the one the door runs every idle_timeout_s / 4
+        run.door.sessions.get("k-old").last_used -= run.config.door.idle_timeout_s
+        done = await run.door.sessions.sweep()
+        async with httpx.AsyncClient() as http:
+            late = await http.post(run.openai_base_url + "/forgelab/sessions/k-old/reward", json={"reward": 1.0},
+                                   headers={"Authorization": f"Bearer {run.door_key}"})
+        return ep, before, done, late
+
+    ep, before, done, late = loop.run_until_complete(body())
+    assert done["expired_sessions"] >= 1 and run.door.counters()["agent/expired_sessions"] == before + done["expired_sessions"]
+    assert run.buffer.status(ep.id) == "dropped" and run.buffer.drop_reason(ep.id) == "session_expired"
+    assert late.status_code == 404 and "expired" in late.json()["error"]["message"]
+    assert _accounting_holds(run)
+
+
+def test_disconnect_aborts_the_engine_requests(door_run, loop):
+    """(k) A client that disconnects while its call generates: the engine aborts the call's samples (they never
+    finish: the engine's aborted counter moves by n and its finished-request counter does not), nothing is recorded
+    for the call, the session's episode counts the disconnect, and the accounting identity holds."""
+    import httpx
+
+    run = door_run
+    n, long = 4, 200  # min_tokens = max_tokens: each sample would run 200 engine steps if not aborted
+
+    async def stats():
+        s, = await run.generators.engine_stats()
+        return s
+
+    async def body():
+        client = door_client(run, "k-gone")
+        m = [{"role": "user", "content": FIRST}]
+        r1 = await _chat(client, m, seed=4)
+        s0 = await stats()
+        gone0 = (await _door_stats())["agent/disconnects"]
+        m2 = m + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": SECOND}]
+        async with httpx.AsyncClient(timeout=120) as http:
+            call = asyncio.ensure_future(http.post(
+                run.openai_base_url + "/chat/completions", headers={"Authorization": f"Bearer {run.door_key}.k-gone"},
+                json={"model": "door", "messages": m2, "n": n, "max_tokens": long, "min_tokens": long, "seed": 5}))
+            in_flight = []
+
+            async def poll():
+                in_flight.append((await run.generators.engine_status())[0].in_flight_requests)
+
+            deadline = asyncio.get_running_loop().time() + 60
+            while not in_flight or in_flight[-1] < n:  # the engine took the call's samples in
+                assert asyncio.get_running_loop().time() < deadline and not call.done(), "the call never reached the engine"
+                await poll()
+            call.cancel()  # the client goes away: httpx closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        await _until(lambda: run.door.api.disconnects > gone0 and run.door.api.aborted_requests >= n,
+                     what="the door to see the disconnect and abort")
+        return s0, await stats()
+
+    async def _door_stats():
+        return await run.door.api.stats()
+
+    s0, s1 = loop.run_until_complete(body())
+    assert s1.aborted_requests - s0.aborted_requests == n
+    assert s1.requests == s0.requests  # none of the n samples finished
+    assert s1.tokens_generated - s0.tokens_generated == 0  # tokens count only when a request finishes
+    ep, = run.door.sessions.export("k-gone")
+    assert ep.info["client_disconnects"] == 1 and ep.info["calls"] == 1  # the aborted call was not recorded
+    assert _accounting_holds(run)
+
+
+def test_reward_from_the_transcript(door_run, loop):
+    """A reward posted as a target is the door's reward functions (door.rewards: exact_answer) over the session's
+    final transcript: 1.0 against the answer the model gave, 0.0 against another; both join one group, buffered
+    with opposite advantages. A target on a door without reward functions, or with a reward too, is refused."""
+    import httpx
+
+    from forgelab.rewards.library import extract_answer
+
+    run = door_run
+
+    async def body():
+        rs = {}
+        for s in ("t-right", "t-wrong"):
+            r = await _chat(door_client(run, s), [{"role": "user", "content": FIRST}], seed=21)
+            rs[s] = r.choices[0].message.content
+        given = extract_answer(rs["t-right"])  # the same seed: the same answer in both sessions
+        assert extract_answer(rs["t-wrong"]) == given
+        url = run.openai_base_url + "/forgelab/sessions/{}/reward"
+        auth = {"Authorization": f"Bearer {run.door_key}"}
+        async with httpx.AsyncClient() as http:
+            both = await http.post(url.format("t-right"), json={"reward": 1.0, "target": given}, headers=auth)
+            assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+            right = (await http.post(url.format("t-right"), json={"target": given, "group": "tg"}, headers=auth)).json()
+            wrong = (await http.post(url.format("t-wrong"), json={"target": given + "1", "group": "tg"},
+                                     headers=auth)).json()
+        return given, right, wrong
+
+    given, right, wrong = loop.run_until_complete(body())
+    assert (right["reward"], wrong["reward"]) == (1.0, 0.0), (given, right, wrong)
+    a, b = (run.buffer.buffered_episode(i) if hasattr(run.buffer, "buffered_episode") else
+            next(ep for ep in run.buffer.buffered() if ep.id == i) for i in (right["episodes"][0], wrong["episodes"][0]))
+    assert a.reward_parts == {"exact_answer": 1.0} and b.reward_parts == {"exact_answer": 0.0}
+    assert a.advantage > 0 > b.advantage and a.group_id == b.group_id
+    assert _accounting_holds(run)

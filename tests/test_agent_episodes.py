@@ -322,3 +322,54 @@ def test_stream_pieces_sum_to_the_text():
                        text=text, finish_reason="stop", policy_version=0)
         pieces = door._pieces(c)
         assert len(pieces) == len(c.completion_ids) and "".join(pieces) == text
+
+
+def test_door_on_shared_engines_serves_its_lora_slot(tmp_path):
+    """A run on shared engines (`forgelab.experiments.variants.SharedEngines`) holds `SlotGenerators` as its
+    generators, and the door is opened over the run's generators: every door call reaches the shared service with
+    the run's LoRA slot (served with that slot's adapter and version by a `SlotGenerator` engine), and an abort goes
+    to the shared service too. Here the shared service is the fakes' generators behind a recorder."""
+    import dataclasses
+
+    import openai
+
+    from forgelab.config.run_config import (DoorConfig, EvalConfig, PlacementConfig, RolloutConfig, RunConfig,
+                                            TrackingConfig, TrainConfig)
+    from forgelab.engines.shared_parts import SlotGenerators
+    from forgelab.run import Run
+    from forgelab.testing.fakes import fake_spawn
+
+    cfg = RunConfig(name="slot", rollout=RolloutConfig(group_size=2, prompts_per_rollout=1, max_tokens=8),
+                    train=TrainConfig(steps=2, batch_size=2, warmup_steps=0), eval=EvalConfig(every=0, n=2),
+                    placement=PlacementConfig(reference=False),
+                    tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False), door=DoorConfig(enabled=True))
+
+    class SharedService:  # what SlotGenerators calls: records the slot, serves with the fakes
+        def __init__(self, inner):
+            self.inner, self.slots, self.aborts = inner, [], []
+
+        async def generate(self, request):
+            self.slots.append(request.lora_slot)
+            return await self.inner.generate(dataclasses.replace(request, lora_slot=None))
+
+        async def abort(self, key):
+            self.aborts.append(key)
+            return [0]
+
+    async def body():
+        run = Run(cfg, spawn=fake_spawn)
+        await run.spawn()
+        try:
+            shared = SharedService(run.door.api.generators)
+            run.door.api.generators = SlotGenerators(shared, "b")  # type: ignore[arg-type]  # the recorder stands in
+            client = openai.AsyncOpenAI(base_url=run.openai_base_url, api_key=f"{run.door_key}.s", max_retries=0)
+            await client.chat.completions.create(model="slot", messages=[{"role": "user", "content": "1+2="}],
+                                                 max_tokens=4)
+            await client.completions.create(model="slot", prompt="1+2=", max_tokens=4)
+            await run.door.api._abort("door-x")
+            return shared
+        finally:
+            await run.shutdown()
+
+    shared = asyncio.run(body())
+    assert shared.slots == ["b", "b"] and shared.aborts == ["door-x"]

@@ -108,6 +108,43 @@ def test_tool_calls_round_trip_through_the_calc_dialect(tool_run, loop):
 
 
 @pytest.mark.integration
+def test_streamed_tool_calls_parse_as_the_sdk_reads_them(tool_run, loop):
+    """``stream`` with ``tools``: the SDK's own stream accumulator (`ChatCompletionStreamState`) rebuilds the
+    non-streamed call's tool call (name, arguments, finish_reason) from the deltas, with the same token ids; a
+    ``tool_choice`` the door cannot honour (a named function, "required") is a 400 naming it."""
+    import openai
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    run = tool_run
+    messages = [{"role": "user", "content": "(7+5)*3="}]
+
+    async def body():
+        seed = await _calling_seed(run, messages, [CALCULATOR])
+        client = door_client(run)
+        plain = await client.chat.completions.create(model="tools", messages=messages, tools=[CALCULATOR], seed=seed,
+                                                     max_tokens=24)
+        state, ids = ChatCompletionStreamState(), []
+        async for chunk in await client.chat.completions.create(model="tools", messages=messages, tools=[CALCULATOR],
+                                                                seed=seed, max_tokens=24, stream=True):
+            state.handle_chunk(chunk)
+            ids += [t for ch in chunk.choices for t in (ch.model_extra or {}).get("token_ids") or []]
+        refused = []
+        for choice in ({"type": "function", "function": {"name": "calculator"}}, "required"):
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model="tools", messages=messages, tools=[CALCULATOR],
+                                                     tool_choice=choice, max_tokens=4)
+            refused.append(str(e.value))
+        return plain, state.get_final_completion(), ids, refused
+
+    plain, streamed, ids, refused = loop.run_until_complete(body())
+    want, got = plain.choices[0], streamed.choices[0]
+    assert got.finish_reason == want.finish_reason == "tool_calls" and ids == want.token_ids
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in want.message.tool_calls]
+    assert all("tool_choice" in r for r in refused)
+
+
+@pytest.mark.integration
 def test_tool_calls_round_trip_through_the_mcp_calculator(tool_run, loop):
     """(d) The shipped calculator as a real MCP server (in-process, then stdio): its tools are the request's
     ``tools``, the policy's calls run on it through the mcp client, and the episodes stitch as in the dialect."""
@@ -201,6 +238,8 @@ def test_agent_runner_trains_a_grpo_step(tool_run, loop):
 
     async def body():
         await run.start()
+        # the step-0 held-out evaluation holds rollouts (the door answers 429 meanwhile): play once it is done
+        await run.until(predicate=lambda r: len(r.accuracy_history) >= 1, timeout=300)
         report = await run.play_agents(agent, ["12+34=", "(2+3)*4="], group_size=2, concurrency=4, timeout_s=120)
         await asyncio.wait_for(run.wait(), 300)
         return report

@@ -36,6 +36,8 @@ EXTRA_KEYS = {
     "inflight": {"heldout_accuracy_drain", "heldout_accuracy_inflight", "accuracy_spread", "learning_not_worse",
                  "censored", "time_to_target_s", "inflight_over_drain_s_per_step", "drain_wait_s",
                  "process_sets_spawned", "update_mode_served", "weight_updates", "inflight_updates"},
+    "agent_door": {"ci95", "round_ratios", "native_s_per_episode", "door_s_per_episode", "tokens_per_episode",
+                   "rounds_with_failures", "door_1k", "native_1k", "accounting_holds", "goals_met"},
     "primitives": {"primitives_over_fused_ci95", "fused_s_per_step", "primitives_s_per_step", "rest_over_python_ci95",
                    "rest_s_per_step"},
 }
@@ -93,6 +95,9 @@ def test_quick_mode_runs_and_reports(name, quick_env):
         for mode, ups in result["weight_updates"].items():
             assert ups and all(u >= 1 for u in ups), result["weight_updates"]
             assert result["inflight_updates"][mode] == (ups if mode == "inflight" else [0] * len(ups)), result
+    if name == "agent_door":  # both paths played every episode and the accounting identity held
+        assert result["rounds_with_failures"] == 0 and result["door_1k"]["failed"] == 0, result
+        assert result["accounting_holds"] and result["agent_counters"]["agent/retokenized_segments"] == 0, result
     if name == "async":
         assert set(result["time_to_target_s"]) == {"0", "1", "2"}
         assert result["async_over_sync_default"] == result["async_over_sync_by_age"]["1"]

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 COUNTERS = dict(
     busy_time_s=1.5, intake_time_s=0.1, idle_time_s=2.0, idle_periods=3, admission_wait_s=0.0, steps=40, requests=16,
+    aborted_requests=0,
     tokens_generated=320, prompt_tokens=200, cached_prompt_tokens=50, max_concurrent_requests=16,
     sum_concurrent_requests=400, weight_updates=1, last_update_ms=12.0, inflight_updates=0,
     requests_spanning_versions=0, prefix_cache_resets=0, prefix_cache_resets_deferred=0,

@@ -65,6 +65,8 @@ GOALS: dict[str, dict[str, tuple[str, Any]]] = {
     "primitives": {"primitives_over_fused": at_most(1.15), "rest_over_python": at_most(1.3)},
     "agent_lift": {"door_lift_points": at_least(15), "door_minus_native_points": ("|.| <= 5", lambda v: abs(v) <= 5),
                    "native_lift_points": info()},
+    "agent_door": {"door_over_native_s_per_episode": at_most(1.15), "generator_busy_1k": at_least(0.9),
+                   "native_generator_busy_1k": info()},
 }
 
 

@@ -278,6 +278,11 @@ class DoorConfig:
     """How the model writes tool calls (`forgelab.serve.tools.DIALECTS`): "calc" (tiny-llama-tool's
     ``<calc>``/``<result>``), "hermes" (``<tool_call>`` JSON: Qwen2.5/Qwen3), "none" (``tools`` refused), or "auto"
     (hermes when the chat template writes ``<tool_call>``, else calc when it renders a tool role)."""
+    rewards: dict[str, float] | None = None
+    """Reward functions (names in `forgelab.rewards.library.REWARDS`, or ``package.module:function``) and their
+    weights that score a session's final transcript when its reward comes as a target (the reward route's
+    ``{"target": "46"}``, or an agent of `Run.play_agents` returning a string) instead of a number; None: rewards
+    are numbers only (docs/agents.md)."""
 
 
 @dataclass(kw_only=True)
@@ -547,6 +552,18 @@ class RunConfig:
         if not isinstance(d.tool_dialect, str) or not d.tool_dialect:
             raise ConfigError(f"door.tool_dialect: expected a dialect name (calc, hermes, auto or none; "
                               f"forgelab.serve.tools.DIALECTS), got {d.tool_dialect!r}")
+        if d.rewards is not None:
+            from forgelab.rewards.library import resolve_reward
+
+            if not isinstance(d.rewards, dict) or not d.rewards:
+                raise ConfigError(f"door.rewards: expected a mapping of reward names to weights, e.g. "
+                                  f"{{exact_answer: 1.0}}, or null; got {d.rewards!r}")
+            for name, w in d.rewards.items():
+                try:
+                    resolve_reward(name)
+                except KeyError as e:
+                    raise ConfigError(f"door.rewards: {e.args[0]}") from None
+                finite_range(f"door.rewards.{name}", w, -1e6, 1e6)
         finite_range("door.idle_timeout_s", d.idle_timeout_s, 0.0, 7 * 24 * 3600, low_open=True)
         finite_range("door.retry_after_s", d.retry_after_s, 0.0, 3600, low_open=True)
         for name in ("max_sessions", "max_segments", "max_n", "max_concurrent_calls"):

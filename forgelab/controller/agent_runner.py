@@ -31,8 +31,9 @@ from forgelab.controller.events import Emit
 
 __all__ = ["AgentFn", "AgentReport", "AgentRunner"]
 
-AgentFn = Callable[[object, object], Awaitable[float]]
-"""``async def agent(client: openai.AsyncOpenAI, task) -> reward``."""
+AgentFn = Callable[[object, object], Awaitable[float | str]]
+"""``async def agent(client: openai.AsyncOpenAI, task) -> reward``: a number, or a string: the target the door's
+reward functions (``door.rewards``) score the session's final transcript against."""
 
 
 @dataclass
@@ -57,13 +58,15 @@ class AgentRunner:
         sessions: the door's sessions (rewards, failures, groups).
         base_url: the door's OpenAI base URL; key: the run's door key (a session's key is ``f"{key}.{session}"``).
         emit: the run's event emitter (``agent_error`` events).
-        client: ``client(base_url, api_key)`` -> an ``openai.AsyncOpenAI`` (default: the SDK's, no retries).
+        client: ``client(base_url, api_key)`` -> an ``openai.AsyncOpenAI`` (default: the SDK's, no retries, all the
+            sessions of one `play` over one shared HTTP connection pool: a new ``httpx`` client per session would
+            build a TLS context each time, ~50 ms of CPU, even for plain http).
     """
 
     def __init__(self, sessions: AgentSessions, *, base_url: str, key: str, emit: Emit,
                  client: Callable[[str, str], object] | None = None):
         self.sessions, self.base_url, self.key, self.emit = sessions, base_url, key, emit
-        self._client = client or _openai_client
+        self._client = client
         self._nonce = secrets.token_hex(4)  # session ids of two `play` calls never collide
         self._plays = 0
 
@@ -81,14 +84,19 @@ class AgentRunner:
         prefix = f"agent-{self._nonce}-{self._plays}"
         report = AgentReport()
         slots = asyncio.Semaphore(concurrency)
+        shared = _SharedClients(concurrency) if self._client is None else None
+        make = shared.client if shared is not None else self._client
+        assert make is not None
 
         async def one(t: int, task: object, g: int) -> None:
             sid, group = f"{prefix}-t{t}-s{g}", f"{prefix}:{task_key(task) if task_key else t}"
             async with slots:
-                client = self._client(self.base_url, f"{self.key}.{sid}")
+                client = make(self.base_url, f"{self.key}.{sid}")
                 try:
                     try:
-                        reward = float(await asyncio.wait_for(agent(client, task), timeout_s))
+                        got = await asyncio.wait_for(agent(client, task), timeout_s)
+                        target = got if isinstance(got, str) else None
+                        reward = 0.0 if target is not None else float(got)
                         if not math.isfinite(reward):
                             raise ValueError(f"the agent returned reward {reward!r}; return a finite number")
                     except asyncio.TimeoutError:
@@ -100,8 +108,25 @@ class AgentRunner:
                                          f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
                         return
                     try:
-                        ids = await self.sessions.reward(sid, reward, group, group_size=g_size)
-                    except (UnknownSession, DoorRefused):
+                        if target is not None:
+                            ids, scored, dropped = await self.sessions.reward_transcript(sid, target, group,
+                                                                                         group_size=g_size)
+                            if dropped is not None:  # a reward function failed: the session failed (counted)
+                                report.failed += 1
+                                report.failed_episodes += ids
+                                report.errors.append(f"{sid}: {dropped}")
+                                return
+                            reward = float(scored or 0.0)
+                        else:
+                            ids = await self.sessions.reward(sid, reward, group, group_size=g_size)
+                    except DoorRefused as e:
+                        if target is not None and self.sessions.scorer is None:
+                            await self._fail(report, sid, group, g_size, "agent_error", str(e))
+                            return
+                        await self._fail(report, sid, group, g_size, "agent_error", "the agent returned a reward "
+                                         "without a call recorded through its client (no call, or none admitted)")
+                        return
+                    except UnknownSession:
                         await self._fail(report, sid, group, g_size, "agent_error", "the agent returned a reward "
                                          "without a call recorded through its client (no call, or none admitted)")
                         return
@@ -110,10 +135,14 @@ class AgentRunner:
                     report.episodes += ids
                 finally:
                     close = getattr(client, "close", None)
-                    if close is not None:
+                    if shared is None and close is not None:  # the shared pool is closed once, below
                         await close()
 
-        await asyncio.gather(*(one(t, task, g) for t, task in enumerate(tasks) for g in range(g_size)))
+        try:
+            await asyncio.gather(*(one(t, task, g) for t, task in enumerate(tasks) for g in range(g_size)))
+        finally:
+            if shared is not None:
+                await shared.aclose()
         return report
 
     async def _fail(self, report: AgentReport, sid: str, group: str, g_size: int, reason: str, error: str) -> None:
@@ -125,7 +154,27 @@ class AgentRunner:
         self.emit("agent_error", session=sid, reason=reason, error=error[-2000:], episodes=ids)
 
 
-def _openai_client(base_url: str, api_key: str) -> object:
-    import openai
+class _SharedClients:
+    """``openai.AsyncOpenAI`` clients (one per session: the key names it, no retries) over one HTTP connection pool
+    of at least ``concurrency`` connections. Connecting may wait up to 60 s (the SDK's 5 s fails sessions when a
+    thousand connect at once to a loop that is busy serving them); reads keep the SDK's 600 s."""
 
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    def __init__(self, concurrency: int):
+        import importlib
+
+        import openai
+
+        self._openai = openai
+        # the SDK's HTTP package (httpx, or the httpx2 fork openai 3.x ships with): its own Limits type
+        http_pkg = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+        n = max(concurrency, 100)
+        # keep-alive 30 s, under the door server's 75 s: a pooled connection is never the one the server closes
+        self.http = openai.DefaultAsyncHttpxClient(
+            limits=http_pkg.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=30.0),
+            timeout=http_pkg.Timeout(600.0, connect=60.0))
+
+    def client(self, base_url: str, api_key: str) -> object:
+        return self._openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=self.http)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()

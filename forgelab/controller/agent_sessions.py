@@ -7,6 +7,7 @@
         ...generate...
         sessions.record(s, k, call, role="tool", messages=messages)
     await sessions.reward("ep7", 1.0, group="task-3")   # the session's episodes -> its group -> the buffer
+    await sessions.reward_transcript("ep8", "46", group="task-3")  # scored by the door's reward functions
     await sessions.sweep()                       # idle sessions expire (their episodes dropped: session_expired)
 
 A session is a list of segments (`forgelab.algos.agent_episodes.Segment`); each segment becomes one `Episode`
@@ -34,6 +35,7 @@ from typing import Protocol
 from forgelab.algos.agent_episodes import Call, Segment, extend_segment, extends, segment_episode, start_segment
 from forgelab.controller.buffer import ReplayBuffer
 from forgelab.controller.rollout import Gate
+from forgelab.rewards.library import RewardComposer
 from forgelab.types import Episode
 
 __all__ = ["AgentSession", "AgentSessions", "DoorBusy", "DoorLimits", "DoorRefused", "EpisodeSink", "RolloutSink",
@@ -185,10 +187,15 @@ class AgentSessions:
         limits: the bounds.
         sink: where episodes go (`RolloutSink`).
         clock: seconds, monotonic (tests pass their own).
+        scorer: the reward functions `reward_transcript` scores a final transcript with (``door.rewards``); None:
+            rewards are numbers only.
+        decode: token ids -> text (the prompt of a session made of completions calls, for the scorer).
     """
 
-    def __init__(self, limits: DoorLimits, sink: EpisodeSink, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limits: DoorLimits, sink: EpisodeSink, clock: Callable[[], float] = time.monotonic,
+                 scorer: RewardComposer | None = None, decode: Callable[[list[int]], str] | None = None):
         self.limits, self.sink, self.clock = limits, sink, clock
+        self.scorer, self.decode = scorer, decode
         self._sessions: OrderedDict[str, AgentSession] = OrderedDict()  # least recently used first
         self._groups: dict[str, _Group] = {}
         self._counts: dict[str, int] = {k: 0 for k in (
@@ -323,6 +330,40 @@ class AgentSessions:
         await self._join(group if group is not None else f"\0{session_id}", eps,
                          1 if group is None else group_size or self.limits.group_size)
         return [ep.id for ep in eps]
+
+    def transcript(self, session_id: str, target: str = "", choice: int = 0) -> Episode:
+        """The session's final transcript as the episode a reward function scores: its last segment's episode with
+        ``prompt`` the first user message (or the decoded first prompt of a completions session), ``completion``
+        the last assistant turn's text (as a native multi-turn episode has them), ``target``, and
+        ``info["messages"]``: the last chat call's messages then the chosen answer (role, content)."""
+        s = self.get(session_id)
+        if not s.segments:
+            raise DoorRefused(f"session {session_id!r} has no recorded call to score")
+        tail = len(s.segments[-1].tail)
+        if not 0 <= choice < tail:
+            raise DoorRefused(f"choice {choice} is not one of the last call's {tail} choices")
+        ep = self._episodes(s, choice)[-1]
+        msgs = [{"role": str(m.get("role")), "content": str(m.get("content"))} for m in (s.messages or [])]
+        first_user = next((m["content"] for m in msgs if m["role"] == "user"), None)
+        ep.prompt = first_user if first_user is not None else (self.decode(ep.prompt_ids) if self.decode else "")
+        ep.target = target
+        ep.info["messages"] = msgs + [{"role": "assistant", "content": ep.completion}]
+        return ep
+
+    async def reward_transcript(self, session_id: str, target: str, group: str | None = None, choice: int = 0,
+                                group_size: int | None = None) -> tuple[list[int], float | None, str | None]:
+        """Close the session with the reward the door's reward functions (``scorer``) give its final transcript
+        (`transcript`) against ``target``, as `reward` does with a number (the parts are the functions' values).
+        A reward function that raises or returns no finite number fails the session instead (its episodes dropped
+        with ``reward_error:<name>``, as a native episode's). ``(episode ids, reward or None, drop reason or None)``."""
+        if self.scorer is None:
+            raise DoorRefused("this door has no reward functions (door.rewards): post a number as 'reward', or set "
+                              "door.rewards to score transcripts against a 'target'")
+        result = self.scorer.score_episode(self.transcript(session_id, target, choice))
+        if result.failed:
+            reason = result.drop_reason or "reward_error"
+            return await self.fail(session_id, reason, result.errors[0].error_text, group, group_size), None, reason
+        return await self.reward(session_id, result.total, group, choice, result.parts, group_size), result.total, None
 
     async def _join(self, key: str, eps: list[Episode], size: int) -> None:
         """One more session of group ``key`` ended (with ``eps``: none for a failed one); buffer the group once

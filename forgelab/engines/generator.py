@@ -35,6 +35,7 @@ on. `Completion.policy_version` is the version its first token came from (the ol
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import gc
 import itertools
@@ -82,6 +83,10 @@ class _Scheduler(Protocol):
     def kv_cache_manager(self) -> _KVCacheManager: ...
 
     # and ``_preempt_request`` (a `_Preempt`), read and replaced by name
+
+
+class RequestAborted(RuntimeError):
+    """A generate call whose samples were aborted (`VLLMEngine.abort`) before they finished."""
 
 
 class VLLMEngine:
@@ -168,8 +173,11 @@ class VLLMEngine:
         self._token_versions: dict[str, list[tuple[int, int]]] = {}  # inflight mode: request id -> version runs
         self.prefix_reset_pending = False  # inflight mode: reset the prefix cache when the engine is next idle
         self._stale_rids: set[str] = set()  # inflight mode: requests added while that reset was pending
+        self._keyed: dict[str, list[str]] = {}  # abort key -> its request ids (`abort`)
+        self._aborted_early: collections.deque[str] = collections.deque(maxlen=4096)  # aborted before they arrived
         self.counters: dict[str, float] = dict(
             busy_time_s=0.0, intake_time_s=0.0, idle_time_s=0.0, idle_periods=0, admission_wait_s=0.0, steps=0, requests=0,
+            aborted_requests=0,
             tokens_generated=0, prompt_tokens=0, cached_prompt_tokens=0, max_concurrent_requests=0,
             sum_concurrent_requests=0, weight_updates=0, last_update_ms=0.0, inflight_updates=0,
             requests_spanning_versions=0, prefix_cache_resets=0, prefix_cache_resets_deferred=0,
@@ -211,12 +219,13 @@ class VLLMEngine:
 
     async def generate(
         self, prompts: Sequence[Prompt], n: int = 1, sampling: SamplingSettings | None = None,
-        seeds: Sequence[Sequence[int]] | None = None,
+        seeds: Sequence[Sequence[int]] | None = None, abort_key: str | None = None,
     ) -> CompletionGroups:
         """`n` completions of each prompt (text or token ids), in prompt order.
 
         `seeds` (seeds_P_G, optional): one vLLM seed per sample, for reproducible sampling
         (deterministic runs derive them from the run seed and the episode id).
+        `abort_key`: `abort(abort_key)` cancels this call's unfinished samples (the call raises `RequestAborted`).
         """
         sampling = sampling or self.config.sampling
         sampling.validate("generate(sampling=...)")
@@ -236,9 +245,11 @@ class VLLMEngine:
                 )
         params = sampling.to_vllm()
         if params.prompt_logprobs is not None and self.config.lora.enabled and self.device == "cpu":
-            return await self._generate_alone(ids_P, texts, n, sampling, seeds)
+            return await self._generate_alone(ids_P, texts, n, sampling, seeds, abort_key)
         while not (self.admitting.is_set() and self._alone_free.is_set()):
             await (self._alone_free if self.admitting.is_set() else self.admitting).wait()
+        if abort_key is not None and abort_key in self._aborted_early:  # aborted while it waited for intake
+            raise RequestAborted(f"generate: aborted ({abort_key!r}) before it started")
         # No await between here and the last add_request: a weight update cannot slip in.
         version, lora_request = self.version, self.lora_request
         loop = asyncio.get_running_loop()
@@ -272,7 +283,13 @@ class VLLMEngine:
         self._last_add = time.perf_counter()
         self.counters["intake_time_s"] += self._last_add - t_add  # vLLM's input processing of the requests
         self._ensure_loop()
-        outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
+        if abort_key is not None:
+            self._keyed.setdefault(abort_key, []).extend(added)
+        try:
+            outs_P_G = [await asyncio.gather(*row) for row in futures_P_G]
+        finally:
+            if abort_key is not None:
+                self._keyed.pop(abort_key, None)
         top = int(getattr(params, "logprobs", 0) or 0)  # top-k alternatives asked for (the agent door's top_logprobs)
         return [
             [self._completion(o, ids, text, version, self._token_versions.pop(o.request_id, None), top) for o in outs]
@@ -280,7 +297,7 @@ class VLLMEngine:
         ]
 
     async def _generate_alone(self, ids_P: list[list[int]], texts: list[str], n: int, sampling: SamplingSettings,
-                              seeds: Sequence[Sequence[int]] | None) -> CompletionGroups:
+                              seeds: Sequence[Sequence[int]] | None, abort_key: str | None) -> CompletionGroups:
         """`generate` for requests asking prompt logprobs on a LoRA engine on CPU: each sample runs alone in the
         engine (see ``_alone``), one after another; other calls' requests wait until it is done. Each completion
         records the version it was generated at, as any other."""
@@ -297,12 +314,16 @@ class VLLMEngine:
                             else:  # requests added before this call: the loop sets idle_event once they are done
                                 self._ensure_loop()
                                 await self.idle_event.wait()
+                        if abort_key is not None and abort_key in self._aborted_early:
+                            raise RequestAborted(f"generate: aborted ({abort_key!r}) before it started")
                         version, lora_request = self.version, self.lora_request
                         params = sampling.to_vllm() if seeds is None else sampling.to_vllm(int(seeds[p][g]))
                         rid = f"fg{next(self._ids)}"
                         self._end_idle()
                         self.engine.add_request(rid, self._render(ids), params, lora_request=lora_request)
                         fut = self._pending.setdefault(rid, asyncio.get_running_loop().create_future())
+                        if abort_key is not None:  # `abort` finds it while it runs
+                            self._keyed[abort_key] = [rid]
                         if self.config.update_mode == "inflight":
                             self._token_versions[rid] = [(version, 0)]
                         self._last_add = time.perf_counter()
@@ -314,6 +335,8 @@ class VLLMEngine:
                     out_P_G.append(row)
             finally:
                 self._alone_free.set()
+                if abort_key is not None:
+                    self._keyed.pop(abort_key, None)
         return out_P_G
 
     def _completion(self, out: RequestOutput, prompt_ids: list[int], text: str, version: int,
@@ -442,6 +465,25 @@ class VLLMEngine:
         while (now := time.perf_counter()) < deadline and now - self._last_add < window:
             await asyncio.sleep(window - (now - self._last_add))
 
+    def abort(self, abort_key: str) -> int:
+        """Abort the unfinished samples of the calls made with ``abort_key``: vLLM frees their sequences, and the
+        calls raise `RequestAborted`. How many samples were still running."""
+        if abort_key not in self._keyed:  # not taken in yet (a weight update holds intake): refuse it on arrival
+            self._aborted_early.append(abort_key)
+            return 0
+        live = [rid for rid in self._keyed.pop(abort_key) if rid in self._pending]
+        if not live:
+            return 0
+        self.engine.abort_request(live)
+        for rid in live:
+            self._token_versions.pop(rid, None)
+            self._stale_rids.discard(rid)
+            fut = self._pending.pop(rid)
+            if not fut.done():
+                fut.set_exception(RequestAborted(f"generate: aborted ({abort_key!r})"))
+        self.counters["aborted_requests"] += len(live)
+        return len(live)
+
     def _fail_all(self, error: Exception) -> None:
         ids = list(self._pending)
         try:
@@ -561,7 +603,12 @@ class Generator(Component):
         if req.lora_slot is not None:
             raise ValueError(f"generate: lora_slot={req.lora_slot!r} but this generator has no LoRA slots "
                              "(SlotGenerator serves them: forgelab.engines.generator_slots)")
-        return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G)
+        return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G, req.abort_key)
+
+    @endpoint
+    async def abort(self, abort_key: str) -> int:
+        """Abort the unfinished samples of the requests sent with ``abort_key`` (`VLLMEngine.abort`); how many."""
+        return self._engine().abort(abort_key)
 
     @endpoint(explicit_response_port=True)
     async def update_weights(self, port: Port[int], update: WeightUpdate | int,
@@ -618,5 +665,5 @@ class Generator(Component):
         return mode
 
 
-__all__ = ["Generator", "GeneratorConfig", "GeneratorService", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",
+__all__ = ["Generator", "GeneratorConfig", "RequestAborted", "GeneratorService", "SamplingConfig", "VLLMEngine", "WeightUpdateExtension", "check_weights",
            "checkpoint_shapes"]

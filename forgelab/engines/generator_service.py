@@ -20,7 +20,7 @@ from forgelab.generation import (AdapterUpdate, CompletionGroups, EngineStats, E
 from forgelab.runtime.component import Component
 from forgelab.runtime.service import Endpoint, Service
 
-__all__ = ["ADAPTER_UPDATE", "DROP_SLOT", "ENGINE_STATS", "ENGINE_STATUS", "GENERATE", "GeneratorService",
+__all__ = ["ABORT", "ADAPTER_UPDATE", "DROP_SLOT", "ENGINE_STATS", "ENGINE_STATUS", "GENERATE", "GeneratorService",
            "Generators", "RESET_VERSION", "ReplicaActor", "SLOT_STATUS", "VERSION", "WEIGHT_UPDATE"]
 
 GENERATE: Endpoint[GenerateRequest, CompletionGroups] = Endpoint("generate")
@@ -32,6 +32,7 @@ ENGINE_STATS: Endpoint[None, EngineStats] = Endpoint("stats")
 ENGINE_STATUS: Endpoint[None, EngineStatus] = Endpoint("status")
 DROP_SLOT: Endpoint[str, bool] = Endpoint("drop_slot")
 SLOT_STATUS: Endpoint[None, Mapping[str, object]] = Endpoint("slot_status")
+ABORT: Endpoint[str, int] = Endpoint("abort")
 
 
 class GeneratorService(Service[Component]):
@@ -63,6 +64,11 @@ class GeneratorService(Service[Component]):
 
     async def engine_stats(self) -> list[EngineStats]:
         return await self.call_each(ENGINE_STATS, None)
+
+    async def abort(self, abort_key: str) -> list[int]:
+        """Abort the unfinished samples sent with ``abort_key`` on every healthy replica (whichever took them); how
+        many each aborted."""
+        return await self.call_each(ABORT, abort_key)
 
     async def engine_status(self) -> list[EngineStatus]:
         """What each healthy replica serves now (version, requests in flight, counters)."""

@@ -65,12 +65,13 @@ class SlotVLLMEngine(VLLMEngine):
 
     async def generate_in_slot(self, slot: str, prompts: Sequence[Prompt], n: int = 1,
                                sampling: SamplingSettings | None = None,
-                               seeds: Sequence[Sequence[int]] | None = None) -> CompletionGroups:
+                               seeds: Sequence[Sequence[int]] | None = None,
+                               abort_key: str | None = None) -> CompletionGroups:
         """`generate` with ``slot``'s adapter and version (pinned for this call: a push meanwhile does not move it)."""
         pinned = self.slots.hold(slot)
         token = _PINNED.set(pinned)
         try:
-            return await self.generate(prompts, n, sampling, seeds)
+            return await self.generate(prompts, n, sampling, seeds, abort_key)
         finally:
             _PINNED.reset(token)
             self.slots.release(pinned[1])
@@ -97,9 +98,9 @@ class SlotGenerator(Generator):
 
     async def _serve(self, req: GenerateRequest) -> CompletionGroups:
         if req.lora_slot is None:
-            return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G)
+            return await self._engine().generate(req.prompts_P, req.n, req.sampling, req.seeds_P_G, req.abort_key)
         return await self._slot_engine().generate_in_slot(req.lora_slot, req.prompts_P, req.n, req.sampling,
-                                                          req.seeds_P_G)
+                                                          req.seeds_P_G, req.abort_key)
 
     @endpoint(explicit_response_port=True)
     async def generate_slot(self, port: Port[CompletionGroups], slot: str, request: GenerateRequest | Sequence[Prompt], n: int = 1,

@@ -68,6 +68,10 @@ class SlotGenerators:
         """The shared engines' counters (every run's requests together)."""
         return await self.service.engine_stats()
 
+    async def abort(self, abort_key: str) -> list[int]:
+        """Abort this run's samples sent with ``abort_key`` (keys are the caller's: the door makes them unique)."""
+        return await self.service.abort(abort_key)
+
     async def route(self, endpoint: str, *args: object, **kwargs: object) -> object:
         """The string form (deprecated: `generate`): a ``generate`` is served in this run's slot."""
         if endpoint == "generate":

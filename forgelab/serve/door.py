@@ -47,7 +47,13 @@ class AgentDoor:
         limits = DoorLimits(idle_timeout_s=config.idle_timeout_s, max_sessions=config.max_sessions,
                             max_segments=config.max_segments, group_size=config.group_size or group_size,
                             retry_after_s=config.retry_after_s)
-        sessions = AgentSessions(limits, RolloutSink(rollouts, buffer))
+        scorer = None
+        if config.rewards:
+            from forgelab.rewards.library import RewardComposer, resolve_reward
+
+            scorer = RewardComposer({n: (resolve_reward(n), float(w)) for n, w in config.rewards.items()})
+        sessions = AgentSessions(limits, RolloutSink(rollouts, buffer), scorer=scorer,
+                                 decode=lambda ids: str(tokenizer.decode(ids)))
         api = OpenAIDoor(server, generators, tokenizer, sessions, model_name=config.model_name or name,
                          max_model_len=max_model_len, max_n=config.max_n,
                          max_concurrent_calls=config.max_concurrent_calls, retry_after_s=config.retry_after_s,

@@ -103,10 +103,15 @@ class LoopbackServer:
     def authenticated(self, prefix: str = "") -> APIRouter:
         """A router whose every route needs the run's key; a handler gets the `ServerKey` by declaring a
         parameter ``key: ServerKey = Depends(server.key)``."""
-        return APIRouter(prefix=prefix, dependencies=[Depends(self.key)])
+        return APIRouter(prefix=prefix, dependencies=[Depends(self.checked_key)])
 
     def key(self, request: Request) -> ServerKey:
         """The FastAPI dependency that checks a request's key (see the module)."""
+        return key_of(request, self.secret)
+
+    async def checked_key(self, request: Request) -> ServerKey:
+        """`key` as an async dependency: FastAPI runs a sync dependency in its thread pool, a thread hop per
+        request (about a tenth of a millisecond of CPU on the agent door's path, twice per call)."""
         return key_of(request, self.secret)
 
     def mount(self, router: APIRouter) -> None:
@@ -134,7 +139,10 @@ class LoopbackServer:
         sock.bind((LOOPBACK, self.port))
         self.port = int(sock.getsockname()[1])
         self._sock = sock
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        # keep-alive 75 s (uvicorn's default is 5 s): a client pooling connections (the agent runner, keep-alive
+        # 30 s) must not reuse one the server is closing at that moment ("Server disconnected", a failed session)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_keep_alive=75)
         server = _Uvicorn(config)
         self._server = server
         self._task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),

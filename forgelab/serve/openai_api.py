@@ -8,7 +8,8 @@ Routes (all on the run's `forgelab.serve.http.LoopbackServer`, all needing the r
 
 - ``GET /v1/models``; ``POST /v1/chat/completions`` (``stream`` too); ``POST /v1/completions`` (text or token-id
   prompts, ``echo`` with prompt logprobs);
-- ``POST /v1/forgelab/sessions/{id}/reward`` ``{"reward": r, "group": key, "choice": k}``: close the session;
+- ``POST /v1/forgelab/sessions/{id}/reward`` ``{"reward": r, "group": key, "choice": k}`` (or ``"target"``, scored
+  by ``door.rewards`` over the final transcript): close the session;
   ``GET /v1/forgelab/sessions/{id}/episodes``: the episodes it would close with now; ``GET /v1/forgelab/stats``.
 
 Every call goes through the run's generator service with a typed `GenerateRequest` (the same admission, replica
@@ -16,12 +17,15 @@ choice and policy versions as native rollouts: no second engine). A call whose k
 (``<key>.<session>`` or ``X-Session-ID``) is recorded (`forgelab.controller.agent_sessions`); one without a
 session is served and not recorded (evaluations). A parameter the door does not implement is a 400 naming it.
 Streaming sends the finished completion as one chunk per token (the engine returns whole completions), so a
-streamed call returns exactly the tokens of the same call unstreamed.
+streamed call returns exactly the tokens of the same call unstreamed; with ``tools`` a tool-call choice is streamed
+as OpenAI's ``tool_calls`` deltas. A client that disconnects mid-generation has its samples aborted in the engines
+(`Generators.abort` with the call's ``abort_key``).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -41,8 +45,10 @@ from forgelab.types import Completion
 
 __all__ = ["OpenAIDoor"]
 
+log = logging.getLogger("forgelab.serve.openai_api")
+
 _COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "seed", "stream", "stream_options", "user",
-           "logprobs"}
+           "logprobs", "min_tokens"}
 CHAT_PARAMS = frozenset(_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "return_token_ids", "tools",
                                    "tool_choice", "parallel_tool_calls"})
 COMPLETION_PARAMS = frozenset(_COMMON | {"prompt", "echo", "return_token_ids"})
@@ -106,6 +112,8 @@ class OpenAIDoor:
         self.tool_dialect = tool_dialect
         self.in_flight = 0
         self.disconnects = 0
+        self.aborted_requests = 0
+        """Samples the engines aborted because their client disconnected (`Generators.abort`)."""
         self.closed = False
 
     # -- the router -------------------------------------------------------------------------------------
@@ -125,16 +133,22 @@ class OpenAIDoor:
 
     async def stats(self) -> dict[str, Any]:
         return {**self.sessions.counters(), "agent/in_flight_calls": self.in_flight,
-                "agent/disconnects": self.disconnects}
+                "agent/disconnects": self.disconnects, "agent/aborted_requests": self.aborted_requests}
 
     async def reward(self, session_id: str, request: Request) -> dict[str, Any]:
         body = await self._body(request)
-        unknown = sorted(set(body) - {"reward", "group", "choice", "parts"})
+        unknown = sorted(set(body) - {"reward", "target", "group", "choice", "parts"})
         if unknown:
-            raise _bad(f"unsupported field(s) {', '.join(map(repr, unknown))} in a reward: send reward, and "
-                       "optionally group, choice and parts")
-        reward = body.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
+            raise _bad(f"unsupported field(s) {', '.join(map(repr, unknown))} in a reward: send reward (or target), "
+                       "and optionally group, choice and parts")
+        reward, target = body.get("reward"), body.get("target")
+        if (reward is None) == (target is None):
+            raise _bad("send exactly one of 'reward' (a number) and 'target' (a string the door's reward functions, "
+                       "door.rewards, score the session's final transcript against)")
+        if target is not None and (not isinstance(target, str) or body.get("parts") is not None):
+            raise _bad(f"'target' must be a string (and comes without 'parts': the reward functions give them), "
+                       f"got {target!r}")
+        if target is None and (isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward):
             raise _bad(f"'reward' must be a number, got {reward!r}")
         group = body.get("group")
         if group is not None and not isinstance(group, str):
@@ -144,14 +158,19 @@ class OpenAIDoor:
         if parts is not None and not (isinstance(parts, dict) and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in parts.values())):
             raise _bad("'parts' must map reward names to numbers")
+        dropped = None
         try:
-            ids = await self.sessions.reward(session_id, float(reward), group, choice, parts)
+            if target is not None:
+                ids, scored, dropped = await self.sessions.reward_transcript(session_id, target, group, choice)
+                reward = scored
+            else:
+                ids = await self.sessions.reward(session_id, float(reward), group, choice, parts)
         except UnknownSession:
             raise HTTPException(404, f"no open session {session_id!r} (it was rewarded already, expired after "
                                      "door.idle_timeout_s, or never made a call)") from None
         except DoorRefused as e:
             raise _bad(str(e)) from None
-        return {"session": session_id, "episodes": ids}
+        return {"session": session_id, "episodes": ids, "reward": reward, **({"dropped": dropped} if dropped else {})}
 
     async def episodes(self, session_id: str, choice: int = 0) -> dict[str, Any]:
         try:
@@ -203,30 +222,35 @@ class OpenAIDoor:
             stop = [stop]
         if stop is not None and not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
             raise _bad(f"'stop' must be a string or a list of at most 4 non-empty strings, got {stop!r}")
+        min_tokens = _int(body, "min_tokens", 0, 0, max_tokens) or 0
         return DoorSampling(temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                             top_p=_float(body, "top_p", 1.0, 1e-9, 1.0), max_tokens=max_tokens, stop=stop or None,
-                            top_logprobs=top, prompt_logprobs=echo)
+                            top_logprobs=top, prompt_logprobs=echo, min_tokens=min_tokens)
 
     def _n(self, body: Mapping[str, Any]) -> int:
         return _int(body, "n", 1, 1, self.max_n) or 1
 
     async def _generate(self, prompts: list[list[int]], n: int, sampling: DoorSampling, seed: int | None,
                         request: Request | None = None) -> list[list[Completion]]:
-        """The generator's completions; `ClientGone` if ``request``'s client disconnects first (the door stops
-        waiting and drops the answer; requests the engine already took in run to their end)."""
+        """The generator's completions; `ClientGone` if ``request``'s client disconnects first: the door stops
+        waiting, and the engines abort the call's unfinished samples (`Generators.abort` with the call's key)."""
         if self.in_flight >= self.max_concurrent_calls:
             raise HTTPException(429, f"the agent door has {self.in_flight} calls generating "
                                      "(door.max_concurrent_calls); retry after a moment",
                                 headers={"Retry-After": f"{self.retry_after_s:g}"})
         seeds = [[(seed + g) & 0x7FFFFFFF for g in range(n)] for _ in prompts] if seed is not None else None
+        key = "door-" + secrets.token_hex(8) if request is not None else None
         self.in_flight += 1
         call = asyncio.ensure_future(self.generators.generate(GenerateRequest(
-            prompts_P=prompts, n=n, sampling=sampling, seeds_P_G=seeds, lora_slot=self.lora_slot)))
+            prompts_P=prompts, n=n, sampling=sampling, seeds_P_G=seeds, lora_slot=self.lora_slot, abort_key=key)))
         gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
         try:
             await asyncio.wait({call} | ({gone} if gone is not None else set()), return_when=asyncio.FIRST_COMPLETED)
             if not call.done():
                 self.disconnects += 1
+                call.cancel()
+                if key is not None:
+                    await self._abort(key)
                 raise ClientGone()
             return call.result()
         except ValueError as e:
@@ -237,6 +261,13 @@ class OpenAIDoor:
                 gone.cancel()
             if not call.done():
                 call.cancel()
+
+    async def _abort(self, key: str) -> None:
+        """Abort a disconnected call's samples in the engines (never raises: the client is gone anyway)."""
+        try:
+            self.aborted_requests += sum(await self.generators.abort(key))
+        except Exception:
+            log.exception("forgelab: the agent door could not abort a disconnected call's requests (%s)", key)
 
     async def _served(self, key: ServerKey, prompt: list[int], n: int, sampling: DoorSampling, seed: int | None,
                       messages: list[dict[str, str]] | None, request: Request,
@@ -296,8 +327,6 @@ class OpenAIDoor:
             raise _bad("'top_logprobs' needs 'logprobs': true")
         n, seed = self._n(body), _int(body, "seed", None, -(1 << 63), (1 << 63) - 1)
         sampling = self._sampling(body, len(prompt), None, top, False)
-        if parse_calls and body.get("stream"):
-            raise _bad("'stream' with 'tools' is not supported yet: call without stream (docs/agents.md)")
         try:
             ids, comps = await self._served(key, prompt, n, sampling, seed, messages, request, tools)
         except ClientGone:
@@ -305,7 +334,8 @@ class OpenAIDoor:
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         usage = self._usage(len(ids), comps)
         if body.get("stream"):
-            return self._stream(self._chat_chunks(rid, created, comps, bool(want_lp), usage, body))
+            return self._stream(self._chat_chunks(rid, created, comps, bool(want_lp), usage, body,
+                                                  tools if parse_calls else ()))
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": g, **self._message(c, tools if parse_calls else ()),
                              "logprobs": {"content": self._lp_entries(c, range(len(c.completion_ids)))} if want_lp else None,
@@ -328,16 +358,21 @@ class OpenAIDoor:
                              "turn makes); leave it out")
         return check_tools(raw, self.tool_dialect), choice != "none"
 
+    def _calls(self, c: Completion, tools: Sequence[FunctionTool]) -> tuple[str | None, list[dict[str, Any]]]:
+        """``(content, tool_calls)`` of a choice: the dialect's calls in its text, OpenAI-shaped (none without
+        ``tools``)."""
+        content, calls = (self.tool_dialect.parse(c.text, tools) if tools and self.tool_dialect is not None
+                          else (c.text, []))
+        return content, [{"id": "call_" + secrets.token_hex(8), "type": "function",
+                          "function": {"name": t.name, "arguments": t.arguments}} for t in calls]
+
     def _message(self, c: Completion, tools: Sequence[FunctionTool]) -> dict[str, Any]:
         """A choice's ``message`` and ``finish_reason``: with ``tools``, the dialect's calls in the text become
         ``tool_calls`` (finish_reason "tool_calls")."""
-        content, calls = (self.tool_dialect.parse(c.text, tools) if tools and self.tool_dialect is not None
-                          else (c.text, []))
+        content, calls = self._calls(c, tools)
         if not calls:
             return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-        return {"message": {"role": "assistant", "content": content, "tool_calls": [
-            {"id": "call_" + secrets.token_hex(8), "type": "function",
-             "function": {"name": t.name, "arguments": t.arguments}} for t in calls]}, "finish_reason": "tool_calls"}
+        return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
     def _usage(self, prompt_len: int, comps: Sequence[Completion], prompts: int = 1) -> dict[str, int]:
         done = sum(len(c.completion_ids) for c in comps)
@@ -379,11 +414,27 @@ class OpenAIDoor:
         return [c.text] + [""] * (len(pieces) - 1) if pieces else [c.text]
 
     async def _chat_chunks(self, rid: str, created: int, comps: list[Completion], want_lp: bool,
-                           usage: dict[str, int], body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+                           usage: dict[str, int], body: Mapping[str, Any],
+                           tools: Sequence[FunctionTool] = ()) -> AsyncIterator[dict[str, Any]]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         for g, c in enumerate(comps):
             yield {**head, "choices": [{"index": g, "delta": {"role": "assistant", "content": ""},
                                         "finish_reason": None, "logprobs": None}]}
+            content, calls = self._calls(c, tools)
+            if calls:  # a tool-call turn: its content, then each call as OpenAI streams one (header, then arguments)
+                everything = range(len(c.completion_ids))
+                yield {**head, "choices": [{"index": g, "delta": {"content": content} if content else {},
+                                            "finish_reason": None, "token_ids": c.completion_ids,
+                                            "logprobs": {"content": self._lp_entries(c, everything)} if want_lp else None}]}
+                for j, call in enumerate(calls):
+                    fn = call["function"]
+                    yield {**head, "choices": [{"index": g, "finish_reason": None, "logprobs": None, "delta": {
+                        "tool_calls": [{"index": j, "id": call["id"], "type": "function",
+                                        "function": {"name": fn["name"], "arguments": ""}}]}}]}
+                    yield {**head, "choices": [{"index": g, "finish_reason": None, "logprobs": None, "delta": {
+                        "tool_calls": [{"index": j, "function": {"arguments": fn["arguments"]}}]}}]}
+                yield {**head, "choices": [{"index": g, "delta": {}, "finish_reason": "tool_calls", "logprobs": None}]}
+                continue
             for i, piece in enumerate(self._pieces(c)):
                 yield {**head, "choices": [{"index": g, "delta": {"content": piece}, "finish_reason": None,
                                             "logprobs": {"content": self._lp_entries(c, [i])} if want_lp else None,

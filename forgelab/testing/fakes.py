@@ -119,6 +119,10 @@ class FakeGenerators:
         """The fakes keep no engine counters: none (the generator meter adds no columns)."""
         return []
 
+    async def abort(self, abort_key: str) -> list[int]:
+        """The fakes answer at once: nothing is ever left to abort."""
+        return [0 for r in self.replicas if r.alive]
+
     async def route(self, endpoint: str, *args: Any, **kwargs: Any) -> Any:
         """The string form (the typed `generate` goes through it): ``endpoint`` on the next live replica."""
         for _ in range(2 * len(self.replicas) + 1):
