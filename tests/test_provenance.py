@@ -132,6 +132,27 @@ def test_compare_metrics_names_first_differing_step_and_metric():
     assert compare_metrics(a, b, until=1) == []
 
 
+def test_an_unrecorded_final_eval_is_a_note_and_a_recorded_one_is_compared():
+    """Runs recorded before the final held-out evaluation reached metrics.csv have NaN there; their replays write
+    it: a note, not a difference. A final value the original did record is compared like any other, and so is a
+    missing value on any other step."""
+    import pandas as pd
+
+    from forgelab.experiments.replay import compare_metrics, unrecorded_final_eval
+
+    old = pd.DataFrame({"step": [1, 2, 3], "loss": [0.5, 0.25, 0.125], "heldout_accuracy": [0.2, float("nan"), float("nan")]})
+    new = old.copy()
+    new.loc[2, "heldout_accuracy"] = 0.5
+    assert compare_metrics(old, new) == [] and "step 3" in (unrecorded_final_eval(old, new) or "")
+    recorded = new.copy()
+    recorded.loc[2, "heldout_accuracy"] = 0.75
+    assert unrecorded_final_eval(recorded, new) is None
+    assert compare_metrics(recorded, new) == [(3, "heldout_accuracy", 0.75, 0.5)]
+    earlier = new.copy()
+    earlier.loc[1, "heldout_accuracy"] = 0.3
+    assert [m[:2] for m in compare_metrics(old, earlier)] == [(2, "heldout_accuracy")]
+
+
 # ---------------------------------------------------------------- real processes
 def _config(out_dir, name="prov", steps=20):
     from forgelab.config.run_config import EvalConfig, PlacementConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig

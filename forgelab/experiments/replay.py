@@ -96,12 +96,35 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
+def unrecorded_final_eval(original: "pd.DataFrame", replayed: "pd.DataFrame") -> str | None:
+    """A note when the original's last row has no ``heldout_accuracy`` and the replay's same step has one.
+
+    Runs recorded before 2026-11-28 evaluated the policy once more at the end but never wrote that value into
+    metrics.csv (it was set on the in-memory row after the row was written); their replays do write it. Nothing
+    recorded can be compared with it, so it is a note, not a difference. None when this does not apply.
+    """
+    if "heldout_accuracy" not in replayed.columns or not len(original):
+        return None
+    last = int(original["step"].max())
+    a = original[original["step"] == last]
+    b = replayed[replayed["step"] == last]
+    va = a["heldout_accuracy"].iloc[-1] if "heldout_accuracy" in a.columns else float("nan")
+    vb = b["heldout_accuracy"].iloc[-1] if len(b) else float("nan")
+    if not (isinstance(va, float) and math.isnan(va)) or (isinstance(vb, float) and math.isnan(vb)):
+        return None
+    return (f"step {last}: the original did not record its final held-out evaluation in metrics.csv (forgelab "
+            f"before 2026-11-28 did not write it); the replay's ({vb!r}) has nothing to compare with")
+
+
 def compare_metrics(original: "pd.DataFrame", replayed: "pd.DataFrame", until: int | None = None) -> list[Mismatch]:
     """Every (step, metric, original, replayed) that differs, in step order; [] when the learning metrics agree.
 
     Both are DataFrames as read from metrics.csv. A step present in one and not the
-    other is a mismatch on metric ``"step"``.
+    other is a mismatch on metric ``"step"``. The final held-out evaluation an older original never recorded
+    (`unrecorded_final_eval`) is not compared.
     """
+    skip = unrecorded_final_eval(original, replayed) is not None
+    last = int(original["step"].max()) if len(original) else None
     cols = [c for c in learning_columns(original.columns) if c != "step"]
     cols += [c for c in learning_columns(replayed.columns) if c not in cols and c != "step"]
     a = {int(r["step"]): r for r in original.to_dict("records")}
@@ -115,6 +138,8 @@ def compare_metrics(original: "pd.DataFrame", replayed: "pd.DataFrame", until: i
             out.append((s, "step", s in a, s in b))
             continue
         for c in cols:
+            if skip and s == last and c == "heldout_accuracy":
+                continue
             va, vb = a[s].get(c, float("nan")), b[s].get(c, float("nan"))
             if not _same(va, vb):
                 out.append((s, c, va, vb))
@@ -316,6 +341,9 @@ async def replay(run_dir: str | Path, *, until: int | None = None, out_dir: str 
     replayed = pd.read_csv(run.out_dir / "metrics.csv")
     done = int(replayed["step"].max()) if len(replayed) else 0
     mismatches = compare_metrics(original, replayed, until=done)
+    unrecorded = unrecorded_final_eval(original, replayed)
+    if unrecorded is not None:
+        notes.append(unrecorded)
     recorded = manifest.get("deterministic", cfg.train.max_policy_age == 0)
     deterministic = recorded if isinstance(recorded, bool) else bool(recorded)
     reason = manifest.get("nondeterministic_reason")
