@@ -69,7 +69,7 @@ from forgelab.engines.loss_specs import LossSpec
 from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
 from forgelab.runtime.liveness import liveness_dir  # noqa: F401 -- the heartbeat files' directory
-from forgelab.runtime import liveness
+from forgelab.runtime import liveness, startup_cpus
 from forgelab.runtime.watchdog import StackDump, Watchdog
 
 if TYPE_CHECKING:
@@ -281,19 +281,26 @@ class Run:
         from forgelab.engines.trainer_client import as_trainer
 
         cfg, loop = self.config, self.loop
-        # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
-        tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
+        # the controller's own start-up (the tokenizer and transformers' import, the manifest's hashes and git
+        # calls) in a thread in the generator's shadow: a spawn starts it once the generator is launched, on the
+        # cores the generator does not need (forgelab.runtime.startup_cpus); a spawn that launches nothing (a
+        # warm pool, a fake) leaves it to be started here
+        work = startup_cpus.ShadowWork(self._startup_work)
+        shadow = startup_cpus.SHADOW.set(work)
         liveness.HEARTBEAT_S[0] = cfg.watchdog.heartbeat_s  # the processes spawned now beat this often
         try:
             self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)  # Parts, or a slot's (pool, slot)
             parts.trainer = as_trainer(parts.trainer)  # typed calls (forgelab.engines.trainer_client)
         finally:
-            await asyncio.gather(tokenizer, return_exceptions=True)
-        failure = tokenizer.exception()
+            startup_cpus.SHADOW.reset(shadow)
+            done = work.start()
+            await asyncio.gather(done, return_exceptions=True)
+        failure = done.exception()
         if failure is not None:
             await self.parts.shutdown()
             self.parts = None
             raise failure
+        manifest = done.result()
         self.weights = WeightSync(parts.trainer, parts.generators, self.bus.emit, lambda: loop.version,
                                   watchdog=self.watchdog)
         parts.generators.on_respawn = self.weights.catch_up
@@ -327,9 +334,7 @@ class Run:
         # config, versions, git state, hardware, model and data hashes
         slot = getattr(parts, "slot", "")  # a LoRA variant's parts: a slot of the pool's shared engines
         shared = getattr(parts, "pool").provenance(slot) if slot else None
-        provenance.write_manifest(cfg, self.out_dir, train_problems=getattr(self.stream, "problems", None),
-                                  heldout_problems=self.heldout, resume_from=self.resume_from, shared_engines=shared,
-                                  data_split={"description": self.data.description, **self.data.info})
+        provenance.save_manifest({**manifest, "shared_engines": shared}, self.out_dir, resume_from=self.resume_from)
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
         self._checkpoint_parts = ckpt = checkpoint.CheckpointParts(
             trainer=parts.trainer, loop=loop, stream=self.stream, buffer=self.buffer, rewards=self.controls,
@@ -344,6 +349,15 @@ class Run:
             self.emit("config_note", message=note)
         if self.resume_from is not None:
             await checkpoint.restore(ckpt, self.resume_from)
+
+    def _startup_work(self) -> dict[str, object]:
+        """The controller's own start-up, run in a thread while the processes start: the tokenizer, and the
+        manifest (config, versions, git state, hardware, model and data hashes) `spawn` writes once they are up."""
+        _ = self.tokenizer
+        return provenance.build_manifest(
+            self.config, train_problems=getattr(self.stream, "problems", None), heldout_problems=self.heldout,
+            extra={"resume_from": str(self.resume_from) if self.resume_from else None, "shared_engines": None,
+                   "data_split": {"description": self.data.description, **self.data.info}})
 
     async def _run_main(self) -> None:
         try:
