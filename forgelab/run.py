@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from pathlib import Path
 from collections.abc import Mapping, Sequence
@@ -70,6 +71,7 @@ from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
 from forgelab.runtime.liveness import liveness_dir  # noqa: F401 -- the heartbeat files' directory
 from forgelab.runtime import liveness, startup_cpus
+from forgelab.runtime.cpu_use import CpuMeter, CpuUse
 from forgelab.runtime.watchdog import StackDump, Watchdog
 
 if TYPE_CHECKING:
@@ -135,6 +137,9 @@ class Run:
         self.door: AgentDoor | None = None  # while the run serves the agent door (door.enabled; docs/agents.md)
         self.watchdog = Watchdog(cfg.watchdog, out_dir=self.out_dir, emit=self.bus.emit)
         """Declares a stuck call or weight push and dumps every process's stacks (`forgelab.runtime.watchdog`)."""
+        self.cpu = CpuMeter(lambda: process_ids(self.parts), lambda: self.buffer.counts()["trained"])
+        """The processes' CPU time at each step's end: cores busy over the steady state (`forgelab.runtime.cpu_use`)."""
+        loop.add_row_source(self.cpu.on_step)
 
     # the parts' state, read here and written by its owner (forgelab/controller/*.py)
     step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")
@@ -545,10 +550,17 @@ class Run:
         return self.buffer.counts()
 
     def status(self) -> dict[str, object]:
-        """State, progress, loss, rewards, message, episode counters and each service's replicas."""
+        """State, progress, loss, rewards, message, episode counters, each service's replicas and the cores busy
+        (`cpu_use`, as a dict; None before two steps)."""
+        use = self.cpu_use()
         return {"state": self.state, "step": self.step, "steps": self.config.train.steps, "version": self.version,
                 "loss": self.loss_name, "reward_weights": self.rewards.weights, "message": self.message,
-                "episodes": self.buffer.counts(), "services": self._services()}
+                "episodes": self.buffer.counts(), "services": self._services(),
+                "cpu_use": use.as_dict() if use is not None else None}
+
+    def cpu_use(self) -> CpuUse | None:
+        """Cores busy and CPU seconds per trained episode over the steady state (`forgelab.runtime.cpu_use`)."""
+        return self.cpu.use()
 
     def _services(self) -> dict[str, Any]:
         """Each service's replicas (`status()`): generator, reference and, on an environment run, env."""
@@ -572,6 +584,21 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<Run {self.config.name} {self.state} step {self.step}/{self.config.train.steps} version {self.version}>"
+
+
+def process_ids(parts: Any) -> dict[str, list[int]]:
+    """The run's processes by part, for `CpuMeter`: the controller, and each part's pids while it has parts (the
+    services' replicas as they are now, the trainer's ranks as spawned)."""
+    out = {"controller": [os.getpid()]}
+    if parts is None:
+        return out
+    teacher = getattr(parts, "teacher", None)
+    for name, svc in (("generator", parts.generators), ("reference", parts.reference), ("envs", parts.envs),
+                      ("teacher", None if teacher is parts.reference else teacher)):
+        if svc is not None:
+            out[name] = [pid for r in svc.status() for pid in r.pids]
+    out["trainer"] = list(getattr(parts.trainer, "pids_list", None) or [])
+    return out
 
 
 async def replay(run_dir: str | Path, **kwargs: Any):
