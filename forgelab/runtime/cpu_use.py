@@ -116,10 +116,10 @@ def process_cpu_s(pid: int, *, children: bool = True) -> float | None:
 
 def usable_cores() -> int:
     """The cores this controller may use (its affinity before any start restricted it), else `os.cpu_count()`."""
-    from forgelab.runtime.startup_cpus import _CONTROLLER, affinity_supported
+    from forgelab.runtime.startup_cpus import affinity_supported, original_affinity
 
     if affinity_supported():
-        return max(1, len(_CONTROLLER.original()))
+        return max(1, len(original_affinity()))
     return max(1, os.cpu_count() or 1)
 
 

@@ -177,6 +177,11 @@ class _Controller:
 _CONTROLLER = _Controller()
 
 
+def original_affinity() -> frozenset[int]:
+    """The controller's CPU affinity as it was before any open start window restricted it."""
+    return _CONTROLLER.original()
+
+
 @dataclass
 class StartRecord:
     """What a `StartWindow` did, for the log and for tests that read the real processes."""
@@ -311,11 +316,12 @@ class StartWindow:
         cores; the critical part's on all the controller's original cores (Monarch forks the processes from the
         controller's threads, restricted by then: without this the generator would inherit the restriction).
         Unchanged when `cmd` is not Monarch's ``python -m <module>`` form."""
-        if not self.active or self._file is None or len(cmd.args) != 2 or cmd.args[0] != "-m":
+        args = list(cmd.args)
+        if not self.active or self._file is None or len(args) != 2 or args[0] != "-m":
             return cmd
-        code = _SHIM.format(mark=MARK_ENV, cpus=CPUS_ENV, module=cmd.args[1])
+        code = _SHIM.format(mark=MARK_ENV, cpus=CPUS_ENV, module=args[1])
         cpus = self.record.others if role == "other" else self.record.base
-        env = {**cmd.env, CPUS_ENV: cpu_list(cpus), MARK_ENV: self._file}
+        env = {**dict(cmd.env), CPUS_ENV: cpu_list(cpus), MARK_ENV: self._file}
         return type(cmd)(cmd.program, cmd.arg0, ["-c", code], env)  # Monarch's BootstrapCommand
 
 
