@@ -296,10 +296,14 @@ class Run:
         try:
             self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)  # Parts, or a slot's (pool, slot)
             parts.trainer = as_trainer(parts.trainer)  # typed calls (forgelab.engines.trainer_client)
+        except BaseException:
+            if work.future is not None:  # started: let its thread finish; never started: not worth starting now
+                await asyncio.gather(work.future, return_exceptions=True)
+            raise
         finally:
             startup_cpus.SHADOW.reset(shadow)
-            done = work.start()
-            await asyncio.gather(done, return_exceptions=True)
+        done = work.start()
+        await asyncio.gather(done, return_exceptions=True)
         failure = done.exception()
         if failure is not None:
             await self.parts.shutdown()

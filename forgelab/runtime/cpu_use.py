@@ -5,7 +5,7 @@
     meter.use()                    # CpuUse over the steady state: cores_busy, cpu_s_per_episode, per part
 
 ``cores_busy`` is the CPU seconds every process of the run spent (user + system, each process and its live
-child processes, per `/proc/PID/stat`) over the wall seconds times the machine's usable cores: 1.0 means every
+child processes that are not parts of their own, per `/proc/PID/stat`) over the wall seconds times the machine's usable cores: 1.0 means every
 core worked the whole time. ``cpu_s_per_episode`` is the same CPU seconds over the episodes trained meanwhile:
 busy without more work done is not progress, so the two are read together. The steady state runs from the first
 sample (the end of the first trained step: start-up, the step-0 evaluation and the first step's compile left out)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -101,9 +101,9 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def process_cpu_s(pid: int, *, children: bool = True) -> float | None:
-    """User + system CPU seconds of process `pid` (with `children`: and of its live descendants); None when it
-    is gone."""
+def process_cpu_s(pid: int, *, children: bool = True, skip: Collection[int] = ()) -> float | None:
+    """User + system CPU seconds of process `pid` (with `children`: and of its live descendants, except those in
+    `skip` and theirs: processes counted on their own); None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -111,7 +111,9 @@ def process_cpu_s(pid: int, *, children: bool = True) -> float | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": fields from the 3rd on
     own = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (the 14th and 15th fields)
-    return own + (sum(process_cpu_s(c) or 0.0 for c in _children(pid)) if children else 0.0)
+    if not children:
+        return own
+    return own + sum(process_cpu_s(c, skip=skip) or 0.0 for c in _children(pid) if c not in skip)
 
 
 def usable_cores() -> int:
@@ -139,9 +141,12 @@ class CpuMeter:
         if not self.available:
             return None
         cpu: dict[int, tuple[str, float]] = {}
-        for part, pids in self.pids().items():
+        by_part = self.pids()
+        listed = {pid for pids in by_part.values() for pid in pids}
+        for part, pids in by_part.items():
             for pid in pids:
-                spent = process_cpu_s(pid)
+                # the parts' processes are the controller's children (Monarch forks them): each counts once, as itself
+                spent = process_cpu_s(pid, skip=listed)
                 if spent is not None:
                     cpu[pid] = (part, spent)
         s = CpuSample(time.monotonic(), cpu, int(self.episodes()))
