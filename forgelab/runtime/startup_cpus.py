@@ -197,7 +197,8 @@ class StartRecord:
     launches: list[tuple[str, str]] = field(default_factory=list)
     """(role, component class name) in launch order; role "critical" or "other"."""
     pinned: dict[int, dict[int, frozenset[int]]] = field(default_factory=dict)
-    """pid -> {thread id: its affinity} of every marked process, read just before it was widened again."""
+    """pid -> {thread id: its affinity} of every marked process, read just before it was widened again (the threads
+    it had when first found)."""
     controller_during: frozenset[int] | None = None
     """The controller's main-thread affinity while the window was open."""
     restored: bool = False
@@ -259,6 +260,7 @@ class StartWindow:
         calls only look for processes that appeared since."""
         if self._file is None:
             return
+        first = self.active  # a later pass records only processes it finds for the first time
         if self.active:
             self.active = False
             try:
@@ -268,12 +270,14 @@ class StartWindow:
             _CONTROLLER.leave()
         base, others = self.record.base, self.record.others
         for pid in marked_processes(self._file, cpu_list(others)):
+            record = first or pid not in self.record.pinned  # threads made since the first pass inherit `base`
             seen = self.record.pinned.setdefault(pid, {})
             for tid in threads_of(pid):
                 now = affinity(tid)
                 if now is None:
                     continue
-                seen.setdefault(tid, now)
+                if record:
+                    seen.setdefault(tid, now)
                 if now == others:  # what the bootstrap set, or inherited from it; a thread's own choice stays
                     _set_affinity(tid, base)
 
