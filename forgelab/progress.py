@@ -97,7 +97,8 @@ async def follow_run(run: FollowedRun, *, started_at: float, start: bool = False
             leave False for a run the caller has already started.
         ndigits: round the accuracies to this many digits (None: as measured).
 
-    Returns ``{"task", "accuracy_before", "accuracy_after", "steps", "minutes", "episodes"}``; an
+    Returns ``{"task", "accuracy_before", "accuracy_after", "steps", "minutes", "episodes", "cores_busy",
+    "cpu_s_per_episode", "cores_busy_by_part"}`` (the last three: `cpu_keys`); an
     accuracy is None when the run never evaluated, ``episodes`` holds the counts in `SUMMARY_EPISODES` (they
     close: generated is the sum of the others) and ``dropped_reasons``.
     A failure of the run is re-raised after the shutdown.
@@ -123,4 +124,16 @@ async def follow_run(run: FollowedRun, *, started_at: float, start: bool = False
         "steps": run.step,
         "minutes": round((time.time() - started_at) / 60, 2),
         "episodes": {**{k: counts[k] for k in SUMMARY_EPISODES}, "dropped_reasons": counts["dropped_reasons"]},
+        **cpu_keys(run),
     }
+
+
+def cpu_keys(run: object) -> dict[str, object]:
+    """``cores_busy`` and ``cpu_s_per_episode`` over the run's steady state (`forgelab.runtime.cpu_use`), with
+    ``cores_busy_by_part``; None values when the run trained fewer than two steps (or has no meter)."""
+    cpu_use = getattr(run, "cpu_use", None)
+    use = cpu_use() if callable(cpu_use) else None
+    if use is None:
+        return {"cores_busy": None, "cpu_s_per_episode": None, "cores_busy_by_part": None}
+    d = use.as_dict()
+    return {k: d[k] for k in ("cores_busy", "cpu_s_per_episode", "cores_busy_by_part")}

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from pathlib import Path
 from collections.abc import Mapping, Sequence
@@ -70,7 +71,8 @@ from forgelab.engines.loss_specs import LossSpec
 from forgelab.rewards.library import RewardComposer, RewardFn
 from forgelab.weights.sync import PushReport, WeightSync
 from forgelab.runtime.liveness import liveness_dir  # noqa: F401 -- the heartbeat files' directory
-from forgelab.runtime import liveness
+from forgelab.runtime import liveness, startup_cpus
+from forgelab.runtime.cpu_use import CpuMeter, CpuUse
 from forgelab.runtime.watchdog import StackDump, Watchdog
 
 if TYPE_CHECKING:
@@ -138,6 +140,9 @@ class Run:
         """Declares a stuck call or weight push and dumps every process's stacks (`forgelab.runtime.watchdog`)."""
         self.job_reports: JobReports | None = None
         """The hosts job's lost workers and time limit, as the run's events and message (a Slurm job)."""
+        self.cpu = CpuMeter(lambda: process_ids(self.parts), lambda: self.buffer.counts()["trained"])
+        """The processes' CPU time at each step's end: cores busy over the steady state (`forgelab.runtime.cpu_use`)."""
+        loop.add_row_source(self.cpu.on_step)
 
     # the parts' state, read here and written by its owner (forgelab/controller/*.py)
     step = property(lambda self: self.loop.step, doc="Trained steps so far (`TrainingLoop`).")
@@ -286,19 +291,30 @@ class Run:
         from forgelab.engines.trainer_client import as_trainer
 
         cfg, loop = self.config, self.loop
-        # the controller's own start-up (importing transformers, the tokenizer) in a thread, beside the processes'
-        tokenizer = asyncio.ensure_future(asyncio.to_thread(lambda: self.tokenizer))
+        # the controller's own start-up (the tokenizer and transformers' import, the manifest's hashes and git
+        # calls) in a thread in the generator's shadow: a spawn starts it once the generator is launched, on the
+        # cores the generator does not need (forgelab.runtime.startup_cpus); a spawn that launches nothing (a
+        # warm pool, a fake) leaves it to be started here
+        work = startup_cpus.ShadowWork(self._startup_work)
+        shadow = startup_cpus.SHADOW.set(work)
         liveness.HEARTBEAT_S[0] = cfg.watchdog.heartbeat_s  # the processes spawned now beat this often
         try:
             self.parts = parts = await (self._spawn_parts or spawn_parts)(cfg)  # Parts, or a slot's (pool, slot)
             parts.trainer = as_trainer(parts.trainer)  # typed calls (forgelab.engines.trainer_client)
+        except BaseException:
+            if work.future is not None:  # started: let its thread finish; never started: not worth starting now
+                await asyncio.gather(work.future, return_exceptions=True)
+            raise
         finally:
-            await asyncio.gather(tokenizer, return_exceptions=True)
-        failure = tokenizer.exception()
+            startup_cpus.SHADOW.reset(shadow)
+        done = work.start()
+        await asyncio.gather(done, return_exceptions=True)
+        failure = done.exception()
         if failure is not None:
             await self.parts.shutdown()
             self.parts = None
             raise failure
+        manifest = done.result()
         self.weights = WeightSync(parts.trainer, parts.generators, self.bus.emit, lambda: loop.version,
                                   watchdog=self.watchdog)
         parts.generators.on_respawn = self.weights.catch_up
@@ -335,9 +351,7 @@ class Run:
         # config, versions, git state, hardware, model and data hashes
         slot = getattr(parts, "slot", "")  # a LoRA variant's parts: a slot of the pool's shared engines
         shared = getattr(parts, "pool").provenance(slot) if slot else None
-        provenance.write_manifest(cfg, self.out_dir, train_problems=getattr(self.stream, "problems", None),
-                                  heldout_problems=self.heldout, resume_from=self.resume_from, shared_engines=shared,
-                                  data_split={"description": self.data.description, **self.data.info})
+        provenance.save_manifest({**manifest, "shared_engines": shared}, self.out_dir, resume_from=self.resume_from)
         self.tracker = Tracker(self.out_dir, use_wandb=cfg.tracking.wandb, run_name=cfg.name, config=cfg.to_dict())
         self._checkpoint_parts = ckpt = checkpoint.CheckpointParts(
             trainer=parts.trainer, loop=loop, stream=self.stream, buffer=self.buffer, rewards=self.controls,
@@ -355,6 +369,15 @@ class Run:
         self.job_reports = JobReports.attach(getattr(parts, "job", None), self.lifecycle, self.bus,
                                              parts_on=parts_on_meshes(cfg.hosts), stop=self.stop,
                                              save=self.save_checkpoint)
+
+    def _startup_work(self) -> dict[str, object]:
+        """The controller's own start-up, run in a thread while the processes start: the tokenizer, and the
+        manifest (config, versions, git state, hardware, model and data hashes) `spawn` writes once they are up."""
+        _ = self.tokenizer
+        return provenance.build_manifest(
+            self.config, train_problems=getattr(self.stream, "problems", None), heldout_problems=self.heldout,
+            extra={"resume_from": str(self.resume_from) if self.resume_from else None, "shared_engines": None,
+                   "data_split": {"description": self.data.description, **self.data.info}})
 
     async def _run_main(self) -> None:
         try:
@@ -545,10 +568,17 @@ class Run:
         return self.buffer.counts()
 
     def status(self) -> dict[str, object]:
-        """State, progress, loss, rewards, message, episode counters and each service's replicas."""
+        """State, progress, loss, rewards, message, episode counters, each service's replicas and the cores busy
+        (`cpu_use`, as a dict; None before two steps)."""
+        use = self.cpu_use()
         return {"state": self.state, "step": self.step, "steps": self.config.train.steps, "version": self.version,
                 "loss": self.loss_name, "reward_weights": self.rewards.weights, "message": self.message,
-                "episodes": self.buffer.counts(), "services": self._services()}
+                "episodes": self.buffer.counts(), "services": self._services(),
+                "cpu_use": use.as_dict() if use is not None else None}
+
+    def cpu_use(self) -> CpuUse | None:
+        """Cores busy and CPU seconds per trained episode over the steady state (`forgelab.runtime.cpu_use`)."""
+        return self.cpu.use()
 
     def _services(self) -> dict[str, Any]:
         """Each service's replicas (`status()`): generator, reference and, on an environment run, env."""
@@ -572,6 +602,21 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<Run {self.config.name} {self.state} step {self.step}/{self.config.train.steps} version {self.version}>"
+
+
+def process_ids(parts: Any) -> dict[str, list[int]]:
+    """The run's processes by part, for `CpuMeter`: the controller, and each part's pids while it has parts (the
+    services' replicas as they are now, the trainer's ranks as spawned)."""
+    out = {"controller": [os.getpid()]}
+    if parts is None:
+        return out
+    teacher = getattr(parts, "teacher", None)
+    for name, svc in (("generator", parts.generators), ("reference", parts.reference), ("envs", parts.envs),
+                      ("teacher", None if teacher is parts.reference else teacher)):
+        if svc is not None:
+            out[name] = [pid for r in svc.status() for pid in r.pids]
+    out["trainer"] = list(getattr(parts.trainer, "pids_list", None) or [])
+    return out
 
 
 async def replay(run_dir: str | Path, **kwargs: Any):

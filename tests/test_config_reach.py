@@ -278,7 +278,10 @@ def test_spawned_parts_receive_every_cpu_value(loop, tmp_path, model_copy):
     async def body():
         parts = await spawn_parts(cfg)
         try:
+            pids = {"trainer": await parts.trainer.pids(), **{n: [pid for r in getattr(parts, n).status() for pid in r.pids]
+                                                              for n in ("generators", "reference", "envs")}}
             return {
+                "startup": (parts.startup, pids, {pid: _affinities(pid) for ps in pids.values() for pid in ps}),
                 "generator": await parts.generators.fanout("received_config"),
                 "trainer": await parts.trainer.call("received_config"),
                 "reference": await parts.reference.fanout("received_config"),
@@ -291,6 +294,31 @@ def test_spawned_parts_receive_every_cpu_value(loop, tmp_path, model_copy):
     for section in ("generator", "trainer", "reference", "envs"):
         assert len(got[section]) == 1
         _check_received(section, got[section][0], cfg, model_copy, tmp_path, None)
+    # the critical path first (forgelab.runtime.startup_cpus): the generator launched first; the trainer, the
+    # reference and the env actor (every thread) on the other cores while it started, all back after
+    record, pids, now = got["startup"]
+    base = frozenset(os.sched_getaffinity(0))
+    assert record.launches[0] == ("critical", "Generator"), record.launches
+    if record.note:  # fewer than 2 cores: nothing restricted, and the record says why
+        assert len(base) < 2, record.note
+    else:
+        others = {pid for n in ("trainer", "reference", "envs") for pid in pids[n]}
+        assert others <= set(record.pinned), (pids, record.pinned)
+        for pid in others:
+            assert set(record.pinned[pid].values()) == {record.others}, (pid, record.pinned[pid])
+        assert not set(pids["generators"]) & set(record.pinned)
+    for pid, threads in now.items():
+        assert set(threads.values()) == {base}, (pid, threads)
+
+
+def _affinities(pid: int) -> dict[int, frozenset[int]]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+        except OSError:  # the thread ended in between
+            pass
+    return out
 
 
 @integration

@@ -9,7 +9,7 @@ MODULES = [
     "forgelab.algos.advantages", "forgelab.algos.losses", "forgelab.algos.loss_checks", "forgelab.algos.kl", "forgelab.algos.importance", "forgelab.algos.batching",
     "forgelab.engines.trainer_state", "forgelab.engines.trainer_optim", "forgelab.engines.contracts", "forgelab.envs.episode", "forgelab.algos.token_truth", "forgelab.algos.primitive_losses",
     "forgelab.bench.inflight_bench", "forgelab.bench.variants_bench", "forgelab.bench.distill_bench",
-    "forgelab.serve.tools", "forgelab.envs.mcp_tools",
+    "forgelab.serve.tools", "forgelab.envs.mcp_tools", "forgelab.runtime.startup_cpus", "forgelab.runtime.cpu_use",
 ]
 
 

@@ -155,6 +155,7 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
     target), so runs compared for their final accuracy have taken the same number of steps.
     """
     from forgelab.data.datasets import load_problems
+    from forgelab.progress import cpu_keys
     from forgelab.run import Run
 
     t_make = time.time()
@@ -197,9 +198,11 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
                 check = greedy_accuracy_hf(d, None, run.heldout)
         counts = run.episodes
         df = run.metrics
+        cpu = cpu_keys(run)  # over the steady state: the end of step 1 to the end of the last step
     finally:
         await run.shutdown()
     return {"evals": evals, "step_end_s": step_end, "startup_s": startup_s, "ready_unix": ready_unix, "hf_check": check,
+            **cpu,
             "policy_age_mean": round(float(df["policy_age_mean"].mean()), 3) if len(df) else None,
             "episodes": {k: counts[k] for k in ("generated", "trained", "evicted", "dropped")}}
 
@@ -207,7 +210,12 @@ async def run_forgelab(cfg, target: float, time_cap_s: float, hf_check: bool = T
 def summarize_forgelab(res: dict, target: float) -> dict:
     """`summarize` of one `run_forgelab` result (warm clock only)."""
     return summarize("forgelab", res, target, hf_check=res["hf_check"], policy_age_mean=res["policy_age_mean"],
-                     episodes=res["episodes"])
+                     episodes=res["episodes"], **_cpu(res))
+
+
+def _cpu(res: dict) -> dict:
+    """A run's cores busy over its steady state with its CPU seconds per trained episode (`forgelab.progress.cpu_keys`)."""
+    return {k: res.get(k) for k in ("cores_busy", "cpu_s_per_episode", "cores_busy_by_part")}
 
 
 def forgelab_with_time_cap(cfg, target: float, time_cap_s: float, hf_check: bool = True) -> dict:
@@ -327,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
                 res = run_forgelab_process({**base, "seed": pair, "prompts": prompts, "hf_check": hf_check},
                                            timeout_s)
                 r = summarize("forgelab", res, args.target, seed=pair, hf_check=res["hf_check"],
-                              policy_age_mean=res["policy_age_mean"], episodes=res["episodes"])
+                              policy_age_mean=res["policy_age_mean"], episodes=res["episodes"], **_cpu(res))
             else:
                 res = run_trl({**base, "seed": pair, "threads": trl_threads}, timeout_s)
                 r = summarize("trl", res, args.target, seed=pair, threads=trl_threads)
@@ -371,12 +379,15 @@ def main(argv: list[str] | None = None) -> dict:
                "forgelab_eval0_s": med(fl, "eval0_s"), "trl_eval0_s": med(tr, "eval0_s")}
     ratio = lambda a, b: round(startup[a] / startup[b], 3) if startup[a] and startup[b] else None  # noqa: E731
     startup["startup_ratio"] = ratio("forgelab_startup_s", "trl_startup_s")
+    # the cores forgelab kept busy over each run's steady state, with its CPU seconds per trained episode beside
+    startup["cores_busy"], startup["cpu_s_per_episode"] = med(fl, "cores_busy"), med(fl, "cpu_s_per_episode")
     startup["eval_ratio"] = ratio("forgelab_eval_s", "trl_eval_s")
     goals = {"warm_median": None if warm is None else warm <= 0.4,
              "warm_ci95_upper": None if not ci_warm else ci_warm[1] <= 0.55,
              "cold_median": None if cold is None else cold <= 0.7,
              "startup_ratio": None if startup["startup_ratio"] is None else startup["startup_ratio"] <= 1.2,
-             "eval_ratio": None if startup["eval_ratio"] is None else startup["eval_ratio"] <= 1.0}
+             "eval_ratio": None if startup["eval_ratio"] is None else startup["eval_ratio"] <= 1.0,
+             "cores_busy": None if startup["cores_busy"] is None else startup["cores_busy"] >= 0.9}
     result = {
         "suite": "e2e",
         "quick": args.quick,
@@ -403,13 +414,20 @@ def main(argv: list[str] | None = None) -> dict:
         "forgelab_s_per_step": [r["s_per_step"] for r in fl],
         "trl_s_per_step": [r["s_per_step"] for r in tr],
         "forgelab_hf_check": [[r["final_accuracy"], r["hf_check"]] for r in fl],
+        "forgelab_cores_busy": [r.get("cores_busy") for r in fl],
+        "forgelab_cpu_s_per_episode": [r.get("cpu_s_per_episode") for r in fl],
         "advantage": "grpo_unbiased (TRL's: unbiased group std, eps 1e-4) on both sides",
         "clock": "wall time from the end of the step-0 evaluation, evaluations included on both sides; "
                  "cold adds process launch, imports, model load, spawn and the step-0 evaluation",
         "startup_clock": "process launch to ready to train (before the step-0 evaluation), both sides; eval_s: "
                          "median seconds of one held-out evaluation during training (step > 0), median over pairs",
         "goal": "forgelab_over_trl_warm median <= 0.4 with its 95 % interval's top <= 0.55; forgelab_over_trl_cold "
-                "median <= 0.7; startup_ratio <= 1.2; eval_ratio <= 1.0",
+                "median <= 0.7; startup_ratio <= 1.2; eval_ratio <= 1.0; cores_busy >= 0.9 (read with "
+                "cpu_s_per_episode: it must not rise)",
+        "cpu_clock": "cores_busy: CPU seconds of every forgelab process (controller, generator, trainer, reference) "
+                     "over the wall seconds x usable cores, from the end of step 1 to the end of the last step "
+                     "(forgelab.runtime.cpu_use); cpu_s_per_episode: those CPU seconds per episode trained meanwhile; "
+                     "medians over pairs",
         "goals_met": goals,
         "goal_met": None if None in goals.values() else all(goals.values()),
         "machine": {**start, "loadavg_end": end["loadavg"]},

@@ -22,7 +22,9 @@ Shipped model, LoRA rank 8 on every projection, the demo's batch shape (8 prompt
 after another (no shared base pass): ``trainer_s_per_step_four`` / ``trainer_s_per_step_one`` say what that
 costs; ``shared_pass_over_sequential`` (`shared_pass_bound`) what sharing the base pass could save at best.
 ``cpu_s_one`` / ``cpu_s_four``: the CPU seconds of every process (this one and the engines') in each phase;
-``cpu_util_*`` the share of the cores they kept busy; ``four_over_one_cpu_floor`` (`cpu_floor`) the least
+``cpu_util_*`` the share of the cores they kept busy (``cores_busy``: the four's, the headline), with
+``cpu_s_per_episode`` (the four's CPU seconds per episode they trained; ``cpu_s_per_episode_one`` the one
+variant's) beside it: busy without more work done is not progress; ``four_over_one_cpu_floor`` (`cpu_floor`) the least
 ``four_over_one`` the four's CPU seconds allow on this machine's cores.
 Per phase (``_one``, ``_four``; `generator_clock`): the generator's time in engine steps, idle (no request
 unfinished), waiting for arriving calls (admission window) and in vLLM's intake, each in seconds
@@ -193,6 +195,8 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
         trainer_four = statistics.median(_trainer_s(k, steps) for k in kids.values())
         trainer_one = _trainer_s(one)
         trained = one.step + sum(k.step - steps for k in kids.values())  # every step the shared trainer took
+        episodes_one = one.step * one.config.train.batch_size  # trained in each phase (the forks from step `steps`)
+        episodes_four = sum((k.step - steps) * k.config.train.batch_size for k in kids.values())
         for k in kids.values():
             await k.shutdown()
     finally:
@@ -217,6 +221,8 @@ async def _run(steps: int, quick: bool, out_dir: str) -> dict:
             "fork_s": sweep_s / len(VARIANTS), "four_over_one": four_s / one_s, "four_over_separate": four_s / separate_s,
             "generator_busy_four": busy_four, "trainer_s_per_step_one": trainer_one,
             "trainer_s_per_step_four": trainer_four, **cpu_floor(cpu_one, one_s, cpu_four, four_s),
+            "cpu_s_per_episode": round(cpu_four / episodes_four, 4) if episodes_four else None,
+            "cpu_s_per_episode_one": round(cpu_one / episodes_one, 4) if episodes_one else None,
             "trainer_slot_swaps": stats["trainer"]["swaps"],
             "trainer_slot_swap_s": stats["trainer"]["swap_s"], "trainer_steps": trained,
             "trainer_slot_swaps_per_step": stats["trainer"]["swaps"] / max(1, trained),
@@ -285,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="forgelab-variants-") as d:
         r = asyncio.run(_run(steps, args.quick, d))
     r.update(shared_pass_bound(r.pop("last_batch"), repeats=1 if args.quick else 3))
+    r["cores_busy"] = r["cpu_util_four"]  # the headline (issue 42): the four variants' phase, beside its CPU-s/episode
     end = print_machine("end")
     print(f"variants bench: shipped model, LoRA rank 8, batch {16 if args.quick else 64} "
           f"({2 if args.quick else 8} x 8), {steps} steps per variant")
@@ -302,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
         {"what": "CPU seconds (all processes), 1 variant | 4 variants", "seconds": r["cpu_s_one"],
          "ratio": r["cpu_four_over_one"]},
         {"what": "cores busy, 1 variant | 4 variants", "seconds": r["cpu_util_one"], "ratio": r["cpu_util_four"]},
+        {"what": "CPU seconds per trained episode, 1 variant | 4 variants", "seconds": r["cpu_s_per_episode_one"],
+         "ratio": r["cpu_s_per_episode"]},
         {"what": "least four_over_one for the four's CPU seconds on these cores", "seconds": "",
          "ratio": r["four_over_one_cpu_floor"]},
         {"what": "trainer alone: 1 batch | 4 batches in one pass", "seconds": r["trainer_step_s_b"],

@@ -327,6 +327,13 @@ def write_manifest(config: "RunConfig", out_dir: Path, *, train_problems: Sequen
     m = build_manifest(config, train_problems=train_problems, heldout_problems=heldout_problems,
                        extra={"resume_from": str(resume_from) if resume_from else None,
                               "shared_engines": shared_engines, "data_split": data_split})
+    return save_manifest(m, out_dir, resume_from=resume_from)
+
+
+def save_manifest(m: Mapping[str, object], out_dir: Path, *, resume_from: Path | None) -> Path:
+    """Write a built manifest (`build_manifest`) as `out_dir/manifest.json`; a resumed run keeps the first one's
+    as `manifest.first.json`. `forgelab.run.Run.spawn` builds it (model hash, git calls) while the processes
+    start and writes it once they are up."""
     path = Path(out_dir) / MANIFEST_FILE
     if resume_from is not None and path.is_file() and not (path.parent / "manifest.first.json").exists():
         path.rename(path.parent / "manifest.first.json")

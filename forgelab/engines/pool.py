@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, cast
 
 from forgelab.config.run_config import RunConfig
+from forgelab.runtime.startup_cpus import start_shadow_work
 from forgelab.engines.spawn import Parts, ServicePart, SpawnedParts, component_configs, reference_process
 from forgelab.types import WeightPush
 
@@ -123,6 +124,7 @@ class ProcessPool:
                 self.idle.remove(match)
                 self.busy.append(match)
         if match is not None:
+            start_shadow_work()  # nothing to launch: the controller's own start-up runs beside the re-initialisation
             t0 = time.time()
             try:
                 await self._reinit(match, cfg)

@@ -1,6 +1,6 @@
 """Spawning a run's parts: the generator service, the trainer, the reference service and the env service.
 
-    parts = await spawn_parts(cfg)        # all started in parallel; a failure stops the others
+    parts = await spawn_parts(cfg)        # the generator first, then the rest; a failure stops the others
     parts.generators, parts.trainer, parts.reference, parts.envs, parts.teacher
     await parts.shutdown()
 
@@ -20,6 +20,7 @@ from forgelab.config.run_config import RunConfig
 from forgelab.generation import Generators
 from forgelab.runtime.component import PlacementOptions
 from forgelab.runtime.replicas import ReplicaStatus
+from forgelab.runtime.startup_cpus import StartRecord, StartWindow, close_unstarted, start_shadow_work
 
 if TYPE_CHECKING:
     from monarch.job import JobTrait
@@ -85,6 +86,8 @@ class Parts(Generic[G, T]):
     """The `monarch.job` job the parts run on (None: this host); `shutdown` kills it."""
     seconds: float = 0.0
     """Wall time the spawn took."""
+    startup: StartRecord | None = None
+    """What the start did with CPU affinity (`forgelab.runtime.startup_cpus`); None for parts not spawned here."""
 
     async def shutdown(self) -> None:
         """Stop every part, all at once, then kill the hosts job. A part that fails to stop is logged and
@@ -196,10 +199,48 @@ def _where(common: PlacementOptions, job: JobTrait | None, mesh: str | None, *, 
 S = TypeVar("S", bound=Stoppable)
 
 
-async def start_all(jobs: Sequence[Awaitable[S]]) -> list[S]:
-    """Await every part's start together; if any fails, shut down the ones that started and raise the first
-    error (no process is left behind)."""
-    results = await asyncio.gather(*jobs, return_exceptions=True)
+async def start_all(jobs: Sequence[Awaitable[S]], *, critical: int | None = 0, critical_cores: int = 1,
+                    pin: bool = True, why_not: str = "", record: list[StartRecord] | None = None) -> list[S]:
+    """Await every part's start; if any fails, shut down the ones that started and raise the first error (no
+    process is left behind).
+
+    The critical path first (`forgelab.runtime.startup_cpus`): ``jobs[critical]`` (the generator) is launched
+    first and keeps `critical_cores` cores to itself; the other parts are launched once its processes exist,
+    restricted (like the controller's own threads) to the other cores until it is ready, and the controller's
+    start-up work (`startup_cpus.ShadowWork`) starts once it is launched. Affinity is restored whatever happens.
+    ``pin=False`` (parts on other hosts) keeps the order and restricts nothing (`why_not` says why in the log);
+    ``critical=None`` starts everything at once. The window's `StartRecord` is appended to `record`."""
+    if critical is None or not jobs:
+        start_shadow_work()
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        return await _all_or_none(results)
+    window = StartWindow(critical_cores, enabled=pin, why_not=why_not)
+    if record is not None:
+        record.append(window.record)
+    others = [job for i, job in enumerate(jobs) if i != critical]
+    window.open()
+    try:
+        first = asyncio.ensure_future(window.critical(jobs[critical]))
+        try:
+            await window.critical_launched()
+        except BaseException:  # cancelled while waiting: nothing may go on starting
+            first.cancel()
+            close_unstarted(others)
+            raise
+        start_shadow_work()  # the controller's own start-up, in the generator's shadow
+        if first.done() and (first.cancelled() or first.exception() is not None):
+            close_unstarted(others)  # it failed before launching: the others never start
+            await first  # raises its error
+        rest = [asyncio.ensure_future(window.other(job)) for job in others]
+        gathered = await asyncio.gather(first, *rest, return_exceptions=True)
+    finally:
+        window.close()
+    results = list(gathered[1:])
+    results.insert(critical, gathered[0])
+    return await _all_or_none(results)
+
+
+async def _all_or_none(results: Sequence[S | BaseException]) -> list[S]:
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed:
         for r in results:
@@ -249,8 +290,10 @@ async def spawn_parts(cfg: RunConfig) -> SpawnedParts:
         jobs.append(EnvActor.options(**_where({"threads": p.threads}, job, h.envs, num_replicas=p.env_replicas))
                     .as_service(cc["envs"]))
     t0 = time.time()
-    try:
-        results = await start_all(jobs)
+    record: list[StartRecord] = []
+    try:  # the generator first, on core(s) of its own while the others start (forgelab.runtime.startup_cpus)
+        results = await start_all(jobs, critical=0, critical_cores=p.generator_replicas, pin=job is None,
+                                  why_not="the parts run on a monarch.job's hosts (hosts.job)", record=record)
     except BaseException:
         if job is not None:
             job.kill()
@@ -265,5 +308,5 @@ async def spawn_parts(cfg: RunConfig) -> SpawnedParts:
     return Parts(
         generators=generators, trainer=cast("ActorHandle[Trainer]", trainer), reference=reference, teacher=teacher,
         envs=services[-1] if cfg.rollout.env is not None else None,
-        job=job, seconds=time.time() - t0,
+        job=job, seconds=time.time() - t0, startup=record[0] if record else None,
     )

@@ -125,7 +125,7 @@ class SharedEngines:
             jobs.append(ReferenceModel.options(num_replicas=p.reference_replicas, threads=threads, with_gpus=gpus)
                         .as_service(cc["reference"]))
         t0 = time.time()
-        results = await start_all(jobs)
+        results = await start_all(jobs, critical=0, critical_cores=p.generator_replicas)  # the generator first
         self.spawn_s = time.time() - t0
         generators, trainer, services = results[0], results[1], cast("list[ServicePart]", results[2:])
         # as_service answers the component's SERVICE class; as_actor an ActorHandle of it

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from forgelab.lab._base import Panel, esc
-from forgelab.lab.summary import loss_name_of, pool_line, services_lines, services_rows, state_line, stuck_rows
+from forgelab.lab.summary import cpu_line, loss_name_of, pool_line, services_lines, services_rows, state_line, stuck_rows
 from forgelab.controller.facade import RunFacade
 
 _STATE_COLOURS = {"running": "#1b7a1b", "paused": "#b36b00", "failed": "#b00020", "finished": "#1f4e99",
@@ -107,7 +107,7 @@ class Controls(Panel):
 
 class ServicesPanel(Panel):
     """A table of each replica: health, in-flight requests, calls, failures, latency percentiles, restarts,
-    weight version, pid, last error."""
+    weight version, pid, last error; under it the cores busy over the steady state with CPU-s per episode."""
 
     min_interval_s = 1.0
 
@@ -142,6 +142,7 @@ class ServicesPanel(Panel):
             + "</tr></thead><tbody>" + "".join(body).replace("<td", "<td style='padding:2px 8px'")
             + "</tbody></table>"
             + (f"<div class='fl-pool' style='font-size:11px;color:#555'>{esc(pool_line(self.run))}</div>" if pool_line(self.run) else "")
+            + (f"<div class='fl-cpu' style='font-size:11px;color:#555'>{esc(cpu_line(self.run))}</div>" if cpu_line(self.run) else "")
             + "".join(f"<div class='fl-stuck' style='font-size:11px;color:#b00020'>stuck: {esc(r['part'])} in "
                       f"{esc(r['call'])} after {esc(r['waited_s'])} s; stacks: <a href='file://{esc(r['path'])}' "
                       f"target='_blank'>{esc(r['path'] or '(not written)')}</a></div>" for r in stuck_rows(self.run)))

@@ -159,11 +159,31 @@ def pool_line(run: RunFacade) -> str:
             f"spawned {pool.spawned} reused {pool.reused}; {pool.last_note}")
 
 
+def cpu_view(run: RunFacade) -> dict | None:
+    """The run's cores busy over its steady state (``status()["cpu_use"]``: ``cores_busy``, ``cpu_s_per_episode``,
+    ``cores``, ``cores_busy_by_part``, ...), or None before two steps."""
+    st = _safe(run.status, {}) or {}
+    use = st.get("cpu_use")
+    return use if isinstance(use, dict) else None
+
+
+def cpu_line(run: RunFacade) -> str:
+    """"cores busy 0.87 of 2 · 0.042 CPU-s per episode (generator 0.5, trainer 0.2, ...)", or "" before two steps."""
+    use = cpu_view(run)
+    if use is None:
+        return ""
+    per_ep = use.get("cpu_s_per_episode")
+    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted((use.get("cores_busy_by_part") or {}).items(),
+                                                           key=lambda kv: -kv[1]))
+    return (f"cores busy {_fmt(use['cores_busy'])} of {use.get('cores', '?')} · "
+            f"{_fmt(per_ep) if per_ep is not None else '-'} CPU-s per episode" + (f" ({parts})" if parts else ""))
+
+
 def services_lines(run: RunFacade) -> list[str]:
     rows = services_rows(run)
     if not rows:
         return ["services: (none running)"]
-    out = ["services:"] + ([pool_line(run)] if pool_line(run) else [])
+    out = ["services:"] + ([pool_line(run)] if pool_line(run) else []) + ([cpu_line(run)] if cpu_line(run) else [])
     for r in rows:
         err = f"  last error: {str(r['last_error'])[:80]}" if r["last_error"] else ""
         out.append(f"  {r['service']}[{r['index']}] {'healthy' if r['healthy'] else 'DOWN'}  in_flight {r['in_flight']}"

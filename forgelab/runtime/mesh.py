@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from forgelab.runtime import liveness, supervision
+from forgelab.runtime import liveness, startup_cpus, supervision
 
 if TYPE_CHECKING:  # Monarch loads lazily: importing forgelab stays cheap
     from monarch.actor import Actor, BootstrapCommand, Endpoint, HostMesh, Point, ProcMesh, ValueMesh
@@ -342,7 +342,10 @@ async def spawn(
     else:
         cmd = default_bootstrap_cmd().with_env(env)
     actor_name = name or f"{cls.__name__.lower()}{next(_counter)}"
+    # inside a start with a critical part: another part's processes start on the other cores (startup_cpus)
+    cmd = startup_cpus.pinned_command(cmd, local=placement.job is None)
     procs = host.spawn_procs(per_host=per_host, bootstrap_command=cmd)
+    startup_cpus.note_launch(cls.__name__)
     try:
         actor = procs.spawn(actor_name, cls, *args, **kwargs)
         setup: _NamedEndpoint = getattr(actor, "setup")
