@@ -10,6 +10,7 @@ MODULES = [
     "forgelab.engines.trainer_state", "forgelab.engines.trainer_optim", "forgelab.engines.contracts", "forgelab.envs.episode", "forgelab.algos.token_truth", "forgelab.algos.primitive_losses",
     "forgelab.bench.inflight_bench", "forgelab.bench.variants_bench", "forgelab.bench.distill_bench",
     "forgelab.serve.tools", "forgelab.envs.mcp_tools", "forgelab.runtime.startup_cpus", "forgelab.runtime.cpu_use",
+    "forgelab.controller.agent_runner",
 ]
 
 

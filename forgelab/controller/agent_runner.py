@@ -105,7 +105,7 @@ class AgentRunner:
                         return
                     except Exception as e:
                         await self._fail(report, sid, group, g_size, "agent_error",
-                                         f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+                                         f"{describe(e)}\n{traceback.format_exc()}")
                         return
                     try:
                         if target is not None:
@@ -152,6 +152,26 @@ class AgentRunner:
         report.failed_episodes += ids
         report.errors.append(f"{sid}: {first}")
         self.emit("agent_error", session=sid, reason=reason, error=error[-2000:], episodes=ids)
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message`` of an agent's exception; for an exception group (an MCP client's task group, an
+    ``asyncio.TaskGroup``), of the exceptions inside it, which say what went wrong.
+
+    >>> describe(ExceptionGroup("unhandled errors in a TaskGroup", [ValueError("bad tool"), KeyError("x")]))
+    "ValueError: bad tool; KeyError: 'x' (in ExceptionGroup: unhandled errors in a TaskGroup)"
+    """
+    if isinstance(e, BaseExceptionGroup):
+        leaves: list[BaseException] = []
+        stack: list[BaseException] = list(e.exceptions)
+        while stack:
+            x = stack.pop(0)
+            if isinstance(x, BaseExceptionGroup):
+                stack[:0] = list(x.exceptions)
+            else:
+                leaves.append(x)
+        return "; ".join(f"{type(x).__name__}: {x}" for x in leaves) + f" (in {type(e).__name__}: {e.message})"
+    return f"{type(e).__name__}: {e}"
 
 
 class _SharedClients:
