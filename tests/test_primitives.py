@@ -260,3 +260,48 @@ def test_the_lab_opens_a_client(loop: Any, prims: Any) -> None:
     assert (rollouts["status"] == "sampled").sum() == 11
     view.inspector.widget  # builds headless, as in a notebook
     assert set(view.inspector.filtered()["status"]) == {"trained", "sampled"}
+
+
+@integration
+def test_a_run_trains_beside_a_client_on_the_same_engines(loop: Any, prims: Any, tmp_path: Path) -> None:
+    """Clients share the engines with a live Run: with client B's slot freed, a GRPO run attaches to the same
+    engines and trains 2 steps while a sampler of the base model samples beside it; client A's adapter and AdamW
+    state are bit-identical around the run's steps, and A's forward logprobs equal (the same slot, the same batch
+    alone on the trainer)."""
+    import asyncio
+    import dataclasses
+
+    from forgelab.config.run_config import EvalConfig, RolloutConfig, TrackingConfig, TrainConfig
+    from forgelab.run import Run
+
+    a, b = prims.clients["a"], prims.clients["b"]
+    cfg = dataclasses.replace(
+        prims.engines.config, name="beside",
+        rollout=RolloutConfig(task="addition", group_size=4, prompts_per_rollout=2, concurrency=2, max_tokens=6),
+        train=TrainConfig(steps=2, batch_size=8, warmup_steps=1, max_policy_age=1),
+        eval=EvalConfig(every=0, n=8), tracking=TrackingConfig(out_dir=str(tmp_path), wandb=False))
+
+    async def go() -> dict[str, Any]:
+        await b.close()
+        r: dict[str, Any] = {"fp0": await a.fingerprint(), "lp0": await a.forward([sft_datum()])}
+        base = await prims.create_sampling_client()
+        run = Run(cfg, spawn=prims.engines)
+        await run.start()
+
+        async def sample_while_it_trains() -> list[Any]:
+            out = [await base.sample(PROMPT, 2, SamplingParams(max_tokens=4))]
+            while run.step < 2 and not run.main_task.done():
+                out.append(await base.sample(PROMPT, 2, SamplingParams(max_tokens=4)))
+            return out
+
+        r["samples"], _ = await asyncio.gather(sample_while_it_trains(), asyncio.wait_for(run.wait(), 180))
+        r["state"], r["step"] = run.state, run.step
+        await run.shutdown()
+        r["fp1"], r["lp1"] = await a.fingerprint(), await a.forward([sft_datum()])
+        return r
+
+    r = loop.run_until_complete(go())
+    assert r["state"] == "finished" and r["step"] == 2, r
+    assert r["fp1"] == r["fp0"]
+    assert torch.equal(r["lp1"].loss_fn_outputs[0]["logprobs"], r["lp0"].loss_fn_outputs[0]["logprobs"])
+    assert all(len(s.sequences) == 2 for s in r["samples"])
