@@ -341,9 +341,12 @@ class FakeBeats:
             self.loop_cpu += 0.01 * ("loop_cpu" in self.moving)
             if "counters" in self.moving:
                 self.counters["engine_steps"] = self.counters.get("engine_steps", 0) + 1
-            self.path.write_text(json.dumps({"pid": self.pid, "label": "fake", "beat": self.beat,
-                                             "loop_beat": self.loop_beat, "counters": dict(self.counters),
-                                             "loop_cpu": self.loop_cpu}))
+            # written whole, then renamed, as liveness writes them: a reader never sees a half-written record
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": self.pid, "label": "fake", "beat": self.beat,
+                                       "loop_beat": self.loop_beat, "counters": dict(self.counters),
+                                       "loop_cpu": self.loop_cpu}))
+            os.replace(tmp, self.path)
             self.writes += 1
             await asyncio.sleep(0.02)
 
@@ -566,9 +569,9 @@ def test_remote_deadlocked_process_is_flagged_and_dumped_over_the_network(tmp_pa
 def test_the_sink_drops_a_forged_heartbeat():
     import socket
 
-    from forgelab.runtime.beat_sink import beat_sink, pack
+    from forgelab.runtime.beat_sink import BeatSink, pack
 
-    sink = beat_sink()
+    sink = BeatSink()  # its own: the controller's sink (other tests in this process) keeps its dropped count at 0
     before = sink.dropped
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.sendto(pack(b"not the key" * 3, {"kind": "beat", "pid": 424242, "beat": 1}), ("127.0.0.1", sink.port))

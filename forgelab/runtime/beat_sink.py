@@ -75,13 +75,25 @@ def controller_addresses() -> list[str]:
     return list(dict.fromkeys(a for a in found if a and a != "0.0.0.0"))
 
 
+def sink_bind_address() -> str:
+    """Where the sink listens: loopback unless ``FORGELAB_HEARTBEAT_HOST`` names the address(es) the job's hosts
+    reach this controller at (one address: that one; several: every interface). Loopback by default, as every
+    other forgelab listener (docs/security.md): hosts that are this machine (ProcessJob, ssh or Slurm on
+    localhost) reach it there; a real cluster sets the variable."""
+    override = [a.strip() for a in os.environ.get("FORGELAB_HEARTBEAT_HOST", "").split(",") if a.strip()]
+    if not override:
+        return "127.0.0.1"
+    return override[0] if len(override) == 1 else "0.0.0.0"
+
+
 class BeatSink:
     """Receives signed heartbeat records and stack dumps (a daemon thread on one UDP socket)."""
 
-    def __init__(self, bind: str = "0.0.0.0"):
+    def __init__(self, bind: str | None = None):
         self.key = secrets.token_bytes(32)
+        self.bind = bind or sink_bind_address()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((bind, 0))
+        self.sock.bind((self.bind, 0))
         self.port: int = self.sock.getsockname()[1]
         self.records: dict[int, dict[str, object]] = {}
         """pid -> the newest record heard from it."""
@@ -97,7 +109,7 @@ class BeatSink:
     @property
     def address(self) -> tuple[list[str], int, str]:
         """What a process is given to send its heartbeats here: (addresses to try, port, key in hex)."""
-        return controller_addresses(), self.port, self.key.hex()
+        return ([self.bind] if self.bind != "0.0.0.0" else controller_addresses()), self.port, self.key.hex()
 
     def record(self, pid: int) -> dict[str, object] | None:
         """The newest heartbeat record of process `pid` (None: none heard)."""

@@ -147,6 +147,8 @@ def _sender(sink: tuple[list[str], int, str], stacks: Path) -> Callable[[dict[st
     addresses, port, key_hex = sink
     key = bytes.fromhex(key_hex)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if all(a.startswith("127.") for a in addresses):  # the controller is on this machine: answer on loopback only
+        sock.bind(("127.0.0.1", 0))
     sock.setblocking(False)
     _keep.append(sock)
 
