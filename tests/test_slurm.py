@@ -235,10 +235,7 @@ def test_a_run_checkpoints_and_stops_before_the_time_limit_and_resumes_from_it(t
 
     job = _ReportingJob()
 
-    async def spawn(cfg):
-        parts = await fake_spawn(cfg)
-        parts.job = job
-        return parts
+    spawn = _spawn_with(job)
 
     async def first():
         run = Run(_fake_run_config(tmp_path, steps=1000), spawn=spawn)
@@ -272,6 +269,20 @@ def test_a_run_checkpoints_and_stops_before_the_time_limit_and_resumes_from_it(t
     assert any(e["kind"] == "resumed_from_checkpoint" and e["path"] == str(ckpt) for e in resumed.events)
 
 
+def _spawn_with(job, held=None):
+    """A spawn of the fakes whose parts carry `job` (as a hosts job's parts do); the parts go in ``held["parts"]``."""
+    from forgelab.testing.fakes import fake_spawn
+
+    async def spawn(cfg):
+        parts = await fake_spawn(cfg)
+        parts.job = job
+        if held is not None:
+            held["parts"] = parts
+        return parts
+
+    return spawn
+
+
 def test_a_lost_worker_is_in_the_runs_message_events_and_error(tmp_path):
     """srun's report of a lost worker becomes the event worker_lost and the run's message (host, part, reason);
     when the run then fails, its error carries it; the episode accounting identity holds."""
@@ -283,10 +294,7 @@ def test_a_lost_worker_is_in_the_runs_message_events_and_error(tmp_path):
     job = _ReportingJob()
     held = {}
 
-    async def spawn(cfg):
-        held["parts"] = parts = await fake_spawn(cfg)
-        parts.job = job
-        return parts
+    spawn = _spawn_with(job, held)
 
     async def go():
         run = Run(_fake_run_config(tmp_path, steps=1000), spawn=spawn)
