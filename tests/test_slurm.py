@@ -231,7 +231,6 @@ def test_a_run_checkpoints_and_stops_before_the_time_limit_and_resumes_from_it(t
     """The job's time-limit notice (from its thread): the run stops after the current step, writes a checkpoint,
     says where in its message and events; a run resumed from that checkpoint continues with the next step."""
     from forgelab.run import Run
-    from forgelab.testing.fakes import fake_spawn
 
     job = _ReportingJob()
 
@@ -289,7 +288,6 @@ def test_a_lost_worker_is_in_the_runs_message_events_and_error(tmp_path):
     import asyncio
 
     from forgelab.run import Run
-    from forgelab.testing.fakes import fake_spawn
 
     job = _ReportingJob()
     held = {}
