@@ -56,6 +56,48 @@ def test_throttle_coalesces_pokes():
     asyncio.run(scenario())
 
 
+def test_the_end_of_a_run_is_shown_at_once_not_after_the_budget():
+    """A refresh put off by the duty budget (a slow redraw stretches it to a minute) runs when the run ends:
+    the controls line says "finished", not the state of two steps ago (CI saw "running step 2/4" 30 s after the
+    end). Other events still wait for the throttle."""
+    from forgelab.lab.controls_panel import Controls
+
+    class Run:
+        def __init__(self):
+            self.st, self.listeners = {"state": "running", "step": 2, "steps": 4, "version": 2, "loss": "grpo"}, []
+
+        def status(self):
+            return dict(self.st)
+
+        def add_listener(self, fn):
+            self.listeners.append(fn)
+
+    async def scenario():
+        run = Run()
+        panel = Controls(run, min_interval_s=60.0)
+        panel.widget  # built and filled once: "running step 2/4"
+        assert "step <b>2</b>/4" in panel.state.value
+        run.st.update(step=4, version=4)
+        for fn in run.listeners:
+            fn({"step": 4})  # a metrics row: due in 60 s, so a timer is armed
+        assert panel.throttle._timer is not None and "step <b>2</b>/4" in panel.state.value
+        waiter = asyncio.ensure_future(panel.throttle.settled())
+        await asyncio.sleep(0)
+        run.st["state"] = "finished"
+        for fn in run.listeners:
+            fn({"event": {"kind": "finished", "step": 4}})
+        assert panel.throttle._timer is None
+        assert "finished" in panel.state.value and "step <b>4</b>/4 · version 4" in panel.state.value
+        await asyncio.wait_for(waiter, 5)  # whoever awaited the pending refresh is told
+        run.st["step"] = 5
+        for fn in run.listeners:
+            fn({"event": {"kind": "eval", "step": 4}})  # an ordinary event waits for the interval again
+        assert panel.throttle._timer is not None and "step <b>4</b>/4" in panel.state.value
+        panel.throttle.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_throttles_sharing_a_budget_stay_within_it_together():
     from forgelab.lab._base import LAB_BUDGET, DutyBudget
 

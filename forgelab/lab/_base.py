@@ -77,6 +77,9 @@ class DutyBudget:
         return sum(t.last_cost for t in list(self._members) if now - t.last_run <= self.active_s)
 
 
+ENDED = ("finished", "stopped", "failed")
+"""The run states (and their events) after which nothing changes: panels refresh at once on them."""
+
 LAB_BUDGET = DutyBudget(max_duty=0.015)
 """Every lab view in this process shares it: the lab's refreshes together take at most 1.5 % of the
 controller's time (the benchmark's goal is 2 % of a step for everything the lab does)."""
@@ -140,6 +143,13 @@ class Throttle:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+    def flush(self) -> None:
+        """Run now if a refresh is pending (its timer is cancelled and its waiters are told): the last word on
+        something that will not change again (a run that ended) is shown at once, outside the budget, once."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._fire()
 
     async def settled(self) -> None:
         """Until no refresh is pending: `await panel.throttle.settled()` lets a cell or a test see the view catch up."""
@@ -245,6 +255,11 @@ class Panel(View):
         self._loop = running_loop() or self._loop
         if self._widget is not None and self._wants(msg):
             self.throttle.poke()
+            ev = msg.get("event")
+            if ev is not None and ev.get("kind") in ENDED:
+                # the run's end is its last change: a refresh the budget has put off (up to a minute when a
+                # redraw is slow) happens now, so no panel shows a finished run as running
+                self.throttle.flush()
 
     def schedule(self, coro) -> asyncio.Future:
         """Run a run coroutine (set_loss, stop, save_checkpoint) on the run's loop without blocking the caller."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from forgelab.lab._base import Panel, esc
+from forgelab.lab._base import ENDED, Panel, esc
 from forgelab.lab.summary import state_line
 from forgelab.lab.tokens import (COLOUR_BY, colour_choices, histogram_html, mismatch_histogram, spans_html, table_html,
                                  token_rows)
@@ -18,7 +18,6 @@ from forgelab.controller.facade import RunFacade
 SORT_COLUMNS = ("id", "reward", "advantage", "policy_version", "group_id", "length", "mismatch_max")
 CORRECTNESS = ("all", "only right", "only wrong")
 STATUSES = ("all statuses", "trained", "buffered", "in_flight", "evicted", "dropped")
-ENDED = ("finished", "stopped", "failed")
 
 
 def _short(x: Any, n: int) -> str:
