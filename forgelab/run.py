@@ -196,7 +196,9 @@ class Run:
 
     async def play_agents(self, agent: Callable[..., Any], tasks: Sequence[Any], **kw: Any) -> Any:
         """Run ``async def agent(client, task) -> reward`` as rollouts through the agent door (`AgentRunner.play`:
-        ``group_size``, ``concurrency``, ``timeout_s``, ``task_key``); its `AgentReport`."""
+        ``group_size``, ``concurrency``, ``timeout_s``, ``task_key``, ``wait_for_admission``); its `AgentReport`.
+        Each session waits until the run admits its episode (as native rollouts do), so a play may be started
+        at any time: it paces itself to training."""
         if self.door is None:
             raise RuntimeError("Run.play_agents needs the agent door: set door.enabled and spawn or start the run")
         return await self.door.runner(self.bus.emit).play(agent, tasks, **kw)
@@ -404,6 +406,7 @@ class Run:
             raise
         finally:
             self.gate.stopping = True
+            await self.gate.notify()  # whoever waits for admission (an agent play's sessions) stops waiting
             for t in self._tasks:  # in-flight rollouts drop their not-yet-buffered episodes (rollout_cancelled)
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -87,6 +87,9 @@ class _Sink:
     async def forget(self, episode_id):
         self.forgotten.append(episode_id)
 
+    async def wait_open(self):
+        return await self.open()
+
 
 def test_sessions_bounds_expiry_and_groups():
     now = [0.0]

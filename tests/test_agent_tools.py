@@ -353,6 +353,8 @@ def test_runner_groups_failures_and_timeouts_over_fakes():
         async def forget(self, episode_id):
             pass
 
+        wait_open = open  # admission is always open here
+
     sink, events = Sink(), []
     sessions = AgentSessions(DoorLimits(group_size=3), sink)
 
@@ -391,6 +393,94 @@ def test_runner_groups_failures_and_timeouts_over_fakes():
     assert all("Traceback" in e for _, r, e in sink.dropped if "KeyError" in e) and len(events) == 8
     assert sessions.counters()["agent/open_sessions"] == 0 and sessions.counters()["agent/open_groups"] == 0
     assert sessions.counters()["agent/failed_sessions"] == 8
+
+
+def test_play_waits_for_admission_and_paces_itself_to_training():
+    """`AgentRunner.play` over the run's own admission path (`RolloutSink` on a real `ReplayBuffer` and `Gate`; the
+    client is a fake that records one call as the door would): with the buffer admitting 2 episodes (batch 2,
+    staleness 0), of 4 sessions only 2 agents start; the others wait, not failing with the door's 429, until the
+    served version moves (a training step), then run. A session still waiting when the run stops fails with
+    ``run_stopped`` and its agent never runs. Without waiting, the agent's first call meets a closed admission."""
+    from forgelab.algos.agent_episodes import Call, Choice
+    from forgelab.controller.agent_runner import AgentRunner
+    from forgelab.controller.agent_sessions import AgentSessions, DoorBusy, DoorLimits, RolloutSink
+    from forgelab.controller.buffer import ReplayBuffer
+    from forgelab.controller.rollout import Gate
+
+    class Rollouts:  # what RolloutSink uses of `Rollouts`: ids, the gate, buffering played groups
+        def __init__(self, buffer):
+            self.gate, self.buffer, self.next, self.groups, self.dropped = Gate(), buffer, 0, 0, []
+
+        def take_ids(self, episodes, groups=0):
+            first = (self.next, self.groups)
+            self.next, self.groups = self.next + episodes, self.groups + groups
+            return first
+
+        async def add_played(self, groups, failed=None):
+            self.buffer.add([ep for g in groups for ep in g])
+
+        def drop_played(self, episodes, reason):
+            self.dropped += [(ep.id, reason) for ep in episodes]
+
+    buffer = ReplayBuffer(batch_size=2, max_policy_age=0)
+    rollouts = Rollouts(buffer)
+    sessions = AgentSessions(DoorLimits(group_size=2), RolloutSink(rollouts, buffer))
+    started = []
+
+    class Client:
+        def __init__(self, base_url, key):
+            self.session = key.split(".", 1)[1]
+
+        async def call(self):
+            s = sessions.session(self.session)
+            async with s.lock:
+                k = await sessions.plan(s, [1, 2])  # DoorBusy (a 429) if admission were closed and nothing reserved
+                sessions.record(s, k, Call(prompt_ids=[1, 2], choices=[Choice(completion_ids=[3], logprobs=[-0.1],
+                                                                             version=buffer.served_version, text="x")]))
+
+        async def close(self):
+            pass
+
+    async def agent(client, task):
+        started.append((task, buffer.served_version))
+        await client.call()
+        return 1.0
+
+    events = []
+    runner = AgentRunner(sessions, base_url="http://x/v1", key="tml-k", emit=lambda kind, **f: events.append(kind),
+                         client=Client)
+
+    async def body():
+        play = asyncio.ensure_future(runner.play(agent, ["a", "b"], group_size=2, concurrency=4, task_key=str))
+        while buffer.counts()["buffered"] < 2:  # the first group is played and buffered ...
+            await asyncio.sleep(0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert started == [("a", 0), ("a", 0)] and not play.done()  # ... and the second waits, not failed
+        buffer.served_version = 1  # a training step was pushed: admission opens again
+        await rollouts.gate.notify()
+        report = await asyncio.wait_for(play, 10)
+        assert (report.rewarded, report.failed) == (4, 0), report.errors
+        assert started[2:] == [("b", 1), ("b", 1)]
+        # a session waiting when the run stops fails as run_stopped; its agent never runs
+        play = asyncio.ensure_future(runner.play(agent, ["c"], group_size=2, task_key=str))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(started) == 4
+        rollouts.gate.stopping = True
+        await rollouts.gate.notify()
+        report = await asyncio.wait_for(play, 10)
+        assert (report.rewarded, report.failed) == (0, 2) and len(started) == 4
+        assert all("run stopped before it admitted" in e for e in report.errors), report.errors
+        assert sessions.counters()["agent/open_sessions"] == 0
+        # without waiting, the agent starts at once and its first call meets the closed admission
+        rollouts.gate.stopping = False
+        report = await runner.play(agent, ["d"], group_size=1, task_key=str, wait_for_admission=False)
+        assert report.failed == 1 and "DoorBusy" in report.errors[0] and started[-1] == ("d", 1)
+        buffer.check_accounting()
+
+    asyncio.run(body())
+    assert DoorBusy  # the 429 the waiting spares an agent
 
 
 def test_config_door_only_runs_and_dialect_names():

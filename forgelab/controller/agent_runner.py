@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from forgelab.controller.agent_sessions import AgentSessions, DoorRefused, UnknownSession
+from forgelab.controller.agent_sessions import AgentSessions, DoorBusy, DoorRefused, UnknownSession
 from forgelab.controller.events import Emit
 
 __all__ = ["AgentFn", "AgentReport", "AgentRunner"]
@@ -72,10 +72,16 @@ class AgentRunner:
 
     async def play(self, agent: AgentFn, tasks: Sequence[object], *, group_size: int | None = None,
                    concurrency: int = 64, timeout_s: float = 300.0,
-                   task_key: Callable[[object], str] | None = None) -> AgentReport:
+                   task_key: Callable[[object], str] | None = None, wait_for_admission: bool = True) -> AgentReport:
         """Run ``agent`` on each task ``group_size`` times (default: the door's group size), at most
         ``concurrency`` sessions at once, each within ``timeout_s``; returns when every session was rewarded or
-        failed. ``task_key(task)`` names its group (default: its index in this call)."""
+        failed. ``task_key(task)`` names its group (default: its index in this call).
+
+        With ``wait_for_admission`` (the default) a session starts only once the run admits its episode, as a
+        native rollout waits (the replay buffer full up to the staleness bound, an evaluation running): its agent's
+        first call is then never refused, and ``timeout_s`` counts from there. A session the run stops before
+        admitting fails with reason ``run_stopped``. False: sessions start at once, and a call made while admission
+        is closed gets the door's 429 (an agent that handles it may retry)."""
         g_size = group_size or self.sessions.limits.group_size
         if g_size < 1 or concurrency < 1 or not timeout_s > 0:
             raise ValueError(f"AgentRunner.play: group_size ({g_size}) and concurrency ({concurrency}) must be >= 1 "
@@ -91,6 +97,16 @@ class AgentRunner:
         async def one(t: int, task: object, g: int) -> None:
             sid, group = f"{prefix}-t{t}-s{g}", f"{prefix}:{task_key(task) if task_key else t}"
             async with slots:
+                if wait_for_admission:
+                    try:
+                        admitted = await self.sessions.reserve(sid)
+                    except DoorBusy as e:  # door.max_sessions open at once (the door's other callers included)
+                        await self._fail(report, sid, group, g_size, "agent_error", f"DoorBusy: {e}")
+                        return
+                    if not admitted:
+                        await self._fail(report, sid, group, g_size, "run_stopped", "the run stopped before it "
+                                         "admitted this session's episode; the agent did not run")
+                        return
                 client = make(self.base_url, f"{self.key}.{sid}")
                 try:
                     try:

@@ -78,6 +78,11 @@ class EpisodeSink(Protocol):
         """Admit one episode: its fresh id, or None when admission is closed."""
         ...
 
+    async def wait_open(self) -> int | None:
+        """Admit one episode, waiting until admission opens (as a native rollout worker waits): its fresh id, or
+        None once the run stops."""
+        ...
+
     async def close(self, groups: list[list[Episode]]) -> None:
         """Number the groups, buffer them as native rollouts are, and give their slots back."""
         ...
@@ -117,6 +122,21 @@ class RolloutSink:
         first, _ = self.rollouts.take_ids(1)
         self.buffer.admit(1, first_id=first)
         return first
+
+    async def wait_open(self) -> int | None:
+        while True:
+            gate = self.rollouts.gate
+            async with gate.changed:  # woken when the buffer or the served version changes, an evaluation ends,
+                # the run stops, or the run (re)starts with a new gate (`Rollouts.use_gate`)
+                await gate.changed.wait_for(lambda: gate.stopping or gate is not self.rollouts.gate
+                                            or (gate.may_admit() and self.buffer.may_admit(1)))
+                if gate is not self.rollouts.gate:
+                    continue
+                if gate.stopping:
+                    return None
+                first, _ = self.rollouts.take_ids(1)
+                self.buffer.admit(1, first_id=first)
+                return first
 
     async def _release(self, ids: list[int]) -> None:
         gate = self.rollouts.gate
@@ -237,6 +257,23 @@ class AgentSessions:
         self._sessions.move_to_end(session_id)
         s.last_used = self.clock()
         return s
+
+    async def reserve(self, session_id: str) -> bool:
+        """Open session ``session_id`` and take the admission slot its first call will use, waiting until the run
+        admits an episode (`EpisodeSink.wait_open`; `AgentRunner.play` calls this before an agent starts, so its
+        first call is never a 429); False when the run stops first. `DoorBusy` past ``max_sessions``."""
+        s = self.session(session_id)
+        async with s.lock:
+            if s.segments or s.pending_id is not None:
+                return True
+            eid = await self.sink.wait_open()
+            if eid is None:
+                if not s.segments and self._sessions.get(s.id) is s:  # holds no place
+                    del self._sessions[s.id]
+                return False
+            s.pending_id = eid
+            s.last_used = self.clock()
+            return True
 
     async def plan(self, s: AgentSession, prompt_ids: list[int], prefer: int | None = None) -> int | None:
         """The tail choice of the current segment that ``prompt_ids`` extends; None: the call starts a new segment,

@@ -64,6 +64,14 @@ RECENT = 2000
 __all__ = ["Gate", "SingleTurn", "EnvEpisodes", "Rollouts", "Admitted", "episode_seed", "determinism"]
 
 
+async def _wake(gate: "Gate") -> None:
+    """Wake whoever waits on a replaced gate; one bound to another (earlier) event loop has nobody waiting here."""
+    try:
+        await gate.notify()
+    except RuntimeError:
+        pass
+
+
 class Gate:
     """What the controller's loops wait on: pause, stop, and "the buffer or the served version changed"."""
 
@@ -324,8 +332,14 @@ class Rollouts:
 
     # -- the owner's counters -----------------------------------------------------------------------------
     def use_gate(self, gate: Gate) -> None:
-        """The gate of the event loop that (re)starts the run."""
-        self.gate = gate
+        """The gate of the event loop that (re)starts the run; whoever waits on the old one is woken (to wait on
+        the new one)."""
+        old, self.gate = self.gate, gate
+        if old is not gate:
+            try:
+                asyncio.get_running_loop().create_task(_wake(old))
+            except RuntimeError:  # no running loop: nobody can be waiting on the old gate
+                pass
 
     def recent_episodes(self) -> list[Episode]:
         """The newest episodes kept in memory (a view: buffered, trained or dropped), newest last."""
