@@ -33,6 +33,15 @@ if _THREADS:
         return env
 
     _component.Placement.process_env = _process_env_with_test_threads
+elif os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test`: two workers on two cores, each beside its own actor processes (one thread each, their
+    # placement's default). A worker's own torch work at torch's default of one thread per core spun against the
+    # other worker: test_lora's activation-checkpointing check took 8.2 s at 2 threads on a busy machine, 0.9 s
+    # at 1, test_distill's per-row HF forwards ~15x slower (2026-11-28). Bounds hold at any thread count
+    # (make test-numerics runs 1, 2 and 4).
+    import torch
+
+    torch.set_num_threads(1)
 
 
 ENGINE_POOL_MAX_IDLE = 1

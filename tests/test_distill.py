@@ -363,22 +363,39 @@ def _sharpened_teacher(tmp_path) -> str:
     return d
 
 
-def _reverse_kl(student_dir: str, teacher_dir: str, rows: list[dict]) -> float:
-    """Mean over the rows' completion positions of the exact KL(student || teacher) over the whole vocabulary
-    (float64 softmaxes of HF float32 forwards): no sampling noise, the same sequences for every student."""
+def _reverse_kls(student_dirs: list[str], teacher_dir: str, rows: list[dict]) -> list[float]:
+    """Per student, the mean over the rows' completion positions of the exact KL(student || teacher) over the
+    whole vocabulary (float64 softmaxes of HF float32 forwards): no sampling noise, the same sequences for every
+    student. The teacher's forwards are shared by the students; rows of one length go through as one batch (a
+    causal model's row is its own computation, batched or not, up to float32 rounding: ~1e-7 of a KL whose
+    change asserted below is 2 %), on one thread (the test process's default of one per core, beside the other
+    worker's processes, made these small forwards ~15x slower)."""
     from transformers import AutoModelForCausalLM
 
-    s_model, t_model = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-                        for d in (student_dir, teacher_dir))
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            ids = torch.tensor([list(r["prompt_ids"]) + list(r["completion_ids"])])
-            P = len(r["prompt_ids"])
-            ls, lt = (torch.log_softmax(m(ids).logits[0, P - 1:-1].double(), -1) for m in (s_model, t_model))
-            total += float((ls.exp() * (ls - lt)).sum())
-            n += ls.shape[0]
-    return total / n
+    by_len: dict[int, list[dict]] = {}
+    for r in rows:
+        by_len.setdefault(len(r["prompt_ids"]) + len(r["completion_ids"]), []).append(r)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    students = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in student_dirs]
+    totals, n = [0.0] * len(students), 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for group in by_len.values():
+                ids = torch.tensor([list(r["prompt_ids"]) + list(r["completion_ids"]) for r in group])
+                # completion positions: row i's targets from its prompt length P_i on (logits at P_i - 1 .. L - 2)
+                keep = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool)
+                for i, r in enumerate(group):
+                    keep[i, len(r["prompt_ids"]) - 1:] = True
+                lt = torch.log_softmax(teacher(ids).logits[:, :-1].double(), -1)[keep]
+                for k, s_model in enumerate(students):
+                    ls = torch.log_softmax(s_model(ids).logits[:, :-1].double(), -1)[keep]
+                    totals[k] += float((ls.exp() * (ls - lt)).sum())
+                n += int(keep.sum())
+    finally:
+        torch.set_num_threads(threads)
+    return [t / n for t in totals]
 
 
 @pytest.mark.integration
@@ -386,7 +403,11 @@ def test_a_short_distillation_run_lowers_the_reverse_kl_to_its_teacher(loop, tmp
     """Distillation alone (``rollout.advantage: none``: the reward teaches nothing) toward the sharpened teacher:
     the exact reverse KL to the teacher on the run's trained sequences is lower (by > 2 %) from the trained
     student than from the base; the recorded teacher logprobs equal a HF forward of the teacher on the recorded tokens
-    (within the forward's float32 bound, tests/numerics.py)."""
+    (within the forward's float32 bound, tests/numerics.py).
+
+    Issue #39: the run is unchanged (its margin is thin, above); the exact KL is computed in batches of one
+    length with the teacher's forwards shared (`_reverse_kls`): 737 s wall / 285 CPU-s -> 112 s / 49 CPU-s for
+    this test on the loaded 2-core machine (2026-11-28), the same KLs (0.1371 -> 0.1249: -8.9 %)."""
     from transformers import AutoModelForCausalLM
 
     from forgelab.config import RunConfig
@@ -421,7 +442,7 @@ def test_a_short_distillation_run_lowers_the_reverse_kl_to_its_teacher(loop, tmp
     # On every trained sequence (512): measured on step 1's 32 alone, the change is within noise of the
     # estimator (-8.6 %, -6.5 %, -1.3 % for seeds 0, 2, 1; +1.3 % at lr 3e-5); on all of them -8.9 %,
     # -5.4 %, -4.7 % (lr 3e-5: -8.8 %). A flipped sign raises it, a zero signal leaves it unchanged.
-    before, after = _reverse_kl(SHIPPED_MODEL, teacher, trained), _reverse_kl(student, teacher, trained)
+    before, after = _reverse_kls([SHIPPED_MODEL, student], teacher, trained)
     print(f"reverse KL to the teacher on the {len(trained)} trained sequences: base {before:.4f}, "
           f"after {steps} steps {after:.4f}")
     assert after < 0.98 * before, (before, after)

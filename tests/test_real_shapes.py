@@ -10,6 +10,7 @@ Within a shape the tests run in file order: the weight-sync check reads the stat
 and FSDP checks then take extra trainer steps.
 """
 import math
+import os
 
 import pytest
 import torch
@@ -38,6 +39,16 @@ def _vocab(run) -> int:
 
     with open(os.path.join(run.config.model.path, "config.json")) as f:
         return json.load(f)["vocab_size"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _every_core():
+    """This file runs alone (the root conftest's EXCLUSIVE), so its own float64 and HF work takes every core: the
+    suite's conftest gives a test worker one thread, for files that run beside the other worker."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
