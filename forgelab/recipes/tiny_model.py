@@ -171,10 +171,19 @@ def save_with_card(model, tokenizer, r: TinyRecipe, out: str, *, steps: int, los
 
 
 def train(r: TinyRecipe) -> dict:
-    """Run the recipe; returns the model card dict (also written to ``r.out``)."""
+    """Run the recipe; returns the model card dict (also written to ``r.out``). The process's torch thread count
+    is the recipe's while it trains and the caller's again after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(r.threads, 2))
+    try:
+        return _train(r)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(r: TinyRecipe) -> dict:
     from transformers import LlamaForCausalLM
 
-    torch.set_num_threads(min(r.threads, 2))
     tokenizer = build_tokenizer()
     train_problems = [p for name, n in r.n_train.items() for p in TASKS[name].make("train", n, r.seed)]
     ids_N_T, labels_N_T = encode_sft(tokenizer, train_problems)
