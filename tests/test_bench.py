@@ -101,6 +101,15 @@ def test_quick_mode_runs_and_reports(name, quick_env):
     if name == "async":
         assert set(result["time_to_target_s"]) == {"0", "1", "2"}
         assert result["async_over_sync_default"] == result["async_over_sync_by_age"]["1"]
+    # -- agent_lift, variants: what their smaller quick modes must still have run (issue 39) --
+    if name == "agent_lift":  # both arms trained every step on the pooled processes; the door's episodes trained
+        for arm in ("native", "door"):
+            (r,) = result["per_seed"][arm]
+            assert r["steps"] == result["steps"] and r["accounting_holds"], result
+        door = result["per_seed"]["door"][0]  # quick: 2 problems x 4 sessions a step
+        assert door["sessions"] - door["failed"] >= 8 * result["steps"] and door["retokenized_segments"] == 0, result
+    if name == "variants":  # the one variant's steps, then each of the four forks' own steps, on the shared trainer
+        assert result["trainer_steps"] == 5 * result["steps"], result
 
 
 def test_update_mode_is_not_in_the_engine_key(tmp_path):

@@ -33,8 +33,9 @@ the drain). Busy = (the generator's engine-step time + its intake time) / its ow
 the native path's busy fraction over the same kind of window is reported beside it
 (``native_generator_busy_1k``).
 
-``--quick`` measures nothing: one round at C = 16 and the 1k part with 192 sessions, 64 at once; every key of the
-JSON.
+``--quick`` measures nothing: one round at C = 8 (one group: both native settings are one call of 8) and the 1k
+part with 48 sessions, 16 at once (the window opens at the first end and closes at the 48th start, the native
+path's window at its 2 s floor); every key of the JSON.
 """
 from __future__ import annotations
 
@@ -252,7 +253,8 @@ async def _main(args, out_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench agent_door", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="proves the code path: one round at C=16; 192 sessions, 64 at once")
+    ap.add_argument("--quick", action="store_true",
+                    help="proves the code path: one round at C=8; 48 sessions, 16 at once")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--sessions-1k", type=int, default=1000)
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timeout", type=float, default=300.0, help="an agent session's timeout_s")
     args = ap.parse_args(argv or [])
     if args.quick:
-        args.rounds, args.concurrency, args.sessions_1k, args.total_1k = 1, 16, 64, 192
+        args.rounds, args.concurrency, args.sessions_1k, args.total_1k = 1, GROUP, 16, 48
     if args.concurrency % PER_CALL and args.concurrency > PER_CALL or args.concurrency % GROUP:
         ap.error(f"--concurrency must be a multiple of {GROUP} (and of {PER_CALL} above it)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -28,9 +28,11 @@ train step, as a native run with ``max_policy_age: 1`` does (the native arm's tw
 plays in flight). No play starts once the buffer holds enough episodes for every step; a session refused all
 the same (the run ending under it) fails as ``agent_error`` and is counted (``failed``), never trained.
 
-``--quick`` proves the code path and measures nothing: each arm 2 steps of 2 problems x 4 samples, 8 held-out
-problems. Last line: JSON with ``door_lift_points`` (goal >= 15), ``native_lift_points``,
-``door_minus_native_points`` (goal: |.| <= 5), per-seed accuracies and the wall seconds of each arm.
+``--quick`` proves the code path and measures nothing: each arm 2 steps of 2 problems x 4 samples, 4 held-out
+problems, both arms on one `ProcessPool` (the same engine key: the native arm spawns the processes, the door
+arm re-initialises them; the full mode gives each arm new processes). Last line: JSON with ``door_lift_points``
+(goal >= 15), ``native_lift_points``, ``door_minus_native_points`` (goal: |.| <= 5), per-seed accuracies and the
+wall seconds of each arm.
 """
 from __future__ import annotations
 
@@ -173,12 +175,13 @@ def _bound_agent(model: str) -> Any:
     return agent
 
 
-async def run_arm(cfg: Any) -> dict[str, Any]:
-    """One arm: held-out accuracy (`Run.evaluate`, and the agent's) before step 1 and after the last step."""
+async def run_arm(cfg: Any, spawn: Any = None) -> dict[str, Any]:
+    """One arm: held-out accuracy (`Run.evaluate`, and the agent's) before step 1 and after the last step.
+    ``spawn``: a `ProcessPool` to take the processes from (``--quick``), or None for new ones."""
     from forgelab.run import Run
 
     t0 = time.perf_counter()
-    run = Run(cfg)
+    run = Run(cfg, spawn=spawn)
     out: dict[str, Any] = {}
     try:
         await run.spawn()
@@ -231,9 +234,26 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+async def _pooled_arms(cfgs: list[Any]) -> list[dict[str, Any]]:
+    """`run_arm` of each config in turn on one `ProcessPool` (``--quick``: both arms have the same engine key, so
+    the first spawns the processes and the next re-initialises them)."""
+    from forgelab.engines.pool import ProcessPool
+
+    pool = ProcessPool()
+    try:
+        out = [await run_arm(cfg, spawn=pool) for cfg in cfgs]
+        if pool.spawned != 1:
+            raise RuntimeError(f"agent_lift --quick: the arms spawned {pool.spawned} process sets, not 1 "
+                               f"({pool.last_note})")
+        return out
+    finally:
+        await pool.shutdown()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench agent_lift", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 steps of 2 x 4 episodes per arm, 8 held-out problems")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 steps of 2 x 4 episodes per arm, 4 held-out problems, one process pool")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=1, help="train.seed 0 .. seeds-1")
     ap.add_argument("--first-seed", type=int, default=0)
@@ -242,23 +262,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     prompts, group = (2, 4) if a.quick else (8, 8)
     if a.quick:
-        a.steps, a.eval_n, a.seeds = 2, 8, 1
+        a.steps, a.eval_n, a.seeds = 2, 4, 1
     arms = [x for x in a.arms.split(",") if x]
     machine = print_machine("start")
     work = tempfile.mkdtemp(prefix="forgelab-agent-lift-")
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     try:
-        for seed in range(a.first_seed, a.first_seed + a.seeds):
-            for arm in arms:
-                cfg = arm_config(arm, steps=a.steps, seed=seed, eval_n=a.eval_n, out_dir=work, prompts=prompts,
-                                 group=group)
-                r = asyncio.run(run_arm(cfg))
-                r["seed"] = seed
-                results[arm].append(r)
-                print(f"{arm} seed {seed}: held-out {r['before']:.3f} -> {r['after']:.3f} (agent {r['agent_before']:.3f}"
-                      f" -> {r['agent_after']:.3f}); rollout reward {r['reward_first10']:.3f} -> {r['reward_last10']:.3f};"
-                      f" {r['wall_s']:.0f} s" + (f"; {r['failed']} of {r['sessions']} sessions failed"
-                                                  if "sessions" in r else ""), flush=True)
+        plan = [(seed, arm, arm_config(arm, steps=a.steps, seed=seed, eval_n=a.eval_n, out_dir=work, prompts=prompts,
+                                       group=group))
+                for seed in range(a.first_seed, a.first_seed + a.seeds) for arm in arms]
+        if a.quick:  # one set of processes for both arms: the spawn is fixed cost, not what quick checks
+            pooled = asyncio.run(_pooled_arms([cfg for _, _, cfg in plan]))
+        for i, (seed, arm, cfg) in enumerate(plan):
+            r = pooled[i] if a.quick else asyncio.run(run_arm(cfg))
+            r["seed"] = seed
+            results[arm].append(r)
+            print(f"{arm} seed {seed}: held-out {r['before']:.3f} -> {r['after']:.3f} (agent {r['agent_before']:.3f}"
+                  f" -> {r['agent_after']:.3f}); rollout reward {r['reward_first10']:.3f} -> {r['reward_last10']:.3f};"
+                  f" {r['wall_s']:.0f} s" + (f"; {r['failed']} of {r['sessions']} sessions failed"
+                                              if "sessions" in r else ""), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [{"arm": arm, "seed": r["seed"], "before": r["before"], "after": r["after"],

@@ -35,11 +35,12 @@ the steps-to-target spread between seeds), `generator_idle_drain`, `generator_id
 between two pairs of one mode) and `learning_not_worse` (median final accuracy inflight >= median drain -
 that spread).
 
-``--quick`` measures nothing; it spawns the one process set (warmed by a 1-step run in each mode, as in the full
-mode: the generator's counters are read from the pool's idle processes), then one pair (both modes, the
-alternating order's first) of 2 steps each at batch 8 (1 group x 8) with 10 held-out problems at steps 0 and 2,
-each censored, with the long-tailed sampling, and every key of the JSON. Its cost is that one spawn (two before
-the update mode left the pool's engine key); the four runs are re-initialisations. ``process_sets_spawned``,
+``--quick`` measures nothing; it spawns the one process set (warmed by a 1-step run in the first mode only: the
+full mode's warm-up loop runs, and the generator's counters are read from the pool's idle processes; the pair
+loads both modes anyway), then one pair (both modes, the alternating order's first) of 2 steps each at batch 8
+(1 group x 8) with 10 held-out problems at steps 0 and 2, each censored, with the long-tailed sampling, and every
+key of the JSON. Its cost is that one spawn (two before the update mode left the pool's engine key); the three
+runs are re-initialisations. ``process_sets_spawned``,
 ``update_mode_served`` and ``weight_updates`` / ``inflight_updates`` (per run: every push of an inflight run is
 loaded in flight, none of a drain run's) show that one set served both modes.
 """
@@ -141,7 +142,7 @@ async def _main(args, out_dir: str) -> tuple[dict[str, list[dict]], dict[str, in
     pool = ProcessPool()
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     try:
-        for mode in MODES:  # spawn the processes, warm them in each mode (not measured)
+        for mode in MODES[:1] if args.quick else MODES:  # spawn the processes, warm them in each mode (not measured)
             await run_forgelab(cfg_for(mode, 99, 1, 4, f"warm_{mode}", warmup=0), 2.0, 60.0, hf_check=False, spawn=pool)
         for pair in range(args.pairs):
             order = MODES if pair % 2 == 0 else MODES[::-1]

@@ -32,7 +32,7 @@ unfinished), waiting for arriving calls (admission window) and in vLLM's intake,
 the adapters it loaded (``adapter_loads_four``) and the time that took (``adapter_load_s_four``, between its
 engine steps); the trainer's slot swaps and calls in the phase. Over the whole bench: ``trainer_slot_swaps``
 (goal <= ``trainer_steps`` x 1.1), ``trainer_calls`` by endpoint (one ``train_export`` per step).
-``--quick``: 2 steps per phase (warmup 1) at batch 16 (2 prompts x 8); its numbers prove the code path only.
+``--quick``: 1 step per phase (no warmup) at batch 16 (2 prompts x 8); its numbers prove the code path only.
 Branches it runs: the engines' spawn, one variant trained on a slot, the sweep (4 forks: checkpoint, restore,
 push) with the four trained at once (slot swaps on the trainer), every row after the fork step timed
 (``trainer_s_per_step_four``), the CPU accounting, the estimate that stands in for the separate runs, and
@@ -283,10 +283,10 @@ def shared_pass_bound(batch: dict, copies: int = 4, repeats: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench variants", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 steps per phase at batch 16; the separate runs estimated, not run")
-    ap.add_argument("--steps", type=int, default=None, help="steps per phase (default 20; --quick 2)")
+    ap.add_argument("--quick", action="store_true", help="1 step per phase at batch 16; the separate runs estimated, not run")
+    ap.add_argument("--steps", type=int, default=None, help="steps per phase (default 20; --quick 1)")
     args = ap.parse_args(argv or [])
-    steps = args.steps or (2 if args.quick else 20)
+    steps = args.steps or (1 if args.quick else 20)
     start = print_machine("start")
     with tempfile.TemporaryDirectory(prefix="forgelab-variants-") as d:
         r = asyncio.run(_run(steps, args.quick, d))
