@@ -47,8 +47,11 @@ def calculator_server() -> Any:
     # (a notebook's kernel) then prints every library's INFO lines, one per HTTP request through the door
     server = MCPServer("forgelab-calculator", instructions="Integer arithmetic: + - * and brackets.",
                        log_level="WARNING")
-    server.tool(name="calculator", description="Evaluate an integer arithmetic expression (+, -, * and brackets); "
-                                               "returns the result, or 'error'.")(calculator)
+    # structured_output=False: the result is text (the tool message), and with no output schema the client does
+    # not import jsonschema to validate it (2.1 CPU-s: its rfc3987 grammars compile at import)
+    server.tool(name="calculator", structured_output=False,
+                description="Evaluate an integer arithmetic expression (+, -, * and brackets); returns the result, or "
+                            "'error'.")(calculator)
     return server
 
 
