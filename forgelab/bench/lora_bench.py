@@ -12,7 +12,7 @@ LoRA is rank 8 on all seven projections, the reference taken from the base (no r
    (``trainer.activation_checkpointing: auto``: on with LoRA, off for the full trainer); ``lora_no_ac_...``
    the same for LoRA with activation checkpointing turned off, and ``lora_no_ac_trainer_s_per_step_over_lora``
    what the default's recomputation costs a step.
-2. **The whole loop** (a `Run`; each process's peak PSS sampled every 50 ms, ``--quick`` 250 ms): the full
+2. **The whole loop** (a `Run`; each process's peak PSS sampled every 50 ms, ``--quick`` 1 s): the full
    loop (generator + trainer + reference) on the 2-layer shape, the LoRA loop (generator + trainer) at full depth
    (``--quick``: 2 layers). ``lora_loop_fits_24gib``: the LoRA loop's processes together peak under 24 GiB;
    ``plan_error``: the largest ``|planned - measured| / measured`` over every process of both loops

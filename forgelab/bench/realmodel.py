@@ -23,7 +23,7 @@ under the cache dir). Three parts, each in its own process so peaks are clean:
 3. **The whole loop** on the 2-layer Qwen3-0.6B shape (full width and vocabulary):
    a `Run` with a vLLM generator, the trainer, a reference and shared-memory weight
    sync; ``loop_s_per_step`` and ``weight_sync_ms`` are medians over the steps after
-   the first; each process's peak PSS is sampled every 50 ms (``--quick``: 250 ms) from
+   the first; each process's peak PSS is sampled every 50 ms (``--quick``: 1 s) from
    ``/proc/PID/smaps_rollup`` (PSS splits the shared weights file between the
    processes mapping it, so it is counted once). ``plan`` is `forgelab.memory_plan`'s
    estimate for the same config (the shared file's share added to the trainer
@@ -175,8 +175,9 @@ def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2, warm
 
 
 #: PSS sampling period of the quick modes' loops (this one's and lora's): each sample lists every process on the
-#: host and reads each descendant's smaps_rollup, a tenth of a core at the full mode's 50 ms on a busy host.
-QUICK_PSS_EVERY_S = 0.25
+#: host and reads each descendant's smaps_rollup (the kernel walks its pages: ~50 ms of CPU for a 2 GiB process),
+#: so at the full mode's 50 ms the sampler keeps a core busy for the loop's whole life.
+QUICK_PSS_EVERY_S = 1.0
 
 
 async def _loop(model_dir: str, steps: int, prompts: int = 2, every_s: float = 0.05) -> dict:
