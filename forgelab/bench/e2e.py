@@ -67,11 +67,12 @@ EVAL_N = 200
 
 def bench_config(*, steps: int, max_policy_age: int = 1, eval_every: int = EVAL_EVERY, out_dir: str,
                  name: str = "bench", seed: int = 0, prompts: int = 8, eval_n: int = EVAL_N,
-                 advantage: str | None = None, warmup: int | None = None):
+                 advantage: str | None = None, warmup: int | None = None, reference: bool = True):
     """The demo's configuration with the bench's step cap, eval cadence, seed and no wandb.
 
     `prompts` x 8 episodes per step and `warmup` steps (default: the demo's 5; quick modes shrink
-    both); `advantage` names an estimator.
+    both); `advantage` names an estimator; ``reference=False`` (quick modes that measure nothing of the
+    reference) runs without the reference process, so without the KL term.
     """
     from forgelab.demo import demo_config
 
@@ -91,6 +92,7 @@ def bench_config(*, steps: int, max_policy_age: int = 1, eval_every: int = EVAL_
     cfg.eval.every = eval_every
     cfg.eval.n = eval_n
     cfg.tracking.wandb = False
+    cfg.placement.reference = reference
     return cfg.validate()
 
 
@@ -231,7 +233,7 @@ def _forgelab_child(spec: dict) -> None:
     with tempfile.TemporaryDirectory(prefix="forgelab-e2e-run-") as out_dir:
         cfg = bench_config(steps=spec["steps"], eval_every=spec["every"], out_dir=out_dir, name="e2e",
                            seed=spec["seed"], prompts=spec["prompts"], eval_n=spec["eval_n"],
-                           advantage="grpo_unbiased", warmup=spec["warmup"])
+                           advantage="grpo_unbiased", warmup=spec["warmup"], reference=spec["kl"] > 0)
         if spec.get("model"):
             cfg.model.path = spec["model"]
         res = asyncio.run(run_forgelab(cfg, spec["target"], spec["time_cap_s"], spec["hf_check"]))
@@ -284,9 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true",
                     help="proves the code path: a TRL probe of 2 steps at 2 threads (its second step timed), then "
                          "1 pair (its TRL run at 1 thread is the 1-thread probe: its steps after the first) and the "
-                         "TRL + vLLM run at the faster thread count, each 4 steps (warmup 1, batch 8, 10 held-out "
-                         "problems evaluated at steps 0, 2, 4; a run that misses the target is censored as in the "
-                         "full mode)")
+                         "TRL + vLLM run (its engine eager: no torch.compile) at the faster thread count, each 4 steps "
+                         "(warmup 1, batch 8, no KL term so no reference on either side, 10 held-out problems "
+                         "evaluated at steps 0, 2, 4; a run that misses the target is censored as in the full mode)")
     ap.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy to reach")
     ap.add_argument("--every", type=int, default=EVAL_EVERY, help="evaluate every this many steps")
     ap.add_argument("--steps", type=int, default=STEP_CAP, help="step cap (also the cosine schedule's length)")
@@ -297,23 +299,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="", help="model directory (default: the shipped tiny model)")
     ap.add_argument("--json-out", default="", help="also write the full result (with curves) to this file")
     args = ap.parse_args(argv)
-    prompts, eval_n, hf_check, warmup = 8, EVAL_N, True, 5
+    prompts, eval_n, hf_check, warmup, kl = 8, EVAL_N, True, 5, 0.04
     probe_threads, probe_skip = (1, 2), 2
     if args.quick:
         # Branches the quick mode runs: the probe loop (2 threads) and the pair's TRL run as the other thread
         # count's probe; forgelab in its own process (cold clock) and TRL, each with an evaluation during training
         # (step 2) and at the end (step 4), censored (the target is out of reach in 4 steps); the TRL + vLLM run
         # (or its error); every ratio and the summary. Only the probe is cut to what one timed step needs: the
-        # 2-thread probe is what collapses under load (10-15 s a step at load 5).
+        # 2-thread probe is what collapses under load (10-15 s a step at load 5). Start-ups are the cost here (each
+        # run trains about a second): no KL term, so no reference process (nor TRL ref model), and TRL's vLLM engine
+        # eager (its torch.compile was most of that run's start-up, compiled anew each run).
         args.steps, args.every, args.pairs, args.time_cap, args.probe_steps = 4, 2, 1, 60.0, 2
         prompts, eval_n, hf_check, warmup, probe_skip = 1, 10, False, 1, 1
+        kl = 0.0  # both sides without the KL term: forgelab spawns no reference process, TRL loads no ref model
         probe_threads = (2,)  # the pair's TRL run (1 thread, below) is the 1-thread probe: one TRL start fewer
     model = args.model or SHIPPED_MODEL
     timeout_s = 2 * args.time_cap + 600
 
     start = print_machine("start")
     base = {"model": model, "target": args.target, "every": args.every, "steps": args.steps, "eval_n": eval_n,
-            "batch": prompts * 8, "group": 8, "max_tokens": 8, "lr": 1e-4, "warmup": warmup, "kl": 0.04,
+            "batch": prompts * 8, "group": 8, "max_tokens": 8, "lr": 1e-4, "warmup": warmup, "kl": kl,
             "time_cap_s": args.time_cap}
     # the peer's best thread count, probed now on this machine (no evaluations, no target)
     by_threads = {}
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     unprobed = [t for t in (1, 2) if str(t) not in by_threads]  # quick: the pair's TRL run probes it
     trl_threads = unprobed[0] if unprobed else int(min(by_threads, key=by_threads.get))
     print(f"e2e: target {args.target} held-out greedy accuracy on {eval_n} test problems, eval every {args.every} "
-          f"steps, cap {args.steps} steps / {args.time_cap:.0f} s; forgelab 1 thread x 3 processes, TRL "
+          f"steps, cap {args.steps} steps / {args.time_cap:.0f} s; forgelab 1 thread x {3 if kl else 2} processes, TRL "
           f"{trl_threads} thread(s) x 1 process; {args.pairs} pairs, seed = pair index", flush=True)
     runs: dict[str, list[dict]] = {"forgelab": [], "trl": []}
     rows = []
@@ -351,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     trl_vllm_error = None
     if not args.no_trl_vllm:
         try:
-            res = run_trl({**base, "seed": 0, "threads": trl_threads, "vllm": True}, timeout_s)
+            res = run_trl({**base, "seed": 0, "threads": trl_threads, "vllm": True, "vllm_eager": args.quick}, timeout_s)
             r = summarize("trl_vllm", res, args.target, seed=0, threads=trl_threads, hf_check=res.get("vllm_check"))
             rows.append(_row(r, 0))
             trl_vllm = {"reached": r["reached"], "time_to_target_s": r["time_to_target_s"],

@@ -60,9 +60,11 @@ and `env_mib_per_1k_episodes` (goal <= 100), each the worse of the 2- and 4-repl
 count under `big`).
 
 ``--quick`` measures nothing; it runs every part once at its smallest: the warm-up wave, one wave per level
-(C = 1 once, 10, 100, 1000), the steady state at 100 and 1000 for 5 s each (a window needs a call back after the
-pipeline filled), 16 prefix-reuse episodes, and the replicas level at 1000 episodes over 2 replicas (the routed
-path needs two) for 3 s after it filled, with its in-flight sampling and memory readings.
+(C = 1 once, 10, 100: the 1000 level runs the same code), the steady state at 10 (one call in flight) and 100 (two
+overlapping calls) for 3 s each (a window needs a call back after the pipeline filled: a call at 100 returns in
+about a second), 16 prefix-reuse episodes, and the replicas level at 200 episodes over 2 replicas (the routed path
+needs two; 4 calls, 2 per replica) for 2 s after it filled, with its in-flight sampling and memory readings. The
+keys named for 1000 and 10,000 then hold the quick mode's top levels (100 and 200).
 """
 from __future__ import annotations
 
@@ -207,7 +209,7 @@ async def _main(args) -> dict:
     from forgelab.envs.actor import EnvActor, EnvActorConfig
     from forgelab.engines.generator import Generator, GeneratorConfig, SamplingConfig
 
-    levels = [1, 10, 100, 1000]
+    levels = [1, 10, 100] if args.quick else [1, 10, 100, 1000]
     gcfg = GeneratorConfig(model_dir=args.model, max_model_len=512, max_num_seqs=256)
     gen, envs = await asyncio.gather(
         Generator.options(num_replicas=1, threads=args.threads).as_service(gcfg),
@@ -238,7 +240,7 @@ async def _main(args) -> dict:
                 "turn_latency_ms": 1e3 * sum(ep.info["latency_s"] for ep in eps) / len(eps) / args.turns,
             })
         steady = []
-        for c in (100, 1000):
+        for c in ((10, 100) if args.quick else (100, 1000)):
             r = await _steady(gen, envs, meshes, c, sampling, kw, args.turns, args.steady_s)
             steady.append({"concurrency": c, "calls in flight": r["calls"], "window_s": r["window_s"],
                            "episodes": r["episodes"], "episodes_per_s": r["episodes_per_s"],
@@ -307,26 +309,26 @@ async def _main(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench envs", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="proves the code path: one wave per level (1, 10, 100, 1000), steady state 5 s per level, "
-                         "16 prefix-reuse episodes")
+                    help="proves the code path: one wave per level (1, 10, 100), steady state at 10 and 100 for 3 s each, "
+                         "16 prefix-reuse episodes, 200 episodes over 2 replicas for 2 s")
     ap.add_argument("--model", default=SHIPPED, help="checkpoint directory (default: the shipped tiny model)")
     ap.add_argument("--turns", type=int, default=2, help="assistant turns per episode in the scaling waves")
     ap.add_argument("--think-ms", type=float, default=20.0, help="simulated environment time per step")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the generator process")
     ap.add_argument("--steady-s", type=float, default=None,
-                    help="seconds of steady-state load per level (default 20, --quick 5)")
+                    help="seconds of steady-state load per level (default 20, --quick 3)")
     ap.add_argument("--big", type=int, default=None,
-                    help="episodes in flight at the replicas level (default 10000, --quick 1000)")
+                    help="episodes in flight at the replicas level (default 10000, --quick 200)")
     ap.add_argument("--big-replicas", default=None, help="environment replica counts, comma-separated (default 2,4; "
                     "--quick 2)")
     ap.add_argument("--big-s", type=float, default=None, help="seconds measured at that level once the pipeline "
-                    "filled (default 30, --quick 3)")
+                    "filled (default 30, --quick 2)")
     args = ap.parse_args(argv)
     if args.steady_s is None:
-        args.steady_s = 5.0 if args.quick else 20.0
-    args.big = args.big or (1000 if args.quick else 10000)
+        args.steady_s = 3.0 if args.quick else 20.0
+    args.big = args.big or (200 if args.quick else 10000)
     args.big_replicas = [int(x) for x in (args.big_replicas or ("2" if args.quick else "2,4")).split(",")]
-    args.big_s = args.big_s or (3.0 if args.quick else 30.0)
+    args.big_s = args.big_s or (2.0 if args.quick else 30.0)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     start = print_machine("start")
     result = asyncio.run(_main(args))

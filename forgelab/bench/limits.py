@@ -31,7 +31,8 @@ close the code gets to the core while it has the core) and per wall second
 
 ``--quick`` measures nothing; it runs each part once at its smallest: 2 matmul repeats per shape, bare vLLM in
 its own process (8 prompts x 8, 1 timed run after its warm-up), a 2-step `Run` of 2 prompts x 8 (warmup 1; step
-1 warms up, step 2 is the one timed row) and the same batches through `TrainerState` in this process.
+1 warms up, step 2 is the one timed row) without the reference process (nothing here reads it) and the same
+batches through `TrainerState` in this process.
 """
 from __future__ import annotations
 
@@ -131,12 +132,13 @@ def measure_generator(model_dir: str, count: int, repeats: int) -> dict:
 
 
 # ------------------------------------------------------------------- trainer
-async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None, prompts: int = 8) -> dict:
+async def measure_trainer(steps: int, out_dir: str, warmup: int | None = None, prompts: int = 8,
+                          reference: bool = True) -> dict:
     from forgelab.bench.e2e import bench_config
     from forgelab.run import Run
 
     run = Run(bench_config(steps=steps, eval_every=0, out_dir=out_dir, name="limits", warmup=warmup,
-                           prompts=prompts))
+                           prompts=prompts, reference=reference))
     batches: list[dict] = []
 
     def on_row(msg: dict) -> None:  # after each trained step: the batch train_step received (read-only)
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m forgelab.bench limits", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="proves the code path: 2 matmul repeats per shape, bare vLLM 1 timed run of 8 prompts x 8, "
-                         "a 2-step Run of 2 prompts x 8 (warmup 1; 1 step timed after the warm-up step)")
+                         "a 2-step Run of 2 prompts x 8 (warmup 1; 1 step timed after the warm-up step), no reference")
     args = ap.parse_args(argv)
 
     import torch
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     gen = measure_generator(SHIPPED, 8 if args.quick else 256, 1 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="forgelab-limits-") as d:
         tr = asyncio.run(measure_trainer(2 if args.quick else 20, d, warmup=1 if args.quick else None,
-                                         prompts=2 if args.quick else 8))
+                                         prompts=2 if args.quick else 8, reference=not args.quick))
     end = print_machine("end")
 
     attn_share = 4 * p["layers"] * 17 * h / (2 * N)

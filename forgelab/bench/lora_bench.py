@@ -12,9 +12,9 @@ LoRA is rank 8 on all seven projections, the reference taken from the base (no r
    (``trainer.activation_checkpointing: auto``: on with LoRA, off for the full trainer); ``lora_no_ac_...``
    the same for LoRA with activation checkpointing turned off, and ``lora_no_ac_trainer_s_per_step_over_lora``
    what the default's recomputation costs a step.
-2. **The whole loop** (a `Run`; each process's peak PSS sampled every 50 ms): the full loop (generator +
-   trainer + reference) on the 2-layer shape, the LoRA loop (generator + trainer) at full depth (``--quick``:
-   2 layers). ``lora_loop_fits_24gib``: the LoRA loop's processes together peak under 24 GiB;
+2. **The whole loop** (a `Run`; each process's peak PSS sampled every 50 ms, ``--quick`` 1 s): the full
+   loop (generator + trainer + reference) on the 2-layer shape, the LoRA loop (generator + trainer) at full depth
+   (``--quick``: 2 layers). ``lora_loop_fits_24gib``: the LoRA loop's processes together peak under 24 GiB;
    ``plan_error``: the largest ``|planned - measured| / measured`` over every process of both loops
    (`forgelab.memory_plan`, goal <= 0.2).
 3. **Push**: ``lora_push_over_full`` (goal <= 0.05) is the median ``weight_sync_ms`` of a LoRA loop over a
@@ -38,7 +38,7 @@ import tempfile
 import time
 
 from forgelab.bench.common import emit_json, print_machine, run_children
-from forgelab.bench.realmodel import PssSampler, vm_kib, planned_pss
+from forgelab.bench.realmodel import QUICK_PSS_EVERY_S, PssSampler, vm_kib, planned_pss
 
 GiB = 1024**3
 LORA = {"enabled": True, "rank": 8, "alpha": 16.0}
@@ -100,10 +100,10 @@ def loop_config(model_dir: str, out_dir: str, steps: int, lora: bool):
     return cfg
 
 
-async def _loop(model_dir: str, steps: int, lora: bool) -> dict:
+async def _loop(model_dir: str, steps: int, lora: bool, every_s: float = 0.05) -> dict:
     from forgelab.run import Run
 
-    with tempfile.TemporaryDirectory(prefix="forgelab-lora-bench-") as out, PssSampler() as sampler:
+    with tempfile.TemporaryDirectory(prefix="forgelab-lora-bench-") as out, PssSampler(every_s) as sampler:
         cfg = loop_config(model_dir, out, steps, lora)
         run = Run(cfg)
         await run.start()
@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
                   lora_push_bytes_over_full=trainers["lora"]["push_bytes"] / trainers["full"]["push_bytes"])
 
     shallow = "tiny" if args.quick else "2layers"
-    loops = {f"full_{shallow}": asyncio.run(_loop(small, loop_steps, lora=False)),
-             f"lora_{shallow}": asyncio.run(_loop(small, loop_steps, lora=True))}
+    every_s = QUICK_PSS_EVERY_S if args.quick else 0.05
+    loops = {f"full_{shallow}": asyncio.run(_loop(small, loop_steps, lora=False, every_s=every_s)),
+             f"lora_{shallow}": asyncio.run(_loop(small, loop_steps, lora=True, every_s=every_s))}
     if not args.quick:
         loops[f"lora_{layers}layers"] = asyncio.run(_loop(deep, loop_steps, lora=True))
     lora_deep = loops[f"lora_{shallow}" if args.quick else f"lora_{layers}layers"]

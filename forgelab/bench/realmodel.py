@@ -23,7 +23,7 @@ under the cache dir). Three parts, each in its own process so peaks are clean:
 3. **The whole loop** on the 2-layer Qwen3-0.6B shape (full width and vocabulary):
    a `Run` with a vLLM generator, the trainer, a reference and shared-memory weight
    sync; ``loop_s_per_step`` and ``weight_sync_ms`` are medians over the steps after
-   the first; each process's peak PSS is sampled every 50 ms from
+   the first; each process's peak PSS is sampled every 50 ms (``--quick``: 1 s) from
    ``/proc/PID/smaps_rollup`` (PSS splits the shared weights file between the
    processes mapping it, so it is counted once). ``plan`` is `forgelab.memory_plan`'s
    estimate for the same config (the shared file's share added to the trainer
@@ -174,10 +174,16 @@ def loop_config(model_dir: str, out_dir: str, steps: int, prompts: int = 2, warm
     )
 
 
-async def _loop(model_dir: str, steps: int, prompts: int = 2) -> dict:
+#: PSS sampling period of the quick modes' loops (this one's and lora's): each sample lists every process on the
+#: host and reads each descendant's smaps_rollup (the kernel walks its pages: ~50 ms of CPU for a 2 GiB process),
+#: so at the full mode's 50 ms the sampler keeps a core busy for the loop's whole life.
+QUICK_PSS_EVERY_S = 1.0
+
+
+async def _loop(model_dir: str, steps: int, prompts: int = 2, every_s: float = 0.05) -> dict:
     from forgelab.run import Run
 
-    with tempfile.TemporaryDirectory(prefix="forgelab-realmodel-") as out, PssSampler() as sampler:
+    with tempfile.TemporaryDirectory(prefix="forgelab-realmodel-") as out, PssSampler(every_s) as sampler:
         cfg = loop_config(model_dir, out, steps, prompts, warmup=min(1, steps - 1))
         run = Run(cfg)
         await run.start()
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     # --quick runs every part once: the trainer alone (1 step), both logits paths measured (64 tokens: no
     # extrapolation), and a 1-step loop: generation, the train step, its weight push (the row's weight_sync_ms)
     # and the PSS of every process (generator, trainer, reference) against the plan
-    loop = asyncio.run(_loop(small, 1 if args.quick else 4, 1 if args.quick else 2))
+    loop = asyncio.run(_loop(small, *((1, 1, QUICK_PSS_EVERY_S) if args.quick else (4, 2))))
     measured = loop.pop("peak_pss_gib")
     cfg = loop.pop("cfg")
     plan = planned_pss(cfg, measured)
