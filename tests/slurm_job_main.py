@@ -140,6 +140,9 @@ async def hold(job_path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":  # run CONFIG [SIGNAL_AFTER_STEP]
-        print(json.dumps(asyncio.run(run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None))))
+        print(json.dumps(asyncio.run(run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None))), flush=True)
+        import gc
+
+        gc.freeze()  # the exit skips collecting the torch/Monarch heap (seconds; as `forgelab run` does, forgelab/cli.py)
     else:
         asyncio.run(hold(sys.argv[2]))

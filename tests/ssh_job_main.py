@@ -64,4 +64,7 @@ async def main(config: str, port: int, hosts: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3:]))))
+    print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3:]))), flush=True)
+    import gc
+
+    gc.freeze()  # the exit skips collecting the torch/Monarch heap (seconds; as `forgelab run` does, forgelab/cli.py)

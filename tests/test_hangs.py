@@ -215,9 +215,10 @@ BUSY_WATCH = dict(unresponsive_s=3.0, no_progress_s=8.0, heartbeat_s=0.25)
 def busy(loop, tmp_path_factory):
     """A second run under tight deadlines (`BUSY_WATCH`): about 1,000 episodes in flight whose turns take long
     (an environment that thinks 4.5 s per step, turns queued behind a thousand others in one small generator), and a
-    large batch (512 episodes a step), on a machine made busy by a process burning a core beside this suite. It
-    trains a step; then its trainer is SIGSTOPped, in the same configuration, and the run must end in
-    `StuckError`: the watchdog can still fire here, so its silence before means something."""
+    large batch (512 episodes a step), on a machine made busy by a process burning a core beside this suite from
+    the moment training starts (the processes are spawned first, without it: the spawn is not what is watched).
+    It trains a step; then its trainer is SIGSTOPped, in the same configuration (the burner still on), and the run
+    must end in `StuckError`: the watchdog can still fire here, so its silence before means something."""
     import subprocess
     import sys
 
@@ -240,10 +241,12 @@ def busy(loop, tmp_path_factory):
         "tracking": {"wandb": False, "out_dir": str(tmp / "runs")},
     })
     run = Run(cfg)
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the machine's other tenant
+    burners: list[subprocess.Popen] = []
     out: dict = {}
 
     async def go():
+        await run.spawn()
+        burners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))  # the machine's other tenant
         t0 = time.monotonic()
         await run.start()
         deadline = time.monotonic() + 600
@@ -262,12 +265,18 @@ def busy(loop, tmp_path_factory):
             await run.wait()
         out["error"] = info.value
 
+    def stop_burner():
+        for b in burners:
+            b.kill()
+            b.wait()
+        burners.clear()
+
     try:
         loop.run_until_complete(go())
+        stop_burner()  # its work is done: the run has failed on the stopped trainer
         yield run, out
     finally:
-        burner.kill()
-        burner.wait()
+        stop_burner()
         if "trainer_pid" in out:
             try:
                 os.kill(out["trainer_pid"], signal.SIGCONT)

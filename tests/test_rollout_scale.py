@@ -160,7 +160,9 @@ def test_shutdown_stops_the_ssh_workers(ssh_run):
 
 @pytest.fixture(scope="module")
 def env_replica_killed(loop, tmp_path_factory):
-    """A Run on 2 environment replicas with about 1,000 episodes in flight; one replica is killed then."""
+    """A Run on 2 environment replicas with about 1,000 episodes in flight; one replica is killed then, and the
+    run trains its 2 steps. Waits are on conditions: the buffer reaching 1,000, the run ending, the killed
+    replica restarted (the service does that on its own; on a loaded machine it may come after the run ends)."""
     import asyncio
     import signal
 
@@ -170,12 +172,15 @@ def env_replica_killed(loop, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("envkill")
     cfg = RunConfig.from_dict({
         "name": "envkill",
-        # each episode: 2 turns, the environment thinks 3 s per step, so rollouts stay in flight long enough
-        "rollout": {"task": "addition", "env": "echo", "env_kwargs": {"turns": 2, "think_s": 3.0}, "max_turns": 2,
+        # each episode: 2 turns, the environment thinks 1 s per step: an episode is in flight for at least 2 s, so
+        # the kill (within a 0.05 s poll of the buffer reaching 1,000) finds the victim's rollouts running
+        "rollout": {"task": "addition", "env": "echo", "env_kwargs": {"turns": 2, "think_s": 1.0}, "max_turns": 2,
                     "group_size": 8, "prompts_per_rollout": 32, "concurrency": 4, "max_tokens": 4,
                     "env_step_timeout_s": 60.0},
-        # admission lets (served version + max_policy_age + 1) * batch_size = 1024 episodes be live at the start
-        "train": {"steps": 3, "batch_size": 512, "warmup_steps": 1, "max_policy_age": 1,
+        # admission lets (served version + max_policy_age + 1) * batch_size = 1024 episodes be live at the start;
+        # 2 steps (1,024 trained) cannot be filled by the 1,024 admitted before the kill, of which at least one
+        # rollout (256) is lost: the run must go on generating after the kill
+        "train": {"steps": 2, "batch_size": 512, "warmup_steps": 1, "max_policy_age": 1,
                   "loss_kwargs": {"kl_coef": 0.0}},
         "placement": {"reference": False, "env_replicas": 2},
         "eval": {"every": 0, "n": 8},
@@ -195,6 +200,10 @@ def env_replica_killed(loop, tmp_path_factory):
         in_flight = run.buffer.reserved
         os.kill(victim.pid, signal.SIGKILL)
         await run.wait()
+        deadline = time.monotonic() + 120
+        while not (run.parts.envs.status()[victim.index].restarts >= 1
+                   and all(s.healthy for s in run.parts.envs.status())) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # the service restarting the killed replica (asserted by the test)
         return victim, in_flight
 
     try:
@@ -206,14 +215,16 @@ def env_replica_killed(loop, tmp_path_factory):
 
 def test_killing_an_env_replica_at_1000_in_flight_loses_no_episode(env_replica_killed):
     """Claim: with >= 1,000 episodes in flight, SIGKILLing one of two environment replicas loses no episode: the
-    run trains all its steps, the killed replica's rollouts are counted unused in rollout_error events (whole
-    rollouts of 256), every episode id is accounted for, and the service restarts the replica. Structural: the
-    fixture's 1,024 admitted episodes (batch 512, staleness bound 1) are the smallest load that reaches 1,000."""
+    run trains all its steps (more episodes than were admitted before the kill), the killed replica's rollouts
+    are counted unused in rollout_error events (whole rollouts of 256), every episode id is accounted for, and
+    the service restarts the replica. Structural: the fixture's 1,024 admitted episodes (batch 512, staleness
+    bound 1) are the smallest load that reaches 1,000; 2 steps are the fewest that need episodes generated after
+    the kill."""
     run, victim, in_flight = env_replica_killed
     assert in_flight >= 1000
     c = run.buffer.check_accounting()  # generated == trained + evicted + dropped + buffered + in_flight
     assert run.state == "finished", run.message
-    assert c["trained"] == 3 * 512
+    assert c["trained"] == run.config.train.steps * 512 == 1024
     # the killed replica's rollouts never reached the controller: their ids are counted unused, rollout by
     # rollout (a rollout is 32 x 8 = 256 episodes), each in a rollout_error event; every id is accounted for
     # (ids_unused also counts the rollouts cancelled when the run ended)
