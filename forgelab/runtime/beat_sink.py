@@ -28,6 +28,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["BeatSink", "beat_sink", "controller_addresses", "pack", "running_sink", "unpack"]
 
@@ -117,6 +118,21 @@ class BeatSink:
             rec = self.records.get(pid)
             return dict(rec) if rec is not None else None
 
+    def wait_record(self, pid: int, until: Callable[[dict[str, object]], bool],
+                    timeout_s: float) -> dict[str, object] | None:
+        """The first record of process `pid` (its newest, or one arriving within `timeout_s`) for which
+        ``until(record)`` holds; None when none did in time. Woken by each record that arrives, no polling."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                rec = self.records.get(pid)
+                if rec is not None and until(rec):
+                    return dict(rec)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
     def stacks(self, pid: int, timeout_s: float) -> str | None:
         """Ask process `pid` for its `faulthandler` dump (sent with its next heartbeat's answer) and wait up to
         `timeout_s` for it; None if none came (the process is stopped, or its host is gone)."""
@@ -153,6 +169,7 @@ class BeatSink:
                     continue
                 self.heard_at[pid] = time.monotonic()
                 self.records[pid] = body
+                self._cond.notify_all()  # `wait_record`
                 nonce = self._want.get(pid)
             if nonce is not None:
                 try:
