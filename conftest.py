@@ -11,9 +11,7 @@ it (a new one) goes first, as if it were the longest, so it cannot be the one th
 alone peaks near 12 GiB during a 1.5 GB weight message; with any other run beside it a 24 GiB machine's OOM
 killer took the generator) go last, and hold an exclusive lock while they run: a worker starting any other
 file takes the lock shared, so the two never overlap (a gate lock keeps shared takers from starving the
-exclusive one). Without xdist nothing is locked. Files that start no run's processes (`light_files`: no test
-marked ``integration``) take no lock and come after the exclusive files, so the other worker runs them beside
-one instead of idling through it.
+exclusive one). Without xdist nothing is locked.
 
 **Files that share pooled engines** (`ENGINE_GROUPS`: modules whose fixtures take the worker's ``engine_pool``
 with the same engine key, `forgelab.engines.pool.engine_key`) run on one worker, one after the other, so the
@@ -72,18 +70,16 @@ def load_record(path: Path = RECORD) -> dict[str, float]:
 
 
 def longest_first(files: list[str], record: dict[str, float], last: frozenset[str] = frozenset(),
-                  groups: dict[str, str] | None = None, beside: frozenset[str] = frozenset()) -> list[str]:
+                  groups: dict[str, str] | None = None) -> list[str]:
     """``files`` (each once, in collection order) reordered longest first by ``record``; files the record lacks
-    come first, in collection order; the files in ``last`` go after them (they run alone), and the files in
-    ``beside`` (`light_files`: they may run beside those) after that, longest first. Files in one of ``groups``
-    stay together: the group goes where its summed time puts it (first if the record lacks one of its files),
-    its files longest first. Ties keep collection order."""
+    come first, in collection order; the files in ``last`` go at the end (they run alone). Files in one of
+    ``groups`` stay together: the group goes where its summed time puts it (first if the record lacks one of
+    its files), its files longest first. Ties keep collection order."""
     groups = groups or {}
     units: dict[str, list[str]] = {}
     for f in files:
-        if f not in last and f not in beside:
+        if f not in last:
             units.setdefault(groups.get(f, f), []).append(f)
-    tail = sorted((f for f in files if f in beside), key=lambda f: -record.get(f, 0.0))
 
     def inner(unit: list[str]) -> list[str]:
         return [f for f in unit if f not in record] + sorted((f for f in unit if f in record), key=lambda f: -record[f])
@@ -91,23 +87,7 @@ def longest_first(files: list[str], record: dict[str, float], last: frozenset[st
     ordered = [inner(u) for u in units.values()]
     unknown = [u for u in ordered if any(f not in record for f in u)]
     known = sorted((u for u in ordered if all(f in record for f in u)), key=lambda u: -sum(record[f] for f in u))
-    return [f for u in unknown + known for f in u] + [f for f in files if f in last] + tail
-
-
-LIGHT_EXCEPT = frozenset({"tests/test_typecheck.py"})
-"""Files with no integration test that still need memory: mypy's cold run over ~7,800 modules."""
-
-_LIGHT: set[str] = set()
-"""This session's `light_files` (filled at collection; read by `FileLock.hold`)."""
-
-
-def light_files(by_file: dict[str, list[pytest.Item]]) -> frozenset[str]:
-    """Test files that start no processes of a run: ``.py`` files none of whose tests is marked ``integration``
-    (the marker of real processes), less `LIGHT_EXCEPT`. They take no memory lock, so they run beside an
-    `EXCLUSIVE` file (which they follow in the order) instead of the other worker idling through it."""
-    return frozenset(f for f, items in by_file.items()
-                     if f.endswith(".py") and f not in LIGHT_EXCEPT and f not in EXCLUSIVE
-                     and not any(item.get_closest_marker("integration") for item in items))
+    return [f for u in unknown + known for f in u] + [f for f in files if f in last]
 
 
 def group_of(file: str) -> str:
@@ -119,10 +99,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     by_file: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         by_file[_file_of(item.nodeid)].append(item)
-    light = light_files(by_file)
-    _LIGHT.clear()
-    _LIGHT.update(light)
-    order = longest_first(list(by_file), load_record(), EXCLUSIVE, ENGINE_GROUPS, light)
+    order = longest_first(list(by_file), load_record(), EXCLUSIVE, ENGINE_GROUPS)
     items[:] = [item for f in order for item in by_file[f]]
 
 
@@ -151,8 +128,6 @@ class FileLock:
         if file == self.file:
             return
         self.release()
-        if file in _LIGHT:  # starts no run's processes: it may run beside an exclusive file
-            return
         fcntl.flock(self.gate, fcntl.LOCK_EX)  # one taker at a time: a waiting exclusive taker blocks new shared ones
         try:
             fcntl.flock(self.main, fcntl.LOCK_EX if file in EXCLUSIVE else fcntl.LOCK_SH)

@@ -53,49 +53,6 @@ def test_exclusive_files_go_last() -> None:
         ["new.py", "a.py", "heavy.py"]
 
 
-def test_light_files_follow_the_exclusive_ones_and_take_no_lock(tmp_path: Path) -> None:
-    """Files without an integration test come after the exclusive files (longest first) and hold no memory lock:
-    the worker that did not get the exclusive file runs them beside it instead of waiting."""
-    import fcntl
-
-    import pytest
-
-    record = {"a.py": 10.0, "heavy.py": 300.0, "unit.py": 5.0, "unit2.py": 20.0, "b.py": 50.0}
-    order = schedule.longest_first(["heavy.py", "unit.py", "a.py", "unit2.py", "b.py"], record,
-                                   frozenset({"heavy.py"}), None, frozenset({"unit.py", "unit2.py"}))
-    assert order == ["b.py", "a.py", "heavy.py", "unit2.py", "unit.py"]
-
-    class Item:
-        def __init__(self, integration: bool):
-            self.integration = integration
-
-        def get_closest_marker(self, name):
-            return object() if (name == "integration" and self.integration) else None
-
-    heavy = next(iter(schedule.EXCLUSIVE))
-    by_file = {"tests/test_u.py": [Item(False), Item(False)], "tests/test_i.py": [Item(False), Item(True)],
-               "tutorials/01.ipynb": [Item(False)], heavy: [Item(False)],
-               next(iter(schedule.LIGHT_EXCEPT)): [Item(False)]}
-    assert schedule.light_files(by_file) == {"tests/test_u.py"}
-    schedule._LIGHT.update({"tests/test_u.py"})
-    try:
-        ex, light = schedule.FileLock(str(tmp_path)), schedule.FileLock(str(tmp_path))
-        ex.hold(heavy)
-        import threading
-
-        t = threading.Thread(target=light.hold, args=("tests/test_u.py",), daemon=True)
-        t.start()
-        t.join(10)  # returns at once; taking the lock shared would block behind the exclusive hold
-        assert not t.is_alive(), "a light file waited for the memory lock"
-        with open(tmp_path / "memory.lock", "a+") as probe:
-            with pytest.raises(BlockingIOError):  # the exclusive hold is still in force
-                fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        ex.release()
-        light.release()
-    finally:
-        schedule._LIGHT.discard("tests/test_u.py")
-
-
 def test_memory_lock_shared_and_exclusive(tmp_path: Path) -> None:
     """A worker running an ordinary file holds the lock shared (another ordinary file may run beside it, an
     exclusive one may not); a worker running an `EXCLUSIVE` file holds it alone."""
