@@ -119,6 +119,10 @@ class RolloutSink:
         gate = self.rollouts.gate
         if gate.stopping or not gate.may_admit() or not self.buffer.may_admit(1):
             return None
+        return self._admit()
+
+    def _admit(self) -> int:
+        """A fresh episode id, its slot reserved in the buffer (admission was checked open)."""
         first, _ = self.rollouts.take_ids(1)
         self.buffer.admit(1, first_id=first)
         return first
@@ -132,11 +136,7 @@ class RolloutSink:
                                             or (gate.may_admit() and self.buffer.may_admit(1)))
                 if gate is not self.rollouts.gate:
                     continue
-                if gate.stopping:
-                    return None
-                first, _ = self.rollouts.take_ids(1)
-                self.buffer.admit(1, first_id=first)
-                return first
+                return None if gate.stopping else self._admit()
 
     async def _release(self, ids: list[int]) -> None:
         gate = self.rollouts.gate
